@@ -1,0 +1,28 @@
+"""orda_tp: exact, memory-lean distillation losses for large-vocabulary language models.
+
+``distillation_loss`` computes the student cross-entropy, the teacher cross-entropy and any of
+15 KL-type divergences from hidden states and LM-head weights without building the (tokens ×
+vocab) logits. The API is a superset of orda-kernel's: ``import orda_tp as orda_kernel`` works.
+"""
+
+from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
+from .config import PROFILES, ChunkSize, EntropyGate, KernelConfig
+from .divergences import KL_VARIANTS
+from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KL_VARIANTS",
+    "PROFILES",
+    "ChunkSize",
+    "DistillationLoss",
+    "DistillationLossOutput",
+    "EntropyGate",
+    "KernelConfig",
+    "PrecomputedTeacher",
+    "SeparateTeacher",
+    "TiedTeacher",
+    "distillation_loss",
+    "is_available",
+]

@@ -1,0 +1,267 @@
+"""Public entry points: :func:`distillation_loss`, :class:`DistillationLoss`, :func:`is_available`."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .backends import select_backend
+from .backends.chunked import ChunkedProblem, chunked_loss
+from .backends.reference import reference_loss
+from .config import EntropyGate, KernelConfig
+from .exchange import LocalExchange
+from .kernels import unavailable_reason
+from .plan import LossPlan
+from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from .validation import (
+    LossOptions,
+    build_plan,
+    check_finite,
+    check_inputs,
+    check_label_range,
+    resolve_options,
+)
+
+__all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
+
+Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
+
+
+class DistillationLossOutput(NamedTuple):
+    """``loss`` (differentiable) and its unweighted components (detached).
+
+    0-d tensors for "mean"/"sum", (BT,) per-row tensors for "none" (0 on ignored rows).
+    ``kl`` includes the ``T_s²`` factor; a term whose weight is 0 is not computed and reads 0.
+    """
+
+    loss: Tensor
+    student_ce: Tensor
+    teacher_ce: Tensor
+    kl: Tensor
+
+
+def is_available() -> bool:
+    """True when the fused Triton kernels can run on this machine."""
+    return unavailable_reason() is None
+
+
+def _denominator(num_valid_tokens: object, reduction: str, valid_count: int) -> float | Tensor:
+    """N of "mean": ``num_valid_tokens`` when given, else the count of non-ignored rows (1 if
+    there are none, so that an all-ignored batch gives 0 and no gradient)."""
+    if num_valid_tokens is None:
+        return float(max(valid_count, 1))
+    if reduction != "mean":
+        raise ValueError(f"num_valid_tokens is the denominator of reduction='mean'; got reduction={reduction!r}")
+    if isinstance(num_valid_tokens, Tensor):
+        if num_valid_tokens.numel() != 1 or num_valid_tokens.is_complex() or num_valid_tokens.dtype == torch.bool:
+            raise ValueError(
+                f"num_valid_tokens must be a real scalar tensor, got shape {tuple(num_valid_tokens.shape)} "
+                f"and dtype {num_valid_tokens.dtype}"
+            )
+        return num_valid_tokens.reshape(())
+    if isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, (int, float)):
+        raise TypeError(f"num_valid_tokens must be a number, a scalar tensor or None, got {type(num_valid_tokens).__name__}")
+    if not math.isfinite(num_valid_tokens) or num_valid_tokens <= 0:
+        raise ValueError(f"num_valid_tokens must be finite and > 0, got {num_valid_tokens!r}")
+    return float(num_valid_tokens)
+
+
+def _teacher_inputs(teacher: Teacher) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(teacher_hidden, teacher_weight, teacher_logits)``; the weight is None for a tied head."""
+    if isinstance(teacher, TiedTeacher):
+        return teacher.hidden, None, None
+    if isinstance(teacher, SeparateTeacher):
+        return teacher.hidden, teacher.weight, None
+    return teacher.teacher_hidden, teacher.teacher_weight, teacher.logits
+
+
+def _check_values(
+    plan: LossPlan, options: LossOptions, student_hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher
+) -> None:
+    """Checks that read tensor values (and so synchronize with the device)."""
+    if isinstance(teacher, PrecomputedTeacher):
+        teacher.check_unmodified()
+        if teacher.logits is not None and plan.needs_teacher_logits:
+            check_finite("teacher.logits", teacher.logits, allow_neg_inf=True)
+    if not options.config.assume_valid_labels:
+        check_label_range(labels, weight.shape[0], options.ignore_index)
+    if options.config.check_finite_inputs:
+        check_finite("student_hidden", student_hidden)
+        check_finite("weight", weight)
+        teacher_hidden, teacher_weight, _ = _teacher_inputs(teacher)
+        for name, tensor in (("teacher hidden", teacher_hidden), ("teacher weight", teacher_weight)):
+            if tensor is not None:
+                check_finite(name, tensor)
+
+
+def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> tuple[bool, bool, bool, bool]:
+    """Which of (student_hidden, weight, teacher_hidden, teacher_weight) receive a gradient."""
+    grad_on = torch.is_grad_enabled()
+
+    def wants(tensor: Tensor | None) -> bool:
+        return grad_on and tensor is not None and tensor.requires_grad
+
+    student_hidden, weight, teacher_hidden, teacher_weight = tensors
+    teacher_trains = plan.teacher_receives_grad
+    tied_teacher_trains = plan.teacher_kind == "tied" and teacher_trains
+    return (
+        wants(student_hidden) and plan.student_receives_grad,
+        wants(weight) and (plan.student_receives_grad or tied_teacher_trains),
+        wants(teacher_hidden) and teacher_trains,
+        wants(teacher_weight) and teacher_trains,
+    )
+
+
+def _run(
+    options: LossOptions,
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: Teacher,
+    num_valid_tokens: object,
+) -> DistillationLossOutput:
+    check_inputs(student_hidden, weight, labels, teacher)
+    plan = build_plan(options, teacher, weight.shape[0])
+    _check_values(plan, options, student_hidden, weight, labels, teacher)
+    valid = labels != options.ignore_index
+    valid_rows = valid.nonzero().squeeze(1)
+    denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel())
+    teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(teacher)
+    backend = select_backend(options.backend, student_hidden.device)
+    if backend == "reference":
+        outputs = reference_loss(
+            plan, labels, denominator, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits
+        )
+    else:
+        problem = ChunkedProblem(
+            plan=plan,
+            labels=labels,
+            valid_rows=valid_rows,
+            denominator=denominator,
+            grad_needs=_gradient_needs(plan, (student_hidden, weight, teacher_hidden, teacher_weight)),
+            exchange=LocalExchange(),
+        )
+        outputs = chunked_loss(problem, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
+    return DistillationLossOutput(*outputs)
+
+
+def distillation_loss(
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: Teacher,
+    *,
+    student_ce_weight: float = 1.0,
+    teacher_ce_weight: float | None = None,
+    kl_weight: float = 0.0,
+    kl_temperature: float = 1.0,
+    kl_teacher_temperature: float | None = None,
+    kl_divergence: str = "forward",
+    kl_alpha: float | None = None,
+    kl_beta: float | None = None,
+    entropy_gate: EntropyGate | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    profile: str = "balanced",
+    backend: str = "auto",
+    config: KernelConfig | None = None,
+    gradient_materialization_scale: float | None = None,
+    grad_scaler: object | None = None,
+    num_valid_tokens: float | Tensor | None = None,
+) -> DistillationLossOutput:
+    """Student CE, teacher CE and a KL term from hidden states and LM-head weights, without
+    building the (BT, V) logits (except with ``backend="reference"``).
+
+    ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)`` with
+    ``s = student_hidden·weightᵀ``, ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``. See
+    docs/reference.md for every argument and error, docs/variants.md for the 15 divergences.
+
+    ``gradient_materialization_scale`` and ``grad_scaler`` control how the fused kernels store
+    fp16 logit gradients; the torch and reference backends form gradients in fp32/fp64, where
+    no scaling is needed, and only validate them.
+    """
+    options = resolve_options(
+        student_ce_weight=student_ce_weight,
+        teacher_ce_weight=teacher_ce_weight,
+        kl_weight=kl_weight,
+        kl_temperature=kl_temperature,
+        kl_teacher_temperature=kl_teacher_temperature,
+        kl_divergence=kl_divergence,
+        kl_alpha=kl_alpha,
+        kl_beta=kl_beta,
+        entropy_gate=entropy_gate,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        profile=profile,
+        backend=backend,
+        config=config,
+        gradient_materialization_scale=gradient_materialization_scale,
+        grad_scaler=grad_scaler,
+    )
+    return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens)
+
+
+class DistillationLoss(nn.Module):
+    """Module form of :func:`distillation_loss`: the keywords are fixed (and validated) at
+    construction; ``forward(student_hidden, weight, labels, teacher, num_valid_tokens=None)``."""
+
+    def __init__(
+        self,
+        *,
+        student_ce_weight: float = 1.0,
+        teacher_ce_weight: float | None = None,
+        kl_weight: float = 0.0,
+        kl_temperature: float = 1.0,
+        kl_teacher_temperature: float | None = None,
+        kl_divergence: str = "forward",
+        kl_alpha: float | None = None,
+        kl_beta: float | None = None,
+        entropy_gate: EntropyGate | None = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        profile: str = "balanced",
+        backend: str = "auto",
+        config: KernelConfig | None = None,
+        gradient_materialization_scale: float | None = None,
+        grad_scaler: object | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = resolve_options(
+            student_ce_weight=student_ce_weight,
+            teacher_ce_weight=teacher_ce_weight,
+            kl_weight=kl_weight,
+            kl_temperature=kl_temperature,
+            kl_teacher_temperature=kl_teacher_temperature,
+            kl_divergence=kl_divergence,
+            kl_alpha=kl_alpha,
+            kl_beta=kl_beta,
+            entropy_gate=entropy_gate,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            profile=profile,
+            backend=backend,
+            config=config,
+            gradient_materialization_scale=gradient_materialization_scale,
+            grad_scaler=grad_scaler,
+        )
+
+    def forward(
+        self,
+        student_hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        teacher: Teacher,
+        num_valid_tokens: float | Tensor | None = None,
+    ) -> DistillationLossOutput:
+        return _run(self.options, student_hidden, weight, labels, teacher, num_valid_tokens)
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (
+            f"kl_divergence={o.kl_divergence!r}, student_ce_weight={o.student_ce_weight}, "
+            f"teacher_ce_weight={o.teacher_ce_weight}, kl_weight={o.kl_weight}, kl_temperature={o.kl_temperature}, "
+            f"reduction={o.reduction!r}, backend={o.backend!r}"
+        )

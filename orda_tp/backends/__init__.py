@@ -1,0 +1,35 @@
+"""Backends: ``reference`` (full logits, the oracle), ``torch`` (chunked), ``triton`` (fused)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..kernels import unavailable_reason
+
+__all__ = ["select_backend"]
+
+_warned_fallback = False
+
+
+def select_backend(requested: str, device: torch.device) -> str:
+    """The backend that runs a call: ``requested``, or for "auto" the best one available.
+
+    "auto" falls back from the fused kernels to the chunked torch backend; on a CUDA device it
+    says so once, with the reason.
+    """
+    global _warned_fallback
+    if requested in ("reference", "torch"):
+        return requested
+    reason = unavailable_reason()
+    if requested == "triton":
+        if reason is not None:
+            raise ValueError(f"backend='triton' is unavailable on this machine: {reason}")
+        return "triton"
+    if reason is None and device.type == "cuda":
+        return "triton"
+    if device.type == "cuda" and not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"orda_tp: backend='auto' runs the chunked torch backend because {reason}", stacklevel=3)
+    return "torch"

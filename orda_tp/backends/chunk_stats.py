@@ -1,0 +1,142 @@
+"""Forward statistics of one row chunk: merge the column blocks' records, finalize each row.
+
+Round 1 gives the log-partitions of every logit family and the label logits; round 2 the
+variant's sums over normalized ``log p``, ``log q``. Both rounds go through the exchange, so the
+same code runs on one device and on a vocabulary shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..divergences import BlockTerms, RowTargets
+from ..exchange import RecordExchange
+from ..plan import LossPlan
+from ..statistics import LogitFamily, block_partition_record, merge_partition_records, sum_records
+
+__all__ = ["RowStats", "chunk_row_stats", "kl_block_terms"]
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Finalized per-row statistics of a chunk: everything the gradient needs besides logits.
+
+    ``log_partitions``: (rows, F) LSE per family in ``plan.families`` order; ``teacher_absent``:
+    rows whose teacher logits are all −inf (they contribute 0); ``keep_kl_grad``: rows whose KL
+    gradient is kept (not absent, KL not +inf); ``kl_consts``: the variant's row constants;
+    ``student_ce``/``teacher_ce``/``kl``: per-row component values (kl includes T_s²).
+    """
+
+    log_partitions: Tensor
+    teacher_absent: Tensor
+    keep_kl_grad: Tensor
+    kl_consts: dict[str, Tensor]
+    student_ce: Tensor
+    teacher_ce: Tensor
+    kl: Tensor
+
+    def lse(self, plan: LossPlan, family: LogitFamily) -> Tensor:
+        return self.log_partitions[:, plan.families.index(family)]
+
+    def kl_log_partitions(self, plan: LossPlan) -> tuple[Tensor, Tensor]:
+        """``LSE(u)`` and ``LSE(v)``, the latter set to 0 on absent rows (their ``log q`` is −inf)."""
+        lse_v = self.lse(plan, plan.kl_teacher_family)
+        return self.lse(plan, plan.kl_student_family), torch.where(self.teacher_absent, torch.zeros_like(lse_v), lse_v)
+
+
+def kl_block_terms(
+    plan: LossPlan,
+    student: Tensor,
+    teacher: Tensor,
+    lse_u: Tensor,
+    lse_v: Tensor,
+    local_labels: Tensor | None,
+) -> BlockTerms:
+    """Normalized ``log p``, ``log q``, ``p``, ``q`` of a block (and the label mask for dkd)."""
+    logp = student / plan.student_temperature - lse_u[:, None]
+    logq = teacher / plan.teacher_temperature - lse_v[:, None]
+    is_target = None
+    if local_labels is not None:
+        columns = torch.arange(student.shape[1], device=student.device)
+        is_target = columns[None, :] == local_labels[:, None]
+    return BlockTerms(logp=logp, logq=logq, p=torch.exp(logp), q=torch.exp(logq), is_target=is_target)
+
+
+def chunk_row_stats(
+    plan: LossPlan,
+    blocks: list[tuple[int, Tensor, Tensor | None]],
+    labels: Tensor,
+    exchange: RecordExchange,
+) -> RowStats:
+    """Row statistics of a chunk from its column blocks ``(global_col_start, student, teacher)``."""
+    families = plan.families
+    record = exchange.merge_partitions(
+        merge_partition_records(
+            [block_partition_record(student, teacher, labels, start, families) for start, student, teacher in blocks]
+        )
+    )
+    log_partitions = record.log_partitions()
+    zeros = torch.zeros_like(log_partitions[:, 0])
+    teacher_absent = torch.zeros_like(zeros, dtype=torch.bool)
+    teacher_families = [i for i, family in enumerate(families) if family.side == "teacher"]
+    if teacher_families:
+        teacher_absent = record.maxes[:, teacher_families[0]] == NEG_INF
+    student_y, teacher_y = record.target_logits[:, 0], record.target_logits[:, 1]
+
+    def lse(family: LogitFamily) -> Tensor:
+        return log_partitions[:, families.index(family)]
+
+    student_ce = lse(plan.ce_student_family) - student_y if plan.student_ce_weight > 0 else zeros
+    teacher_ce = zeros
+    if plan.teacher_ce_weight > 0:
+        teacher_ce = torch.where(teacher_absent, zeros, lse(plan.ce_teacher_family) - teacher_y)
+
+    kl, keep_kl_grad, consts = zeros, torch.zeros_like(teacher_absent), {}
+    if plan.computes_kl:
+        divergence = plan.divergence
+        assert divergence is not None
+        lse_u = lse(plan.kl_student_family)
+        lse_v = torch.where(teacher_absent, zeros, lse(plan.kl_teacher_family))
+        sums = exchange.sum_over_shards(
+            sum_records(
+                [
+                    divergence.block_sums(
+                        kl_block_terms(plan, student, teacher, lse_u, lse_v, _local_labels(divergence, labels, start, student)),
+                        plan.params,
+                    )
+                    for start, student, teacher in blocks
+                    if teacher is not None
+                ]
+            )
+        )
+        targets = RowTargets(
+            logp_y=student_y / plan.student_temperature - lse_u,
+            logq_y=teacher_y / plan.teacher_temperature - lse_v,
+        )
+        finalized = divergence.finalize(sums, targets, plan.params)
+        value = torch.where(teacher_absent, zeros, finalized.value.clamp_min(0.0))
+        kl = plan.student_temperature**2 * value
+        keep_kl_grad = ~teacher_absent & ~torch.isposinf(value)
+        consts = finalized.consts
+
+    label_owned = record.label_hits == 1
+    nan = torch.full_like(zeros, float("nan"))
+    return RowStats(
+        log_partitions=log_partitions,
+        teacher_absent=teacher_absent,
+        keep_kl_grad=keep_kl_grad,
+        kl_consts=consts,
+        student_ce=torch.where(label_owned, student_ce, nan),
+        teacher_ce=torch.where(label_owned, teacher_ce, nan),
+        kl=torch.where(label_owned, kl, nan),
+    )
+
+
+def _local_labels(divergence: object, labels: Tensor, start: int, student: Tensor) -> Tensor | None:
+    """Labels in the block's local column coordinates, for variants that need the label column."""
+    return labels - start if getattr(divergence, "needs_target", False) else None

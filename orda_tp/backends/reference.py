@@ -1,0 +1,187 @@
+"""The reference backend: full (BT, V) logits, textbook formulas, autograd for gradients.
+
+It shares no formula with the chunked path (each divergence is written here from its
+definition, gradients come from autograd), which is what makes it the test oracle. It supports
+fp64 and is meant for tests and small problems: its memory grows with BT × V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..divergences import DivergenceParams
+from ..plan import LossPlan
+from .head import statistics_dtype
+
+__all__ = ["reference_loss", "reference_divergence"]
+
+
+def _where_zero(mask: Tensor, value: Tensor) -> Tensor:
+    return torch.where(mask, torch.zeros_like(value), value)
+
+
+def _kl(x: Tensor, log_x: Tensor, log_y: Tensor) -> Tensor:
+    """``Σ x (log x − log y)`` over the last dim, ``0·log 0 = 0``."""
+    return _where_zero(x == 0, x * (log_x - log_y)).sum(-1)
+
+
+def _renyi(log_a: Tensor, log_b: Tensor, order: float) -> Tensor:
+    """``D_r(a‖b) = log Σ a^r b^{1−r} / (r − 1)``."""
+    return torch.logsumexp(order * log_a + (1 - order) * log_b, dim=-1) / (order - 1)
+
+
+def _dkd(logp: Tensor, logq: Tensor, labels: Tensor, params: DivergenceParams) -> Tensor:
+    target = torch.nn.functional.one_hot(labels, logp.shape[-1]).bool()
+    p_y = logp.gather(1, labels[:, None]).exp().squeeze(1)
+    q_y = logq.gather(1, labels[:, None]).exp().squeeze(1)
+    binary_p = torch.stack([p_y, 1 - p_y], dim=1)
+    binary_q = torch.stack([q_y, 1 - q_y], dim=1)
+    tckd = _kl(binary_q, torch.log(binary_q), torch.log(binary_p))
+    neg_inf = torch.tensor(float("-inf"), dtype=logp.dtype, device=logp.device)
+    log_p_hat = torch.log_softmax(torch.where(target, neg_inf, logp), dim=-1)
+    log_q_hat = torch.log_softmax(torch.where(target, neg_inf, logq), dim=-1)
+    nckd = _kl(log_q_hat.exp(), log_q_hat, log_p_hat)
+    assert params.alpha is not None and params.beta is not None
+    return params.alpha * tckd + params.beta * nckd
+
+
+def _abkd(p: Tensor, q: Tensor, params: DivergenceParams) -> Tensor:
+    a, b = params.alpha, params.beta
+    assert a is not None and b is not None
+    bracket = p**a * q**b - a / (a + b) * p ** (a + b) - b / (a + b) * q ** (a + b)
+    return -bracket.sum(-1) / (a * b)
+
+
+def _triangular(p: Tensor, q: Tensor) -> Tensor:
+    total = p + q
+    empty = total == 0
+    return _where_zero(empty, (p - q) ** 2 / torch.where(empty, torch.ones_like(total), total)).sum(-1)
+
+
+def _skew(p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """``(KL(q‖m), KL(p‖m))`` with ``m = (1−β) q + β p``."""
+    log_m = torch.log((1 - beta) * q + beta * p)
+    return _kl(q, logq, log_m), _kl(p, logp, log_m)
+
+
+def reference_divergence(
+    name: str, logp: Tensor, logq: Tensor, labels: Tensor, params: DivergenceParams
+) -> Tensor:
+    """Per-row ``D(p, q)`` of variant ``name`` from its definition (autograd-differentiable).
+
+    ``mutual`` returns Jeffreys' value with the mutual-learning gradient: the student sees
+    ``KL(sg q‖p)``, the teacher ``KL(sg p‖q)``.
+    """
+    p, q = logp.exp(), logq.exp()
+    forward, reverse = _kl(q, logq, logp), _kl(p, logp, logq)
+    formulas: dict[str, Callable[[], Tensor]] = {
+        "forward": lambda: forward,
+        "reverse": lambda: reverse,
+        "jeffreys": lambda: forward + reverse,
+        "cojeffreys": lambda: forward + reverse,
+        "mutual": lambda: _kl(q.detach(), logq.detach(), logp) + _kl(p.detach(), logp.detach(), logq),
+        "alpha_divergence": lambda: (1 - (p ** params.alpha * q ** (1 - params.alpha)).sum(-1))  # type: ignore[operator]
+        / (params.alpha * (1 - params.alpha)),  # type: ignore[operator]
+        "skew_forward": lambda: _skew(p, q, logp, logq, params.beta)[0],  # type: ignore[arg-type]
+        "skew_reverse": lambda: _skew(p, q, logp, logq, params.beta)[1],  # type: ignore[arg-type]
+        "skew_js": lambda: (1 - params.beta) * _skew(p, q, logp, logq, params.beta)[0]  # type: ignore[operator]
+        + params.beta * _skew(p, q, logp, logq, params.beta)[1],  # type: ignore[operator, arg-type]
+        "entropy_adaptive": lambda: _entropy_adaptive(forward, reverse, q, logq, params),
+        "renyi": lambda: _renyi(logq, logp, params.alpha),  # type: ignore[arg-type]
+        "renyi_reverse": lambda: _renyi(logp, logq, params.alpha),  # type: ignore[arg-type]
+        "dkd": lambda: _dkd(logp, logq, labels, params),
+        "abkd": lambda: _abkd(p, q, params),
+        "triangular": lambda: _triangular(p, q),
+    }
+    return formulas[name]()
+
+
+def _entropy_adaptive(forward: Tensor, reverse: Tensor, q: Tensor, logq: Tensor, params: DivergenceParams) -> Tensor:
+    gate = params.gate
+    assert gate is not None
+    entropy = -_where_zero(q == 0, q * logq).sum(-1).detach()
+    gamma = gate.alpha_min + (gate.alpha_max - gate.alpha_min) * torch.sigmoid(
+        (entropy / params.log_vocab - gate.tau) / gate.scale
+    )
+    return _where_zero(gamma == 0, gamma * forward) + _where_zero(gamma == 1, (1 - gamma) * reverse)
+
+
+def _teacher_logits(
+    plan: LossPlan, dtype: torch.dtype, weight: Tensor, teacher_hidden: Tensor | None, teacher_weight: Tensor | None,
+    teacher_logits: Tensor | None,
+) -> Tensor:
+    if teacher_logits is not None:
+        return teacher_logits.to(dtype)
+    assert teacher_hidden is not None
+    head = weight if teacher_weight is None else teacher_weight
+    return teacher_hidden.to(dtype) @ head.to(dtype).T
+
+
+def _value_clamped_at_zero(value: Tensor) -> Tensor:
+    """``max(value, 0)`` in the forward, identity gradient (rounding can dip below 0)."""
+    return value + (value.clamp_min(0.0) - value).detach()
+
+
+def reference_loss(
+    plan: LossPlan,
+    labels: Tensor,
+    denominator: float | Tensor,
+    student_hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor | None,
+    teacher_weight: Tensor | None,
+    teacher_logits: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, student_ce, teacher_ce, kl)`` on full logits, with autograd gradients."""
+    dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
+    valid = labels != plan.ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    student = student_hidden.to(dtype) @ weight.to(dtype).T
+    zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
+    student_ce = teacher_ce = kl = zeros
+    if plan.student_ce_weight > 0:
+        student_ce = torch.logsumexp(student, -1) - student.gather(1, safe_labels[:, None]).squeeze(1)
+    if plan.needs_teacher_logits:
+        teacher = _teacher_logits(plan, dtype, weight, teacher_hidden, teacher_weight, teacher_logits)
+        if not plan.teacher_receives_grad:
+            teacher = teacher.detach()
+        absent = (teacher == float("-inf")).all(-1)
+        teacher = torch.where(absent[:, None], torch.zeros_like(teacher), teacher)
+        if plan.teacher_ce_weight > 0:
+            ce = torch.logsumexp(teacher, -1) - teacher.gather(1, safe_labels[:, None]).squeeze(1)
+            teacher_ce = _where_zero(absent, ce)
+        if plan.computes_kl:
+            kl = _reference_kl(plan, student, teacher, safe_labels, absent)
+    per_row = [student_ce, teacher_ce, kl]
+    per_row = [torch.where(valid, values, zeros) for values in per_row]
+    loss = plan.student_ce_weight * per_row[0] + plan.teacher_ce_weight * per_row[1] + plan.kl_weight * per_row[2]
+    outputs = [loss] + [values.detach() for values in per_row]
+    if plan.reduction == "none":
+        return tuple(outputs)  # type: ignore[return-value]
+    totals = [values.sum() for values in outputs]
+    if plan.reduction == "mean":
+        totals = [total / denominator for total in totals]
+    return tuple(totals)  # type: ignore[return-value]
+
+
+def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tensor, absent: Tensor) -> Tensor:
+    """``T_s²·D`` per row; rows whose D is +inf (zero support) or whose teacher is absent keep
+    their value but pass no gradient."""
+    assert plan.divergence is not None
+    name = plan.divergence.name
+    kl_teacher = teacher if plan.kl_trains_teacher else teacher.detach()
+
+    def divergence(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+        logp = torch.log_softmax(student_logits / plan.student_temperature, -1)
+        logq = torch.log_softmax(teacher_logits / plan.teacher_temperature, -1)
+        return reference_divergence(name, logp, logq, labels, plan.params)
+
+    with torch.no_grad():
+        blocked = absent | torch.isposinf(divergence(student, kl_teacher))
+    rows = blocked[:, None]
+    value = divergence(torch.where(rows, student.detach(), student), torch.where(rows, kl_teacher.detach(), kl_teacher))
+    value = _where_zero(absent, _value_clamped_at_zero(value))
+    return plan.student_temperature**2 * value

@@ -1,0 +1,39 @@
+"""The one table of KL variants, read by every backend."""
+
+from __future__ import annotations
+
+from .base import Divergence
+from .contrast import DecoupledKD, Triangular
+from .kl_family import CoJeffreys, EntropyAdaptive, Forward, Jeffreys, Mutual, Reverse
+from .power import ABDivergence, AlphaDivergence, Renyi, RenyiReverse
+from .skew import SkewForward, SkewJS, SkewReverse
+
+DIVERGENCES: dict[str, Divergence] = {
+    variant.name: variant
+    for variant in (
+        Forward(),
+        Reverse(),
+        Jeffreys(),
+        Mutual(),
+        CoJeffreys(),
+        AlphaDivergence(),
+        SkewForward(),
+        SkewReverse(),
+        SkewJS(),
+        EntropyAdaptive(),
+        Renyi(),
+        RenyiReverse(),
+        DecoupledKD(),
+        ABDivergence(),
+        Triangular(),
+    )
+}
+
+KL_VARIANTS: tuple[str, ...] = tuple(DIVERGENCES)
+
+
+def get_divergence(name: object) -> Divergence:
+    """The registered variant called ``name``; a ValueError listing the variants otherwise."""
+    if not isinstance(name, str) or name not in DIVERGENCES:
+        raise ValueError(f"kl_divergence must be one of {list(KL_VARIANTS)}, got {name!r}")
+    return DIVERGENCES[name]

@@ -1,0 +1,137 @@
+"""Per-row statistics records of a block of columns, and their associative merge.
+
+A block (a column range of one device's vocabulary, or one tensor-parallel shard) never sees the
+whole row. It reports a record; records merge in any grouping, and the merged record is what the
+whole row would have given.
+
+Round 1 (:class:`PartitionRecord`) holds, for each *logit family* (a side scaled by a
+temperature, e.g. ``u = s/T_s``), the partial log-partition ``(m, z)`` with ``m = max x`` and
+``z = Σ e^{x−m}``; merge: ``M = max(m1, m2)``, ``z = z1·e^{m1−M} + z2·e^{m2−M}``. It also holds
+the raw student and teacher logits at the label column (only the owning block contributes, merge
+by sum) and how many blocks owned the label (a row whose label no block owns comes out NaN).
+
+Round 2 sums (the variant's :meth:`Divergence.block_sums`) merge by plain addition.
+
+Records pack into one (rows, K) tensor so that a tensor-parallel exchange is one collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["LogitFamily", "PartitionRecord", "merge_partition_records", "sum_records", "block_partition_record"]
+
+
+@dataclass(frozen=True)
+class LogitFamily:
+    """One side's logits divided by one temperature: ``x = logits/temperature``."""
+
+    side: str  # "student" or "teacher"
+    temperature: float
+
+
+@dataclass(frozen=True)
+class PartitionRecord:
+    """Round-1 record of a block for a chunk of rows.
+
+    ``maxes``/``sumexps``: (rows, F) partial log-partitions of the F families;
+    ``target_logits``: (rows, 2) raw student and teacher logits at the label (0 if not owned);
+    ``label_hits``: (rows,) number of blocks that own the label column.
+    """
+
+    maxes: Tensor
+    sumexps: Tensor
+    target_logits: Tensor
+    label_hits: Tensor
+
+    def pack(self) -> Tensor:
+        """(rows, 2F + 3) tensor, the layout exchanged between ranks."""
+        return torch.cat([self.maxes, self.sumexps, self.target_logits, self.label_hits[:, None]], dim=1)
+
+    @staticmethod
+    def unpack(packed: Tensor, num_families: int) -> PartitionRecord:
+        f = num_families
+        return PartitionRecord(packed[:, :f], packed[:, f : 2 * f], packed[:, 2 * f : 2 * f + 2], packed[:, 2 * f + 2])
+
+    def log_partitions(self) -> Tensor:
+        """(rows, F) ``LSE = m + log z`` of the merged record (−inf for an all −inf row)."""
+        finite_max = torch.where(self.maxes == float("-inf"), torch.zeros_like(self.maxes), self.maxes)
+        return finite_max + torch.log(self.sumexps)
+
+
+def _rescaled(sumexp: Tensor, local_max: Tensor, new_max: Tensor) -> Tensor:
+    """``z·e^{m − M}``, with an empty partial (m = −inf) contributing 0 (NaN still propagates)."""
+    empty = local_max == float("-inf")
+    return torch.where(empty, torch.zeros_like(sumexp), sumexp * torch.exp(local_max - new_max))
+
+
+def merge_partition_records(records: Sequence[PartitionRecord]) -> PartitionRecord:
+    """Fold records left to right (callers fix the order, e.g. rank order, for determinism)."""
+    merged = records[0]
+    for record in records[1:]:
+        new_max = torch.maximum(merged.maxes, record.maxes)
+        merged = PartitionRecord(
+            maxes=new_max,
+            sumexps=_rescaled(merged.sumexps, merged.maxes, new_max) + _rescaled(record.sumexps, record.maxes, new_max),
+            target_logits=merged.target_logits + record.target_logits,
+            label_hits=merged.label_hits + record.label_hits,
+        )
+    return merged
+
+
+def sum_records(records: Sequence[Tensor]) -> Tensor:
+    """Merge round-2 sums: plain addition, left to right."""
+    total = records[0]
+    for record in records[1:]:
+        total = total + record
+    return total
+
+
+def partial_log_partition(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(max x, Σ e^{x − max})`` over the columns of x; an all −inf row gives (−inf, 0)."""
+    row_max = x.amax(dim=1)
+    shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+    return row_max, torch.exp(x - shift[:, None]).sum(dim=1)
+
+
+def gather_label_column(logits: Tensor, local_labels: Tensor, owned: Tensor) -> Tensor:
+    """Logit at the label column for rows whose label lies in this block, else 0."""
+    index = torch.where(owned, local_labels, torch.zeros_like(local_labels))
+    picked = logits.gather(1, index[:, None]).squeeze(1)
+    return torch.where(owned, picked, torch.zeros_like(picked))
+
+
+def block_partition_record(
+    student: Tensor,
+    teacher: Tensor | None,
+    labels: Tensor,
+    col_start: int,
+    families: Sequence[LogitFamily],
+) -> PartitionRecord:
+    """Round-1 record of a block whose columns start at global column ``col_start``.
+
+    ``student``/``teacher``: (rows, cols) raw logits in the statistics dtype; ``labels``: (rows,)
+    global label ids of valid rows.
+    """
+    sides = {"student": student, "teacher": teacher}
+    maxes, sumexps = [], []
+    for family in families:
+        logits = sides[family.side]
+        assert logits is not None, f"family {family} needs {family.side} logits"
+        row_max, sumexp = partial_log_partition(logits if family.temperature == 1.0 else logits / family.temperature)
+        maxes.append(row_max)
+        sumexps.append(sumexp)
+    local_labels = labels - col_start
+    owned = (local_labels >= 0) & (local_labels < student.shape[1])
+    target_student = gather_label_column(student, local_labels, owned)
+    target_teacher = gather_label_column(teacher, local_labels, owned) if teacher is not None else torch.zeros_like(target_student)
+    return PartitionRecord(
+        maxes=torch.stack(maxes, dim=1),
+        sumexps=torch.stack(sumexps, dim=1),
+        target_logits=torch.stack([target_student, target_teacher], dim=1),
+        label_hits=owned.to(student.dtype),
+    )

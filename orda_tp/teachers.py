@@ -1,0 +1,128 @@
+"""Teacher descriptors: where the teacher's logits come from.
+
+- :class:`TiedTeacher`: the teacher shares the student's head, ``t = h_t Wᵀ``.
+- :class:`SeparateTeacher`: the teacher has its own head, ``t = h_t W_tᵀ``.
+- :class:`PrecomputedTeacher`: cached teacher outputs (logits, or hidden + head); never trained.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["TiedTeacher", "SeparateTeacher", "PrecomputedTeacher", "Teacher", "TEACHER_MODES"]
+
+TEACHER_MODES = ("trained", "frozen", "cotrained")
+
+
+def _check_tensor(value: object, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+    if value.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
+    return value
+
+
+@dataclass(frozen=True)
+class TiedTeacher:
+    """Teacher hidden states ``hidden`` (BT, H) read through the student's own head ``weight``.
+
+    ``mode`` ("trained", "frozen", "cotrained") optionally asserts the role that the loss weights
+    imply; a mismatch raises instead of changing the routing.
+    """
+
+    hidden: torch.Tensor
+    mode: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_tensor(self.hidden, "TiedTeacher.hidden")
+        if self.mode is not None and self.mode not in TEACHER_MODES:
+            raise ValueError(f"TiedTeacher.mode must be one of {TEACHER_MODES} or None, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class SeparateTeacher:
+    """Teacher with its own hidden states ``hidden`` (BT, D_t) and head ``weight`` (V, D_t)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_tensor(self.hidden, "SeparateTeacher.hidden")
+        _check_tensor(self.weight, "SeparateTeacher.weight")
+        if self.hidden.shape[1] != self.weight.shape[1]:
+            raise ValueError(
+                "SeparateTeacher.hidden and SeparateTeacher.weight must share their last dimension, got "
+                f"hidden {tuple(self.hidden.shape)} and weight {tuple(self.weight.shape)}"
+            )
+
+
+@dataclass(frozen=True)
+class PrecomputedTeacher:
+    """Cached teacher outputs: ``logits`` (BT, V), or ``teacher_hidden`` (BT, D_t) with
+    ``teacher_weight`` (V, D_t) whose product is formed chunk by chunk.
+
+    No gradient reaches the cache, so none of its tensors may require grad. ``logits_temperature=T``
+    declares logits that were already divided by T (e.g. by ``project_teacher_logits``): the KL then
+    uses them as they are (the teacher temperature defaults to 1 instead of ``kl_temperature``).
+    The tensors' version counters are recorded here; a cache modified in place afterwards is
+    rejected when the loss reads it.
+    """
+
+    logits: torch.Tensor | None = None
+    teacher_hidden: torch.Tensor | None = None
+    teacher_weight: torch.Tensor | None = None
+    logits_temperature: float | None = None
+    _versions: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        has_logits = self.logits is not None
+        has_hidden = self.teacher_hidden is not None or self.teacher_weight is not None
+        if has_logits == has_hidden:
+            raise ValueError(
+                "PrecomputedTeacher needs exactly one of logits=... or teacher_hidden=... with "
+                "teacher_weight=..., got "
+                + ("both" if has_logits else "neither")
+            )
+        if has_hidden and (self.teacher_hidden is None or self.teacher_weight is None):
+            raise ValueError("PrecomputedTeacher needs teacher_hidden and teacher_weight together, got only one")
+        for name, tensor in self.named_tensors():
+            _check_tensor(tensor, f"PrecomputedTeacher.{name}")
+            if tensor.requires_grad:
+                raise ValueError(
+                    f"PrecomputedTeacher.{name} must not require grad (no gradient reaches a cached "
+                    "teacher); pass tensor.detach()"
+                )
+        if has_hidden:
+            assert self.teacher_hidden is not None and self.teacher_weight is not None
+            if self.teacher_hidden.shape[1] != self.teacher_weight.shape[1]:
+                raise ValueError(
+                    "PrecomputedTeacher.teacher_hidden and teacher_weight must share their last dimension, got "
+                    f"{tuple(self.teacher_hidden.shape)} and {tuple(self.teacher_weight.shape)}"
+                )
+        if self.logits_temperature is not None:
+            value = self.logits_temperature
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"PrecomputedTeacher.logits_temperature must be a finite float > 0, got {value!r}")
+        object.__setattr__(self, "_versions", tuple(t._version for _, t in self.named_tensors()))
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The cached tensors with their field names."""
+        names = ("logits", "teacher_hidden", "teacher_weight")
+        return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
+
+    def check_unmodified(self) -> None:
+        """Raise if a cached tensor was modified in place since construction."""
+        for (name, tensor), version in zip(self.named_tensors(), self._versions):
+            if tensor._version != version:
+                raise ValueError(
+                    f"PrecomputedTeacher.{name} was modified in place after the PrecomputedTeacher was built "
+                    f"(version {version} -> {tensor._version}); build a new PrecomputedTeacher"
+                )
+
+
+Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher

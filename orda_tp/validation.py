@@ -1,0 +1,266 @@
+"""Argument checks: every bad input raises a ValueError/TypeError that names the argument, what
+was expected and what was received. Nothing is clamped or reinterpreted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+from .config import EntropyGate, KernelConfig, resolve_config
+from .divergences import DivergenceParams, get_divergence
+from .plan import REDUCTIONS, LossPlan
+from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+
+__all__ = ["LossOptions", "resolve_options", "check_inputs", "build_plan", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+PARAMETER_KEYWORDS = ("kl_alpha", "kl_beta", "entropy_gate")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def check_loss_weight(name: str, value: object) -> float:
+    if not _is_real(value) or not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a finite real number >= 0, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_temperature(name: str, value: object) -> float:
+    if not _is_real(value) or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a finite real number > 0, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The validated scalar keywords of a loss call (everything that does not depend on tensors)."""
+
+    student_ce_weight: float
+    teacher_ce_weight: float | None
+    kl_weight: float
+    kl_temperature: float
+    kl_teacher_temperature: float | None
+    kl_divergence: str
+    kl_alpha: float | None
+    kl_beta: float | None
+    entropy_gate: EntropyGate | None
+    ignore_index: int
+    reduction: str
+    config: KernelConfig
+    backend: str
+    gradient_materialization_scale: float | None
+
+
+def resolve_options(
+    *,
+    student_ce_weight: object,
+    teacher_ce_weight: object,
+    kl_weight: object,
+    kl_temperature: object,
+    kl_teacher_temperature: object,
+    kl_divergence: object,
+    kl_alpha: object,
+    kl_beta: object,
+    entropy_gate: object,
+    ignore_index: object,
+    reduction: object,
+    profile: object,
+    backend: object,
+    config: object,
+    gradient_materialization_scale: object,
+    grad_scaler: object,
+) -> LossOptions:
+    """Validate the keywords; the teacher-dependent defaults are resolved in :func:`build_plan`."""
+    divergence = get_divergence(kl_divergence)
+    given = {"kl_alpha": kl_alpha, "kl_beta": kl_beta, "entropy_gate": entropy_gate}
+    for keyword, value in given.items():
+        if value is not None and keyword not in divergence.parameters:
+            raise ValueError(
+                f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
+                f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
+            )
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if gradient_materialization_scale is not None:
+        check_temperature("gradient_materialization_scale", gradient_materialization_scale)
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+    return LossOptions(
+        student_ce_weight=check_loss_weight("student_ce_weight", student_ce_weight),
+        teacher_ce_weight=None if teacher_ce_weight is None else check_loss_weight("teacher_ce_weight", teacher_ce_weight),
+        kl_weight=check_loss_weight("kl_weight", kl_weight),
+        kl_temperature=check_temperature("kl_temperature", kl_temperature),
+        kl_teacher_temperature=None
+        if kl_teacher_temperature is None
+        else check_temperature("kl_teacher_temperature", kl_teacher_temperature),
+        kl_divergence=divergence.name,
+        kl_alpha=kl_alpha,  # type: ignore[arg-type]
+        kl_beta=kl_beta,  # type: ignore[arg-type]
+        entropy_gate=entropy_gate,  # type: ignore[arg-type]
+        ignore_index=ignore_index,
+        reduction=reduction,  # type: ignore[arg-type]
+        config=resolve_config(profile, config),  # type: ignore[arg-type]
+        backend=backend,  # type: ignore[arg-type]
+        gradient_materialization_scale=gradient_materialization_scale,  # type: ignore[arg-type]
+    )
+
+
+def _check_matrix(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}")
+    if value.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
+    return value
+
+
+def _check_shape(name: str, tensor: Tensor, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected} ({meaning}), got {tuple(tensor.shape)}")
+
+
+def teacher_tensors(teacher: object) -> list[tuple[str, Tensor]]:
+    """The named tensors of a teacher descriptor (TypeError for anything else)."""
+    if isinstance(teacher, TiedTeacher):
+        return [("teacher.hidden", teacher.hidden)]
+    if isinstance(teacher, SeparateTeacher):
+        return [("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight)]
+    if isinstance(teacher, PrecomputedTeacher):
+        return [(f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()]
+    raise TypeError(
+        f"teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher, got {type(teacher).__name__}"
+    )
+
+
+def check_inputs(student_hidden: object, weight: object, labels: object, teacher: object) -> None:
+    """Types, shapes and devices of the tensors of a call (no host synchronization)."""
+    hidden = _check_matrix("student_hidden", student_hidden)
+    head = _check_matrix("weight", weight)
+    rows, width = hidden.shape
+    vocab = head.shape[0]
+    _check_shape("weight", head, (vocab, width), "vocab × hidden, matching student_hidden's hidden size")
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype != torch.long:
+        raise TypeError(f"labels must have dtype torch.long (int64), got {labels.dtype}")
+    _check_shape("labels", labels, (rows,), "one label per row of student_hidden")
+    named = teacher_tensors(teacher)
+    if isinstance(teacher, TiedTeacher):
+        _check_shape("teacher.hidden", teacher.hidden, (rows, width), "same shape as student_hidden")
+    elif isinstance(teacher, SeparateTeacher):
+        _check_shape("teacher.hidden", teacher.hidden, (rows, teacher.hidden.shape[1]), "one row per label")
+        _check_shape("teacher.weight", teacher.weight, (vocab, teacher.hidden.shape[1]), "the student's vocab size")
+    else:
+        assert isinstance(teacher, PrecomputedTeacher)
+        if teacher.logits is not None:
+            _check_shape("teacher.logits", teacher.logits, (rows, vocab), "rows × the student's vocab size")
+        else:
+            assert teacher.teacher_hidden is not None and teacher.teacher_weight is not None
+            depth = teacher.teacher_hidden.shape[1]
+            _check_shape("teacher.teacher_hidden", teacher.teacher_hidden, (rows, depth), "one row per label")
+            _check_shape("teacher.teacher_weight", teacher.teacher_weight, (vocab, depth), "the student's vocab size")
+    device = hidden.device
+    for name, tensor in [("weight", head), ("labels", labels), *named]:
+        if tensor.device != device:
+            raise ValueError(f"{name} must be on student_hidden's device {device}, got {tensor.device}")
+
+
+def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Every label is ``ignore_index`` or in ``[0, vocab_size)`` (synchronizes with the device)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"labels must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+            f"labels[{row}] = {int(labels[row])} ({int(bad.sum())} such rows)"
+        )
+
+
+def check_finite(name: str, tensor: Tensor, *, allow_neg_inf: bool = False) -> None:
+    """Raise if ``tensor`` holds NaN or +inf (and −inf unless allowed); names the first bad row."""
+    bad = torch.isnan(tensor) | (tensor == float("inf"))
+    if not allow_neg_inf:
+        bad |= tensor == float("-inf")
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        allowed = "finite or -inf" if allow_neg_inf else "finite"
+        raise ValueError(f"{name} must be {allowed}; row {row} holds NaN or inf ({int(bad.sum())} bad values)")
+
+
+def _teacher_kind(teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher) -> str:
+    if isinstance(teacher, TiedTeacher):
+        return "tied"
+    if isinstance(teacher, SeparateTeacher):
+        return "separate"
+    return "precomputed_logits" if teacher.logits is not None else "precomputed_hidden"
+
+
+def build_plan(
+    options: LossOptions, teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher, vocab_size: int
+) -> LossPlan:
+    """Resolve the teacher-dependent defaults and the routing (SPEC §2)."""
+    divergence = get_divergence(options.kl_divergence)
+    kind = _teacher_kind(teacher)
+    precomputed = kind.startswith("precomputed")
+    if divergence.cotrains_teacher and precomputed:
+        raise ValueError(
+            f"kl_divergence={divergence.name!r} trains the teacher and needs a TiedTeacher or SeparateTeacher; "
+            "got a PrecomputedTeacher (use a teacher-detached variant such as 'jeffreys')"
+        )
+    student_temperature = options.kl_temperature
+    if options.kl_teacher_temperature is not None:
+        teacher_temperature = options.kl_teacher_temperature
+    elif isinstance(teacher, PrecomputedTeacher) and teacher.logits_temperature is not None:
+        teacher_temperature = 1.0
+    else:
+        teacher_temperature = student_temperature
+    if divergence.cotrains_teacher and teacher_temperature != student_temperature:
+        raise ValueError(
+            f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
+            f"({student_temperature!r}), got {teacher_temperature!r}"
+        )
+    teacher_ce_weight = options.teacher_ce_weight
+    if teacher_ce_weight is None:
+        teacher_ce_weight = 1.0 if kind == "tied" else 0.0
+    if divergence.cotrains_teacher and options.kl_weight > 0:
+        role = "cotrained"
+    elif teacher_ce_weight > 0:
+        role = "trained"
+    else:
+        role = "frozen"
+    if isinstance(teacher, TiedTeacher) and teacher.mode is not None and teacher.mode != role:
+        raise ValueError(
+            f"TiedTeacher.mode={teacher.mode!r} but the loss weights make the teacher {role!r} "
+            f"(teacher_ce_weight={teacher_ce_weight}, kl_weight={options.kl_weight}, kl_divergence={divergence.name!r})"
+        )
+    params = divergence.resolve(options.kl_alpha, options.kl_beta, options.entropy_gate)
+    if divergence.name == "entropy_adaptive":
+        if vocab_size < 2:
+            raise ValueError(f"kl_divergence='entropy_adaptive' needs a vocabulary of at least 2 columns, got {vocab_size}")
+        params = DivergenceParams(params.alpha, params.beta, params.gate, math.log(vocab_size))
+    return LossPlan(
+        student_ce_weight=options.student_ce_weight,
+        teacher_ce_weight=teacher_ce_weight,
+        kl_weight=options.kl_weight,
+        student_temperature=student_temperature,
+        teacher_temperature=teacher_temperature,
+        divergence=divergence,
+        params=params,
+        reduction=options.reduction,
+        ignore_index=options.ignore_index,
+        teacher_kind=kind,
+        teacher_role=role,
+        config=options.config,
+    )
