@@ -63,7 +63,9 @@ def _denominator(num_valid_tokens: object, reduction: str, valid_count: int) -> 
             )
         return num_valid_tokens.reshape(())
     if isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, (int, float)):
-        raise TypeError(f"num_valid_tokens must be a number, a scalar tensor or None, got {type(num_valid_tokens).__name__}")
+        raise TypeError(
+            f"num_valid_tokens must be a number, a scalar tensor or None, got {type(num_valid_tokens).__name__}"
+        )
     if not math.isfinite(num_valid_tokens) or num_valid_tokens <= 0:
         raise ValueError(f"num_valid_tokens must be finite and > 0, got {num_valid_tokens!r}")
     return float(num_valid_tokens)

@@ -128,7 +128,9 @@ def block_partition_record(
     local_labels = labels - col_start
     owned = (local_labels >= 0) & (local_labels < student.shape[1])
     target_student = gather_label_column(student, local_labels, owned)
-    target_teacher = gather_label_column(teacher, local_labels, owned) if teacher is not None else torch.zeros_like(target_student)
+    target_teacher = (
+        gather_label_column(teacher, local_labels, owned) if teacher is not None else torch.zeros_like(target_student)
+    )
     return PartitionRecord(
         maxes=torch.stack(maxes, dim=1),
         sumexps=torch.stack(sumexps, dim=1),

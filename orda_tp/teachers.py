@@ -85,8 +85,7 @@ class PrecomputedTeacher:
         if has_logits == has_hidden:
             raise ValueError(
                 "PrecomputedTeacher needs exactly one of logits=... or teacher_hidden=... with "
-                "teacher_weight=..., got "
-                + ("both" if has_logits else "neither")
+                "teacher_weight=..., got " + ("both" if has_logits else "neither")
             )
         if has_hidden and (self.teacher_hidden is None or self.teacher_weight is None):
             raise ValueError("PrecomputedTeacher needs teacher_hidden and teacher_weight together, got only one")

@@ -98,7 +98,9 @@ def resolve_options(
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
     return LossOptions(
         student_ce_weight=check_loss_weight("student_ce_weight", student_ce_weight),
-        teacher_ce_weight=None if teacher_ce_weight is None else check_loss_weight("teacher_ce_weight", teacher_ce_weight),
+        teacher_ce_weight=None
+        if teacher_ce_weight is None
+        else check_loss_weight("teacher_ce_weight", teacher_ce_weight),
         kl_weight=check_loss_weight("kl_weight", kl_weight),
         kl_temperature=check_temperature("kl_temperature", kl_temperature),
         kl_teacher_temperature=None
@@ -120,7 +122,9 @@ def _check_matrix(name: str, value: object) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}")
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}"
+        )
     if value.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
     return value
@@ -248,7 +252,9 @@ def build_plan(
     params = divergence.resolve(options.kl_alpha, options.kl_beta, options.entropy_gate)
     if divergence.name == "entropy_adaptive":
         if vocab_size < 2:
-            raise ValueError(f"kl_divergence='entropy_adaptive' needs a vocabulary of at least 2 columns, got {vocab_size}")
+            raise ValueError(
+                f"kl_divergence='entropy_adaptive' needs a vocabulary of at least 2 columns, got {vocab_size}"
+            )
         params = DivergenceParams(params.alpha, params.beta, params.gate, math.log(vocab_size))
     return LossPlan(
         student_ce_weight=options.student_ce_weight,

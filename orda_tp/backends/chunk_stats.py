@@ -106,7 +106,9 @@ def chunk_row_stats(
             sum_records(
                 [
                     divergence.block_sums(
-                        kl_block_terms(plan, student, teacher, lse_u, lse_v, _local_labels(divergence, labels, start, student)),
+                        kl_block_terms(
+                            plan, student, teacher, lse_u, lse_v, _local_labels(divergence, labels, start, student)
+                        ),
                         plan.params,
                     )
                     for start, student, teacher in blocks

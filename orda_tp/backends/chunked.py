@@ -58,7 +58,9 @@ def _chunks(problem: ChunkedProblem, head: HeadTensors, dtype: torch.dtype) -> I
         yield RowChunk.gather(head, index, problem.labels, dtype, with_teacher)
 
 
-def _chunk_blocks(problem: ChunkedProblem, head: HeadTensors, chunk: RowChunk) -> list[tuple[int, int, Tensor, Tensor | None]]:
+def _chunk_blocks(
+    problem: ChunkedProblem, head: HeadTensors, chunk: RowChunk
+) -> list[tuple[int, int, Tensor, Tensor | None]]:
     with_teacher = problem.plan.needs_teacher_logits
     return [
         (start, stop, *block_logits(head, chunk, start, stop, with_teacher))

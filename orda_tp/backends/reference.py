@@ -67,9 +67,7 @@ def _skew(p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, beta: float) -> tupl
     return _kl(q, logq, log_m), _kl(p, logp, log_m)
 
 
-def reference_divergence(
-    name: str, logp: Tensor, logq: Tensor, labels: Tensor, params: DivergenceParams
-) -> Tensor:
+def reference_divergence(name: str, logp: Tensor, logq: Tensor, labels: Tensor, params: DivergenceParams) -> Tensor:
     """Per-row ``D(p, q)`` of variant ``name`` from its definition (autograd-differentiable).
 
     ``mutual`` returns Jeffreys' value with the mutual-learning gradient: the student sees
@@ -83,12 +81,16 @@ def reference_divergence(
         "jeffreys": lambda: forward + reverse,
         "cojeffreys": lambda: forward + reverse,
         "mutual": lambda: _kl(q.detach(), logq.detach(), logp) + _kl(p.detach(), logp.detach(), logq),
-        "alpha_divergence": lambda: (1 - (p ** params.alpha * q ** (1 - params.alpha)).sum(-1))  # type: ignore[operator]
-        / (params.alpha * (1 - params.alpha)),  # type: ignore[operator]
+        "alpha_divergence": lambda: (
+            (1 - (p**params.alpha * q ** (1 - params.alpha)).sum(-1))  # type: ignore[operator]
+            / (params.alpha * (1 - params.alpha))
+        ),  # type: ignore[operator]
         "skew_forward": lambda: _skew(p, q, logp, logq, params.beta)[0],  # type: ignore[arg-type]
         "skew_reverse": lambda: _skew(p, q, logp, logq, params.beta)[1],  # type: ignore[arg-type]
-        "skew_js": lambda: (1 - params.beta) * _skew(p, q, logp, logq, params.beta)[0]  # type: ignore[operator]
-        + params.beta * _skew(p, q, logp, logq, params.beta)[1],  # type: ignore[operator, arg-type]
+        "skew_js": lambda: (
+            (1 - params.beta) * _skew(p, q, logp, logq, params.beta)[0]  # type: ignore[operator]
+            + params.beta * _skew(p, q, logp, logq, params.beta)[1]
+        ),  # type: ignore[operator, arg-type]
         "entropy_adaptive": lambda: _entropy_adaptive(forward, reverse, q, logq, params),
         "renyi": lambda: _renyi(logq, logp, params.alpha),  # type: ignore[arg-type]
         "renyi_reverse": lambda: _renyi(logp, logq, params.alpha),  # type: ignore[arg-type]
@@ -110,7 +112,11 @@ def _entropy_adaptive(forward: Tensor, reverse: Tensor, q: Tensor, logq: Tensor,
 
 
 def _teacher_logits(
-    plan: LossPlan, dtype: torch.dtype, weight: Tensor, teacher_hidden: Tensor | None, teacher_weight: Tensor | None,
+    plan: LossPlan,
+    dtype: torch.dtype,
+    weight: Tensor,
+    teacher_hidden: Tensor | None,
+    teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
 ) -> Tensor:
     if teacher_logits is not None:

@@ -64,9 +64,7 @@ def _check_weights(weights: object, count: int) -> list[float]:
     return [w / total for w in checked]
 
 
-def _weighted_log_probs(
-    logits_list: list[torch.Tensor], weights: list[float]
-) -> Iterator[tuple[float, torch.Tensor]]:
+def _weighted_log_probs(logits_list: list[torch.Tensor], weights: list[float]) -> Iterator[tuple[float, torch.Tensor]]:
     """``(w_k, log q_k)`` for every teacher with ``w_k > 0``, one at a time (bounded memory).
 
     ``log q_k`` is computed in float32, or float64 when any input is float64.

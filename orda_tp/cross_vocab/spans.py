@@ -87,9 +87,7 @@ def _span_sums(values: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
     return values.new_zeros(ranges.shape[0]).index_add(0, span_of, values[token_of])
 
 
-def _per_token_nll(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
-) -> torch.Tensor:
+def _per_token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """``−log p(y_i)`` per row (0 at ignored rows), from the chunked core: full logits never exist."""
     return distillation_loss(
         hidden,
@@ -186,13 +184,17 @@ class PrecomputedSpanTeacher:
             raise TypeError(f"PrecomputedSpanTeacher.valid_counts must be an int64 tensor, got {counts!r}")
         for name, tensor in (("log_likelihoods", values), ("valid_counts", counts)):
             if tensor.shape != (count,):
-                raise ValueError(f"PrecomputedSpanTeacher.{name} must have shape ({count},) (one per range), got "
-                                 f"{tuple(tensor.shape)}")
+                raise ValueError(
+                    f"PrecomputedSpanTeacher.{name} must have shape ({count},) (one per range), got "
+                    f"{tuple(tensor.shape)}"
+                )
         if values.requires_grad:
             raise ValueError("PrecomputedSpanTeacher.log_likelihoods must not require grad; pass .detach()")
         if bool((torch.isnan(values) | (values > 0)).any()):
-            raise ValueError("PrecomputedSpanTeacher.log_likelihoods must be log-probabilities <= 0 (no NaN), got "
-                             f"values in [{values.min().item()}, {values.max().item()}]")
+            raise ValueError(
+                "PrecomputedSpanTeacher.log_likelihoods must be log-probabilities <= 0 (no NaN), got "
+                f"values in [{values.min().item()}, {values.max().item()}]"
+            )
         if bool((counts < 0).any()):
             raise ValueError(f"PrecomputedSpanTeacher.valid_counts must be >= 0, got minimum {int(counts.min())}")
         object.__setattr__(self, "ranges", ranges)
@@ -313,8 +315,9 @@ def aligned_span_distillation_loss(
     teacher_ll = span_teacher.log_likelihoods.to(device=nll.device, dtype=torch.float64)
     kept = (student_counts > 0) & (span_teacher.valid_counts.to(nll.device) > 0)
 
-    terms = _binary_span_terms(torch.where(kept, teacher_ll, -1.0), torch.where(kept, student_ll, -1.0),
-                               config.objective)
+    terms = _binary_span_terms(
+        torch.where(kept, teacher_ll, -1.0), torch.where(kept, student_ll, -1.0), config.objective
+    )
     span_term = torch.where(kept, terms, torch.zeros_like(terms)).sum()
     student_ce = nll.sum()
     if config.reduction == "mean":

@@ -37,8 +37,9 @@ def _tokens_by_id(vocab: object, name: str) -> list[str | None]:
             if not isinstance(token, str):
                 raise TypeError(f"{name} keys must be str, got {type(token).__name__} ({token!r})")
             if tokens[index] is not None:
-                raise ValueError(f"{name} must give every id to one token, got id {index} for "
-                                 f"{tokens[index]!r} and {token!r}")
+                raise ValueError(
+                    f"{name} must give every id to one token, got id {index} for {tokens[index]!r} and {token!r}"
+                )
             tokens[index] = token
         return tokens
     if isinstance(vocab, (str, bytes)) or not isinstance(vocab, Sequence):
@@ -83,29 +84,36 @@ def build_exact_token_map(student_vocab: Vocab, teacher_vocab: Vocab) -> torch.T
         if token is None:
             continue
         if token in student_index:
-            raise ValueError(f"student_vocab must hold each token string once, got {token!r} at ids "
-                             f"{student_index[token]} and {index}")
+            raise ValueError(
+                f"student_vocab must hold each token string once, got {token!r} at ids "
+                f"{student_index[token]} and {index}"
+            )
         student_index[token] = index
     teacher_tokens = _tokens_by_id(teacher_vocab, "teacher_vocab")
     mapped = [-1 if token is None else student_index.get(token, -1) for token in teacher_tokens]
     return torch.tensor(mapped, dtype=torch.long)
 
 
-def _check_token_map(token_map: object, teacher_vocab_size: int, student_vocab_size: int,
-                     device: torch.device) -> torch.Tensor:
+def _check_token_map(
+    token_map: object, teacher_vocab_size: int, student_vocab_size: int, device: torch.device
+) -> torch.Tensor:
     """``token_map`` as an int64 tensor on ``device``, after checking its shape and entries."""
     if not isinstance(token_map, torch.Tensor):
         raise TypeError(f"token_map must be a torch.Tensor, got {type(token_map).__name__}")
     if token_map.is_floating_point() or token_map.is_complex() or token_map.dtype == torch.bool:
         raise TypeError(f"token_map must be an integer tensor, got dtype {token_map.dtype}")
     if token_map.shape != (teacher_vocab_size,):
-        raise ValueError(f"token_map must have shape ({teacher_vocab_size},) (the last dimension of "
-                         f"teacher_logits), got {tuple(token_map.shape)}")
+        raise ValueError(
+            f"token_map must have shape ({teacher_vocab_size},) (the last dimension of "
+            f"teacher_logits), got {tuple(token_map.shape)}"
+        )
     token_map = token_map.to(device=device, dtype=torch.long)
     low, high = int(token_map.min()), int(token_map.max())
     if low < -1 or high >= student_vocab_size:
-        raise ValueError(f"token_map entries must lie in [-1, {student_vocab_size}) (student_vocab_size="
-                         f"{student_vocab_size}), got values in [{low}, {high}]")
+        raise ValueError(
+            f"token_map entries must lie in [-1, {student_vocab_size}) (student_vocab_size="
+            f"{student_vocab_size}), got values in [{low}, {high}]"
+        )
     if high < 0:
         raise ValueError("token_map must match at least one teacher column to a student column, got only -1")
     return token_map

@@ -136,7 +136,9 @@ def power_gap(log_a: Tensor, log_b: Tensor, a: Tensor, b: Tensor, r: float) -> T
     return zero_where_both_zero(torch.where(d > 0, high, low), a, b)
 
 
-def check_range(name: str, value: float, low: float, high: float, *, low_open: bool, high_open: bool, variant: str) -> None:
+def check_range(
+    name: str, value: float, low: float, high: float, *, low_open: bool, high_open: bool, variant: str
+) -> None:
     """Raise a ValueError naming ``name`` unless ``value`` is a finite real in the interval."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite real number for kl_divergence={variant!r}, got {value!r}")

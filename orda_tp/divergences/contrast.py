@@ -83,7 +83,9 @@ class Triangular(Divergence):
         empty = total == 0
         safe_total = torch.where(empty, torch.ones_like(total), total)
         value = torch.where(empty, torch.zeros_like(total), diff * diff / safe_total)
-        slope = torch.where(empty, torch.zeros_like(total), diff * (terms.p + 3.0 * terms.q) / (safe_total * safe_total))
+        slope = torch.where(
+            empty, torch.zeros_like(total), diff * (terms.p + 3.0 * terms.q) / (safe_total * safe_total)
+        )
         return value, slope
 
     def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:

@@ -123,9 +123,7 @@ class EntropyAdaptive(Divergence):
 
     def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
         entropy = -torch.where(terms.q == 0, torch.zeros_like(terms.q), terms.q * terms.logq)
-        return torch.stack(
-            [forward_kl_terms(terms).sum(1), reverse_kl_terms(terms).sum(1), entropy.sum(1)], dim=1
-        )
+        return torch.stack([forward_kl_terms(terms).sum(1), reverse_kl_terms(terms).sum(1), entropy.sum(1)], dim=1)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         gate = params.gate

@@ -1,0 +1,144 @@
+"""Shared test problems: random heads, teachers of every mode, and comparison helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import orda_tp
+from orda_tp import EntropyGate, KernelConfig, PrecomputedTeacher, SeparateTeacher, TiedTeacher
+
+VARIANT_KWARGS: dict[str, dict[str, object]] = {
+    "forward": {},
+    "reverse": {},
+    "jeffreys": {},
+    "mutual": {},
+    "cojeffreys": {},
+    "alpha_divergence": {"kl_alpha": 0.3},
+    "skew_forward": {"kl_beta": 0.3},
+    "skew_reverse": {"kl_beta": 0.7},
+    "skew_js": {"kl_beta": 0.4},
+    "entropy_adaptive": {"entropy_gate": EntropyGate(alpha_min=0.1, alpha_max=0.9, tau=0.5, scale=0.3)},
+    "renyi": {"kl_alpha": 1.5},
+    "renyi_reverse": {"kl_alpha": 0.6},
+    "dkd": {"kl_alpha": 2.0, "kl_beta": 0.5},
+    "abkd": {"kl_alpha": 0.7, "kl_beta": 1.3},
+    "triangular": {},
+}
+COTRAINED = ("mutual", "cojeffreys")
+TEACHER_MODES = ("tied", "separate", "precomputed")
+# Small chunks so that every call has several row chunks and uneven column blocks (203 = 3·64 + 11).
+SMALL_CHUNKS = KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=7), vocab_block=64)
+
+
+@dataclass
+class Problem:
+    student_hidden: Tensor
+    weight: Tensor
+    labels: Tensor
+    teacher_hidden: Tensor
+    teacher_weight: Tensor
+    teacher_logits: Tensor
+
+    def teacher(self, mode: str) -> TiedTeacher | SeparateTeacher | PrecomputedTeacher:
+        if mode == "tied":
+            return TiedTeacher(self.teacher_hidden)
+        if mode == "separate":
+            return SeparateTeacher(self.teacher_hidden, self.teacher_weight)
+        return PrecomputedTeacher(logits=self.teacher_logits)
+
+    def trainable(self, mode: str) -> list[Tensor]:
+        """The tensors a call with this teacher mode may differentiate."""
+        tensors = [self.student_hidden, self.weight]
+        if mode == "tied":
+            tensors.append(self.teacher_hidden)
+        elif mode == "separate":
+            tensors += [self.teacher_hidden, self.teacher_weight]
+        return tensors
+
+    def to(self, dtype: torch.dtype) -> Problem:
+        """A copy in ``dtype`` with the same grad requirements (fresh leaves)."""
+
+        def convert(t: Tensor) -> Tensor:
+            return t.detach().to(dtype).requires_grad_(t.requires_grad)
+
+        return Problem(
+            convert(self.student_hidden),
+            convert(self.weight),
+            self.labels,
+            convert(self.teacher_hidden),
+            convert(self.teacher_weight),
+            self.teacher_logits.detach().to(dtype),
+        )
+
+
+def make_problem(
+    rows: int = 24,
+    hidden: int = 16,
+    vocab: int = 203,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    ignored_every: int = 5,
+    ignore_index: int = -100,
+) -> Problem:
+    """Random heads with logits of standard deviation ≈ 2; every ``ignored_every``-th row ignored."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+    labels = torch.randint(0, vocab, (rows,), generator=generator)
+    if ignored_every:
+        labels[::ignored_every] = ignore_index
+    scale = 2.0 / hidden**0.5
+    teacher_hidden = randn(rows, hidden)
+    teacher_weight = randn(vocab, hidden + 3, scale=2.0 / (hidden + 3) ** 0.5)
+    separate_hidden = randn(rows, hidden + 3)
+    return Problem(
+        student_hidden=randn(rows, hidden).requires_grad_(),
+        weight=randn(vocab, hidden, scale=scale).requires_grad_(),
+        labels=labels,
+        teacher_hidden=teacher_hidden.requires_grad_(),
+        teacher_weight=teacher_weight.requires_grad_(),
+        teacher_logits=(separate_hidden @ teacher_weight.T).detach(),
+    )
+
+
+def separate_problem(problem: Problem) -> Problem:
+    """The separate-teacher view: teacher hidden of width hidden + 3 to match its own head."""
+    generator = torch.Generator().manual_seed(123)
+    rows, width = problem.student_hidden.shape[0], problem.teacher_weight.shape[1]
+    hidden = torch.randn(rows, width, generator=generator, dtype=torch.float64).to(problem.weight.dtype)
+    return Problem(
+        problem.student_hidden,
+        problem.weight,
+        problem.labels,
+        hidden.requires_grad_(),
+        problem.teacher_weight,
+        problem.teacher_logits,
+    )
+
+
+def relative_error(actual: Tensor, expected: Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ (absolute when expected is 0), in fp64."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    scale = expected.norm().item()
+    difference = (actual - expected).norm().item()
+    return difference / scale if scale > 0 else difference
+
+
+def loss_and_grads(
+    problem: Problem, mode: str, upstream: Tensor | None = None, **kwargs: object
+) -> tuple[orda_tp.DistillationLossOutput, list[Tensor | None]]:
+    """Call the loss and differentiate ``loss`` (weighted by ``upstream`` for reduction="none")."""
+    out = orda_tp.distillation_loss(
+        problem.student_hidden, problem.weight, problem.labels, problem.teacher(mode), **kwargs
+    )
+    inputs = problem.trainable(mode)
+    if not out.loss.requires_grad:
+        return out, [None] * len(inputs)
+    grads = torch.autograd.grad(out.loss, inputs, grad_outputs=upstream, allow_unused=True)
+    return out, list(grads)
