@@ -7,13 +7,35 @@ vocab) logits. The API is a superset of orda-kernel's: ``import orda_tp as orda_
 
 from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
 from .config import PROFILES, ChunkSize, EntropyGate, KernelConfig
+from .cross_vocab import (
+    AlignedLikelihoodConfig,
+    AlignedSpanLossOutput,
+    AlignedSpanPairs,
+    PrecomputedSpanTeacher,
+    aligned_span_distillation_loss,
+    build_exact_token_map,
+    build_precomputed_span_teacher,
+    generalized_jensen_shannon,
+    mix_teacher_logits,
+    project_teacher_logits,
+)
 from .divergences import KL_VARIANTS
 from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlignedLikelihoodConfig",
+    "AlignedSpanLossOutput",
+    "AlignedSpanPairs",
     "KL_VARIANTS",
+    "PrecomputedSpanTeacher",
+    "aligned_span_distillation_loss",
+    "build_exact_token_map",
+    "build_precomputed_span_teacher",
+    "generalized_jensen_shannon",
+    "mix_teacher_logits",
+    "project_teacher_logits",
     "PROFILES",
     "ChunkSize",
     "DistillationLoss",

@@ -17,6 +17,14 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _require_flags(owner: object, *names: str) -> None:
+    """Flags must be real bools: a truthy string such as "no" must not read as True."""
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{type(owner).__name__}.{name} must be a bool, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ChunkSize:
     """How many rows (tokens) one chunk of the loss processes at a time.
@@ -33,6 +41,7 @@ class ChunkSize:
     fast: bool = False
 
     def __post_init__(self) -> None:
+        _require_flags(self, "dynamic", "fast")
         if self.nrows is not None:
             _require(
                 isinstance(self.nrows, int) and not isinstance(self.nrows, bool) and self.nrows > 0,
@@ -65,6 +74,7 @@ class KernelConfig:
             isinstance(self.chunk_size, ChunkSize),
             f"KernelConfig.chunk_size must be a ChunkSize, got {type(self.chunk_size).__name__}",
         )
+        _require_flags(self, "assume_valid_labels", "check_finite_inputs")
         for name in ("vocab_block", "workspace_mib"):
             value = getattr(self, name)
             _require(

@@ -131,9 +131,10 @@ def block_partition_record(
     target_teacher = (
         gather_label_column(teacher, local_labels, owned) if teacher is not None else torch.zeros_like(target_student)
     )
+    empty = student.new_zeros(student.shape[0], 0)
     return PartitionRecord(
-        maxes=torch.stack(maxes, dim=1),
-        sumexps=torch.stack(sumexps, dim=1),
+        maxes=torch.stack(maxes, dim=1) if maxes else empty,
+        sumexps=torch.stack(sumexps, dim=1) if sumexps else empty,
         target_logits=torch.stack([target_student, target_teacher], dim=1),
         label_hits=owned.to(student.dtype),
     )

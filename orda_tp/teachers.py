@@ -94,7 +94,7 @@ class PrecomputedTeacher:
             if tensor.requires_grad:
                 raise ValueError(
                     f"PrecomputedTeacher.{name} must not require grad (no gradient reaches a cached "
-                    "teacher); pass tensor.detach()"
+                    "teacher), got a tensor with requires_grad=True; pass tensor.detach()"
                 )
         if has_hidden:
             assert self.teacher_hidden is not None and self.teacher_weight is not None

@@ -12,13 +12,14 @@ import torch
 from torch import Tensor
 
 from .config import EntropyGate, KernelConfig, resolve_config
-from .divergences import DivergenceParams, get_divergence
+from .divergences import Divergence, DivergenceParams, get_divergence
 from .plan import REDUCTIONS, LossPlan
 from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 
 __all__ = ["LossOptions", "resolve_options", "check_inputs", "build_plan", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "torch", "reference")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 PARAMETER_KEYWORDS = ("kl_alpha", "kl_beta", "entropy_gate")
 
 
@@ -86,17 +87,24 @@ def resolve_options(
                 f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
                 f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
             )
+    # Check the variant's parameter ranges here too, so that DistillationLoss(...) fails at construction.
+    divergence.resolve(kl_alpha, kl_beta, entropy_gate)  # type: ignore[arg-type]
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in torch.long (int64) like the labels, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if gradient_materialization_scale is not None:
         check_temperature("gradient_materialization_scale", gradient_materialization_scale)
-    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
-    return LossOptions(
+    if grad_scaler is not None and (
+        isinstance(grad_scaler, type) or not callable(getattr(grad_scaler, "get_scale", None))
+    ):
+        received = f"the class {grad_scaler.__name__}" if isinstance(grad_scaler, type) else type(grad_scaler).__name__
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler instance or None, got {received}")
+    options = LossOptions(
         student_ce_weight=check_loss_weight("student_ce_weight", student_ce_weight),
         teacher_ce_weight=None
         if teacher_ce_weight is None
@@ -116,6 +124,17 @@ def resolve_options(
         backend=backend,  # type: ignore[arg-type]
         gradient_materialization_scale=gradient_materialization_scale,  # type: ignore[arg-type]
     )
+    if options.kl_teacher_temperature is not None:
+        _check_cotrained_temperatures(divergence, options.kl_temperature, options.kl_teacher_temperature)
+    return options
+
+
+def _check_cotrained_temperatures(divergence: Divergence, student: float, teacher: float) -> None:
+    if divergence.cotrains_teacher and teacher != student:
+        raise ValueError(
+            f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
+            f"({student!r}), got {teacher!r}"
+        )
 
 
 def _check_matrix(name: str, value: object) -> Tensor:
@@ -198,9 +217,12 @@ def check_finite(name: str, tensor: Tensor, *, allow_neg_inf: bool = False) -> N
     if not allow_neg_inf:
         bad |= tensor == float("-inf")
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
+        index = tuple(bad.nonzero()[0].tolist())
         allowed = "finite or -inf" if allow_neg_inf else "finite"
-        raise ValueError(f"{name} must be {allowed}; row {row} holds NaN or inf ({int(bad.sum())} bad values)")
+        raise ValueError(
+            f"{name} must be {allowed}; row {index[0]} holds {tensor[index].item()} at index {list(index)} "
+            f"({int(bad.sum())} such values)"
+        )
 
 
 def _teacher_kind(teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher) -> str:
@@ -230,11 +252,7 @@ def build_plan(
         teacher_temperature = 1.0
     else:
         teacher_temperature = student_temperature
-    if divergence.cotrains_teacher and teacher_temperature != student_temperature:
-        raise ValueError(
-            f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
-            f"({student_temperature!r}), got {teacher_temperature!r}"
-        )
+    _check_cotrained_temperatures(divergence, student_temperature, teacher_temperature)
     teacher_ce_weight = options.teacher_ce_weight
     if teacher_ce_weight is None:
         teacher_ce_weight = 1.0 if kind == "tied" else 0.0

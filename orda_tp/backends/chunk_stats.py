@@ -81,7 +81,7 @@ def chunk_row_stats(
         )
     )
     log_partitions = record.log_partitions()
-    zeros = torch.zeros_like(log_partitions[:, 0])
+    zeros = torch.zeros_like(record.label_hits)
     teacher_absent = torch.zeros_like(zeros, dtype=torch.bool)
     teacher_families = [i for i, family in enumerate(families) if family.side == "teacher"]
     if teacher_families:

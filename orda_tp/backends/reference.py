@@ -128,7 +128,7 @@ def _teacher_logits(
 
 def _value_clamped_at_zero(value: Tensor) -> Tensor:
     """``max(value, 0)`` in the forward, identity gradient (rounding can dip below 0)."""
-    return value + (value.clamp_min(0.0) - value).detach()
+    return torch.where(value < 0, value - value.detach(), value)
 
 
 def reference_loss(

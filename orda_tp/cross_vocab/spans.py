@@ -87,6 +87,15 @@ def _span_sums(values: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
     return values.new_zeros(ranges.shape[0]).index_add(0, span_of, values[token_of])
 
 
+def _span_log_likelihoods(nll: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """``ℓ(c) = −Σ_{i ∈ c} nll_i`` in float64, clamped at 0 from above.
+
+    ``nll_i ≥ 0`` exactly; the clamp only removes a rounding ``−ε`` a backend might return, which
+    would otherwise turn ``log(1 − e^ℓ)`` into NaN. NaN stays NaN.
+    """
+    return _span_sums(-nll.to(torch.float64), ranges).clamp_max(0.0)
+
+
 def _per_token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """``−log p(y_i)`` per row (0 at ignored rows), from the chunked core: full logits never exist."""
     return distillation_loss(
@@ -236,7 +245,7 @@ def build_precomputed_span_teacher(
     _check_ranges_within(ranges, labels.shape[0], "teacher_ranges", "teacher_labels")
     with torch.no_grad():
         nll = _per_token_nll(teacher_hidden, teacher_weight, labels, ignore_index)
-        log_likelihoods = _span_sums(-nll.to(torch.float64), ranges)
+        log_likelihoods = _span_log_likelihoods(nll, ranges)
         valid_counts = _span_sums((labels != ignore_index).long(), ranges)
     return PrecomputedSpanTeacher(ranges=ranges, log_likelihoods=log_likelihoods, valid_counts=valid_counts)
 
@@ -254,17 +263,16 @@ def _binary_span_terms(teacher_ll: torch.Tensor, student_ll: torch.Tensor, objec
     teacher_else = -torch.expm1(teacher_ll)  # 1 − P_t, exactly 0 at ℓ_t = 0
     teacher_sure = teacher_else == 0
     student_sure = student_ll == 0
+    # log(1 − P) at ℓ = 0 would be -inf; evaluate it at a stand-in ℓ = −1 instead. The "else" term
+    # then has weight 1 − P_t = 0 (teacher sure) or is replaced by +inf below (student sure only),
+    # so the stand-in never shows in a value or a gradient.
     log_teacher_else = log1mexp(torch.where(teacher_sure, -1.0, teacher_ll))
     log_student_else = log1mexp(torch.where(student_sure, -1.0, student_ll))
     if objective == "binary_kl":
-        observed = teacher_ll.exp() * (teacher_ll - student_ll)
-        other = teacher_else * (log_teacher_else - log_student_else)
-    else:
-        observed = -teacher_ll.exp() * student_ll
-        other = -teacher_else * log_student_else
-    value = observed + torch.where(teacher_sure, torch.zeros_like(other), other)
-    if objective == "binary_kl":
+        value = teacher_ll.exp() * (teacher_ll - student_ll) + teacher_else * (log_teacher_else - log_student_else)
         value = value.clamp_min(0.0)
+    else:
+        value = -(teacher_ll.exp() * student_ll + teacher_else * log_student_else)
     return torch.where(student_sure & ~teacher_sure, math.inf, value)
 
 
@@ -310,7 +318,7 @@ def aligned_span_distillation_loss(
 
     nll = _per_token_nll(student_hidden, student_weight, labels, config.ignore_index)
     valid = labels != config.ignore_index
-    student_ll = _span_sums(-nll.to(torch.float64), pairs.student_ranges)
+    student_ll = _span_log_likelihoods(nll, pairs.student_ranges)
     student_counts = _span_sums(valid.long(), pairs.student_ranges)
     teacher_ll = span_teacher.log_likelihoods.to(device=nll.device, dtype=torch.float64)
     kept = (student_counts > 0) & (span_teacher.valid_counts.to(nll.device) > 0)
