@@ -107,7 +107,7 @@ def chunk_row_stats(
                 [
                     divergence.block_sums(
                         kl_block_terms(
-                            plan, student, teacher, lse_u, lse_v, _local_labels(divergence, labels, start, student)
+                            plan, student, teacher, lse_u, lse_v, labels - start if divergence.needs_target else None
                         ),
                         plan.params,
                     )
@@ -137,8 +137,3 @@ def chunk_row_stats(
         teacher_ce=torch.where(label_owned, teacher_ce, nan),
         kl=torch.where(label_owned, kl, nan),
     )
-
-
-def _local_labels(divergence: object, labels: Tensor, start: int, student: Tensor) -> Tensor | None:
-    """Labels in the block's local column coordinates, for variants that need the label column."""
-    return labels - start if getattr(divergence, "needs_target", False) else None
