@@ -48,9 +48,10 @@ def is_available() -> bool:
     return unavailable_reason() is None
 
 
-def _denominator(num_valid_tokens: object, reduction: str, valid_count: int) -> float | Tensor:
+def _denominator(num_valid_tokens: object, reduction: str, valid_count: int, device: torch.device) -> float | Tensor:
     """N of "mean": ``num_valid_tokens`` when given, else the count of non-ignored rows (1 if
-    there are none, so that an all-ignored batch gives 0 and no gradient)."""
+    there are none, so that an all-ignored batch gives 0 and no gradient). A tensor's value is
+    not read (that would synchronize with the device): it must be > 0."""
     if num_valid_tokens is None:
         return float(max(valid_count, 1))
     if reduction != "mean":
@@ -60,6 +61,10 @@ def _denominator(num_valid_tokens: object, reduction: str, valid_count: int) -> 
             raise ValueError(
                 f"num_valid_tokens must be a real scalar tensor, got shape {tuple(num_valid_tokens.shape)} "
                 f"and dtype {num_valid_tokens.dtype}"
+            )
+        if num_valid_tokens.device != device:
+            raise ValueError(
+                f"num_valid_tokens must be on student_hidden's device {device}, got {num_valid_tokens.device}"
             )
         return num_valid_tokens.reshape(())
     if isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, (int, float)):
@@ -88,6 +93,9 @@ def _check_values(
         teacher.check_unmodified()
         if teacher.logits is not None and plan.needs_teacher_logits:
             check_finite("teacher.logits", teacher.logits, allow_neg_inf=True)
+        elif plan.needs_teacher_logits:
+            for name, tensor in teacher.named_tensors():
+                check_finite(f"teacher.{name}", tensor)
     if not options.config.assume_valid_labels:
         check_label_range(labels, weight.shape[0], options.ignore_index)
     if options.config.check_finite_inputs:
@@ -130,7 +138,7 @@ def _run(
     _check_values(plan, options, student_hidden, weight, labels, teacher)
     valid = labels != options.ignore_index
     valid_rows = valid.nonzero().squeeze(1)
-    denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel())
+    denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel(), student_hidden.device)
     teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(teacher)
     backend = select_backend(options.backend, student_hidden.device)
     if backend == "reference":

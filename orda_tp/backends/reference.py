@@ -144,7 +144,8 @@ def reference_loss(
     """``(loss, student_ce, teacher_ce, kl)`` on full logits, with autograd gradients."""
     dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
     valid = labels != plan.ignore_index
-    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    in_range = (labels >= 0) & (labels < weight.shape[0])
+    safe_labels = torch.where(valid & in_range, labels, torch.zeros_like(labels))
     student = student_hidden.to(dtype) @ weight.to(dtype).T
     zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
     student_ce = teacher_ce = kl = zeros
@@ -162,6 +163,8 @@ def reference_loss(
         if plan.computes_kl:
             kl = _reference_kl(plan, student, teacher, safe_labels, absent)
     per_row = [student_ce, teacher_ce, kl]
+    # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
+    per_row = [torch.where(in_range, values, torch.full_like(values, float("nan"))) for values in per_row]
     per_row = [torch.where(valid, values, zeros) for values in per_row]
     loss = plan.student_ce_weight * per_row[0] + plan.teacher_ce_weight * per_row[1] + plan.kl_weight * per_row[2]
     outputs = [loss] + [values.detach() for values in per_row]
