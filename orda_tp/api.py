@@ -139,8 +139,24 @@ def _run(
     valid = labels != options.ignore_index
     valid_rows = valid.nonzero().squeeze(1)
     denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel(), student_hidden.device)
-    teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(teacher)
     backend = select_backend(options.backend, student_hidden.device)
+    # Statistics are computed in fp32/fp64 whatever autocast would pick for the GEMMs.
+    with torch.autocast(student_hidden.device.type, enabled=False):
+        outputs = _dispatch(backend, plan, labels, valid_rows, denominator, student_hidden, weight, teacher)
+    return DistillationLossOutput(*outputs)
+
+
+def _dispatch(
+    backend: str,
+    plan: LossPlan,
+    labels: Tensor,
+    valid_rows: Tensor,
+    denominator: float | Tensor,
+    student_hidden: Tensor,
+    weight: Tensor,
+    teacher: Teacher,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(teacher)
     if backend == "reference":
         outputs = reference_loss(
             plan, labels, denominator, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits
@@ -155,7 +171,7 @@ def _run(
             exchange=LocalExchange(),
         )
         outputs = chunked_loss(problem, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
-    return DistillationLossOutput(*outputs)
+    return outputs
 
 
 def distillation_loss(

@@ -558,3 +558,20 @@ def test_workspace_is_bounded_by_the_config() -> None:
     rows = config.rows_per_chunk(total_rows=1 << 20, local_vocab=131072)
     assert rows * 131072 * 4 <= config.workspace_mib * (1 << 20)
     assert orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3, dynamic=False)).rows_per_chunk(100, 10**6) == 3
+
+
+def test_autocast_does_not_round_the_logits() -> None:
+    p = make_problem(dtype=torch.float32)
+    teacher = TiedTeacher(p.teacher_hidden)
+    for reduction in ("mean", "none"):
+        plain = orda_tp.distillation_loss(
+            p.student_hidden, p.weight, p.labels, teacher, kl_weight=1.0, reduction=reduction
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = orda_tp.distillation_loss(
+                p.student_hidden, p.weight, p.labels, teacher, kl_weight=1.0, reduction=reduction
+            )
+            grad = torch.autograd.grad(autocast.loss.sum(), [p.weight])[0]
+        assert autocast.loss.dtype == torch.float32
+        assert relative_error(autocast.loss, plain.loss) <= 1e-6
+        assert relative_error(grad, torch.autograd.grad(plain.loss.sum(), [p.weight])[0]) <= 1e-6

@@ -138,6 +138,13 @@ class _ChunkedDistillation(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
         problem: ChunkedProblem = ctx.problem
         inputs = ctx.saved_tensors
+        with torch.autocast(inputs[0].device.type, enabled=False):
+            return _ChunkedDistillation._gradients(ctx, problem, inputs, grad_loss)
+
+    @staticmethod
+    def _gradients(
+        ctx: torch.autograd.function.FunctionCtx, problem: ChunkedProblem, inputs: tuple, grad_loss: Tensor
+    ) -> tuple[Tensor | None, ...]:
         buffers: GradientBuffers | None = ctx.eager_buffers
         if buffers is not None:
             scaled = [None if b is None else b * grad_loss.to(b.dtype) for b in _as_list(buffers)]

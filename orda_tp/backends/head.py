@@ -78,7 +78,7 @@ def block_logits(
     if not with_teacher:
         return student, None
     if head.teacher_logits is not None:
-        teacher = head.teacher_logits.detach().index_select(0, chunk.index)[:, start:stop].to(dtype)
+        teacher = head.teacher_logits.detach()[:, start:stop].index_select(0, chunk.index).to(dtype)
     else:
         assert chunk.teacher_hidden is not None
         teacher = chunk.teacher_hidden @ head.teacher_head.detach()[start:stop].to(dtype).T
