@@ -56,7 +56,9 @@ class KernelConfig:
     - ``chunk_size``: rows per chunk (see :class:`ChunkSize`).
     - ``vocab_block``: columns per statistics block inside a chunk; the records of the blocks are
       merged exactly as the records of tensor-parallel shards are.
-    - ``workspace_mib``: budget of one live (rows × vocab) fp32 buffer, in MiB.
+    - ``workspace_mib``: size of one (rows × local vocab) fp32 buffer, in MiB; it sets the rows per
+      chunk. A chunk keeps a few such buffers alive (student and teacher logits, per-block
+      temporaries), so the loss's workspace is a small multiple of it (measured: 5–10×).
     - ``assume_valid_labels``: skip the host-synchronizing range check of ``labels``. A label
       outside ``[0, V)`` then gives a NaN row (never another class).
     - ``check_finite_inputs``: raise if a hidden state or weight holds NaN/inf instead of letting

@@ -1,0 +1,62 @@
+"""End-to-end runs of the launch scripts: the distillation demo (plain and under torchrun) and the
+memory measurement, each in a subprocess with small settings."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DISTILL = str(REPO_ROOT / "launch" / "distill.py")
+MEASURE_MEMORY = str(REPO_ROOT / "launch" / "measure_memory.py")
+SMALL_DEMO = [
+    "--steps", "40", "--teacher-steps", "30", "--batch", "16", "--seq", "32", "--vocab", "256",
+    "--teacher-hidden", "64", "--student-hidden", "32", "--lr", "1e-2", "--log-every", "10",
+]  # fmt: skip
+FLOAT = r"([0-9.eE+-]+)"
+
+
+def run(command: list[str]) -> str:
+    """Run ``command`` from the repository root; assert it exits 0 and return its stdout."""
+    completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, (
+        f"{command} exited {completed.returncode}:\n{completed.stdout}\n{completed.stderr}"
+    )
+    return completed.stdout
+
+
+def assert_demo_succeeded(stdout: str) -> None:
+    """The fused-vs-unfused check passed, and the logged student CE fell clearly."""
+    check = re.search(rf"^check (PASS|FAIL) max_rel_err {FLOAT} tol {FLOAT}", stdout, flags=re.MULTILINE)
+    assert check is not None, stdout
+    assert check.group(1) == "PASS", stdout
+    assert float(check.group(2)) <= float(check.group(3)) <= 1e-5, stdout
+    student_ce = [float(value) for value in re.findall(rf"^student step .*\| student_ce {FLOAT} \|", stdout, re.M)]
+    assert len(student_ce) >= 3, stdout
+    assert student_ce[-1] < 0.8 * student_ce[0], f"student CE did not fall: {student_ce}"
+    assert re.search(r"^summary: .* check PASS$", stdout, flags=re.MULTILINE), stdout
+
+
+def test_distill_demo_single_process() -> None:
+    assert_demo_succeeded(run([sys.executable, DISTILL, *SMALL_DEMO]))
+
+
+def test_distill_demo_under_torchrun() -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    assert_demo_succeeded(run([*torchrun, DISTILL, *SMALL_DEMO, "--kl-divergence", "reverse"]))
+
+
+def test_measure_memory_chunked_below_quarter_of_reference() -> None:
+    # The default 64 MiB workspace would hold all 1024 rows of this small shape in one chunk; 2 MiB gives
+    # 64-row chunks (1/16 of the rows; the default budget at the default shape gives 512 of 4096 rows).
+    stdout = run(
+        [
+            sys.executable, MEASURE_MEMORY, "--bt", "1024", "--vocab", "8192", "--hidden", "64",
+            "--kl-divergence", "forward", "--workspace-mib", "2", "--max-ratio", "0.25",
+        ]
+    )  # fmt: skip
+    ratio = re.search(rf"^ratio forward: torch/reference = {FLOAT} \(limit", stdout, flags=re.MULTILINE)
+    assert ratio is not None, stdout
+    assert float(ratio.group(1)) < 0.25, stdout
