@@ -12,18 +12,24 @@ from .backends import select_backend
 from .backends.chunked import ChunkedProblem, chunked_loss
 from .backends.reference import reference_loss
 from .config import EntropyGate, KernelConfig
-from .exchange import LocalExchange
+from .exchange import LocalExchange, RecordExchange
 from .kernels import unavailable_reason
+from .parallel.exchange import ShardExchange
+from .parallel.inputs import LocalInputs, agree_layout, localize
+from .parallel.layout import VocabLayout
 from .plan import LossPlan
 from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from .validation import (
     LossOptions,
+    ParallelOptions,
     build_plan,
-    check_finite,
     check_inputs,
     check_label_range,
     resolve_options,
+    resolve_parallel_options,
+    teacher_tensors,
 )
+from .value_checks import check_values, local_error
 
 __all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
@@ -85,28 +91,6 @@ def _teacher_inputs(teacher: Teacher) -> tuple[Tensor | None, Tensor | None, Ten
     return teacher.teacher_hidden, teacher.teacher_weight, teacher.logits
 
 
-def _check_values(
-    plan: LossPlan, options: LossOptions, student_hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Teacher
-) -> None:
-    """Checks that read tensor values (and so synchronize with the device)."""
-    if isinstance(teacher, PrecomputedTeacher):
-        teacher.check_unmodified()
-        if teacher.logits is not None and plan.needs_teacher_logits:
-            check_finite("teacher.logits", teacher.logits, allow_neg_inf=True)
-        elif plan.needs_teacher_logits:
-            for name, tensor in teacher.named_tensors():
-                check_finite(f"teacher.{name}", tensor)
-    if not options.config.assume_valid_labels:
-        check_label_range(labels, weight.shape[0], options.ignore_index)
-    if options.config.check_finite_inputs:
-        check_finite("student_hidden", student_hidden)
-        check_finite("weight", weight)
-        teacher_hidden, teacher_weight, _ = _teacher_inputs(teacher)
-        for name, tensor in (("teacher hidden", teacher_hidden), ("teacher weight", teacher_weight)):
-            if tensor is not None:
-                check_finite(name, tensor)
-
-
 def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> tuple[bool, bool, bool, bool]:
     """Which of (student_hidden, weight, teacher_hidden, teacher_weight) receive a gradient."""
     grad_on = torch.is_grad_enabled()
@@ -125,53 +109,69 @@ def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> tuple
     )
 
 
+def _exchange(
+    plan: LossPlan, options: LossOptions, local: LocalInputs, teacher: Teacher, layout: VocabLayout
+) -> RecordExchange:
+    """The record exchange of this call; value checks raise here on one device, and travel with
+    the first record exchange on a tensor-parallel shard."""
+    if local.group is None:
+        check_values(plan, options.config, local.student_hidden, local.weight, local.teacher, layout.vocab_size)
+        return LocalExchange()
+    error = local_error(plan, options.config, local.student_hidden, local.weight, local.teacher, teacher, layout)
+    return ShardExchange(local.group, layout.sequence_parallel, error)
+
+
 def _run(
     options: LossOptions,
+    parallel: ParallelOptions,
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
     teacher: Teacher,
     num_valid_tokens: object,
 ) -> DistillationLossOutput:
-    check_inputs(student_hidden, weight, labels, teacher)
-    plan = build_plan(options, teacher, weight.shape[0])
-    _check_values(plan, options, student_hidden, weight, labels, teacher)
-    valid = labels != options.ignore_index
-    valid_rows = valid.nonzero().squeeze(1)
-    denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel(), student_hidden.device)
-    backend = select_backend(options.backend, student_hidden.device)
+    teacher_tensors(teacher)  # a TypeError for anything but a teacher descriptor
+    local = localize(
+        student_hidden, weight, labels, teacher, parallel.tp_group, parallel.vocab_range, parallel.sequence_parallel
+    )
+    row_shards = torch.distributed.get_world_size(local.group) if local.sequence_parallel else 1
+    check_inputs(
+        local.student_hidden,
+        local.weight,
+        local.labels,
+        local.teacher,
+        sharded=local.group is not None,
+        row_shards=row_shards,
+    )
+    if local.group is not None and options.backend == "reference":
+        raise ValueError("backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'")
+    layout = agree_layout(local, parallel.vocab_size)
+    plan = build_plan(options, local.teacher, layout.vocab_size)
+    if not options.config.assume_valid_labels:
+        check_label_range(local.labels, layout.vocab_size, options.ignore_index)
+    exchange = _exchange(plan, options, local, teacher, layout)
+    valid_rows = (local.labels != options.ignore_index).nonzero().squeeze(1)
+    device = local.student_hidden.device
+    denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel(), device)
+    backend = select_backend(options.backend, device)
+    teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(local.teacher)
+    inputs = (local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits)
     # Statistics are computed in fp32/fp64 whatever autocast would pick for the GEMMs.
-    with torch.autocast(student_hidden.device.type, enabled=False):
-        outputs = _dispatch(backend, plan, labels, valid_rows, denominator, student_hidden, weight, teacher)
+    with torch.autocast(device.type, enabled=False):
+        if backend == "reference":
+            outputs = reference_loss(plan, local.labels, denominator, *inputs, vocab_size=layout.vocab_size)
+        else:
+            problem = ChunkedProblem(
+                plan=plan,
+                labels=local.labels,
+                valid_rows=valid_rows,
+                denominator=denominator,
+                grad_needs=_gradient_needs(plan, inputs[:4]),
+                exchange=exchange,
+                layout=layout,
+            )
+            outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)
-
-
-def _dispatch(
-    backend: str,
-    plan: LossPlan,
-    labels: Tensor,
-    valid_rows: Tensor,
-    denominator: float | Tensor,
-    student_hidden: Tensor,
-    weight: Tensor,
-    teacher: Teacher,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(teacher)
-    if backend == "reference":
-        outputs = reference_loss(
-            plan, labels, denominator, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits
-        )
-    else:
-        problem = ChunkedProblem(
-            plan=plan,
-            labels=labels,
-            valid_rows=valid_rows,
-            denominator=denominator,
-            grad_needs=_gradient_needs(plan, (student_hidden, weight, teacher_hidden, teacher_weight)),
-            exchange=LocalExchange(),
-        )
-        outputs = chunked_loss(problem, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
-    return outputs
 
 
 def distillation_loss(
@@ -197,6 +197,10 @@ def distillation_loss(
     gradient_materialization_scale: float | None = None,
     grad_scaler: object | None = None,
     num_valid_tokens: float | Tensor | None = None,
+    tp_group: object | None = None,
+    vocab_range: tuple[int, int] | None = None,
+    vocab_size: int | None = None,
+    sequence_parallel: bool | None = None,
 ) -> DistillationLossOutput:
     """Student CE, teacher CE and a KL term from hidden states and LM-head weights, without
     building the (BT, V) logits (except with ``backend="reference"``).
@@ -208,6 +212,12 @@ def distillation_loss(
     ``gradient_materialization_scale`` and ``grad_scaler`` control how the fused kernels store
     fp16 logit gradients; the torch and reference backends form gradients in fp32/fp64, where
     no scaling is needed, and only validate them.
+
+    Tensor parallelism: with ``tp_group`` (or a head ``weight`` DTensor sharded on dim 0),
+    ``weight`` — and a separate teacher's weight, and cached teacher logits — are this rank's
+    vocabulary shard; ``vocab_range=(start, stop)`` places it (default: the shards in rank order);
+    ``vocab_size`` marks the columns at or past it as padding; ``sequence_parallel`` says the
+    hidden states hold this rank's rows of the batch. Every rank returns the single-device result.
     """
     options = resolve_options(
         student_ce_weight=student_ce_weight,
@@ -227,7 +237,10 @@ def distillation_loss(
         gradient_materialization_scale=gradient_materialization_scale,
         grad_scaler=grad_scaler,
     )
-    return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens)
+    parallel = resolve_parallel_options(
+        tp_group=tp_group, vocab_range=vocab_range, vocab_size=vocab_size, sequence_parallel=sequence_parallel
+    )
+    return _run(options, parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
 
 
 class DistillationLoss(nn.Module):
@@ -253,8 +266,15 @@ class DistillationLoss(nn.Module):
         config: KernelConfig | None = None,
         gradient_materialization_scale: float | None = None,
         grad_scaler: object | None = None,
+        tp_group: object | None = None,
+        vocab_range: tuple[int, int] | None = None,
+        vocab_size: int | None = None,
+        sequence_parallel: bool | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = resolve_parallel_options(
+            tp_group=tp_group, vocab_range=vocab_range, vocab_size=vocab_size, sequence_parallel=sequence_parallel
+        )
         self.options = resolve_options(
             student_ce_weight=student_ce_weight,
             teacher_ce_weight=teacher_ce_weight,
@@ -282,7 +302,7 @@ class DistillationLoss(nn.Module):
         teacher: Teacher,
         num_valid_tokens: float | Tensor | None = None,
     ) -> DistillationLossOutput:
-        return _run(self.options, student_hidden, weight, labels, teacher, num_valid_tokens)
+        return _run(self.options, self.parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -114,14 +114,23 @@ class PrecomputedTeacher:
         names = ("logits", "teacher_hidden", "teacher_weight")
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
 
-    def check_unmodified(self) -> None:
-        """Raise if a cached tensor was modified in place since construction."""
+    def modified_tensor(self) -> tuple[str, int, int] | None:
+        """``(name, recorded version, current version)`` of a tensor modified in place since
+        construction, or None."""
         for (name, tensor), version in zip(self.named_tensors(), self._versions):
             if tensor._version != version:
-                raise ValueError(
-                    f"PrecomputedTeacher.{name} was modified in place after the PrecomputedTeacher was built "
-                    f"(version {version} -> {tensor._version}); build a new PrecomputedTeacher"
-                )
+                return name, version, tensor._version
+        return None
+
+    def check_unmodified(self) -> None:
+        """Raise if a cached tensor was modified in place since construction."""
+        modified = self.modified_tensor()
+        if modified is not None:
+            name, version, current = modified
+            raise ValueError(
+                f"PrecomputedTeacher.{name} was modified in place after the PrecomputedTeacher was built "
+                f"(version {version} -> {current}); build a new PrecomputedTeacher"
+            )
 
 
 Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher

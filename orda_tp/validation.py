@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 from torch import Tensor
@@ -167,8 +167,21 @@ def teacher_tensors(teacher: object) -> list[tuple[str, Tensor]]:
     )
 
 
-def check_inputs(student_hidden: object, weight: object, labels: object, teacher: object) -> None:
-    """Types, shapes and devices of the tensors of a call (no host synchronization)."""
+def check_inputs(
+    student_hidden: object,
+    weight: object,
+    labels: object,
+    teacher: object,
+    *,
+    sharded: bool = False,
+    row_shards: int = 1,
+) -> None:
+    """Types, shapes and devices of the tensors of a call (no host synchronization).
+
+    ``sharded``: the heads are vocabulary shards, whose column counts the tensor-parallel layout
+    checks across ranks (so that every rank raises the same error). ``row_shards``: under
+    sequence parallelism the hidden states hold ``labels.shape[0] / row_shards`` rows.
+    """
     hidden = _check_matrix("student_hidden", student_hidden)
     head = _check_matrix("weight", weight)
     rows, width = hidden.shape
@@ -178,22 +191,35 @@ def check_inputs(student_hidden: object, weight: object, labels: object, teacher
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype != torch.long:
         raise TypeError(f"labels must have dtype torch.long (int64), got {labels.dtype}")
-    _check_shape("labels", labels, (rows,), "one label per row of student_hidden")
+    label_rows = rows * row_shards
+    meaning = "one label per row of student_hidden" + (f" on each of {row_shards} ranks" if row_shards > 1 else "")
+    _check_shape("labels", labels, (label_rows,), meaning)
     named = teacher_tensors(teacher)
+
+    def columns_of(tensor: Tensor, axis: int) -> int:
+        return tensor.shape[axis] if sharded else vocab
+
     if isinstance(teacher, TiedTeacher):
         _check_shape("teacher.hidden", teacher.hidden, (rows, width), "same shape as student_hidden")
     elif isinstance(teacher, SeparateTeacher):
-        _check_shape("teacher.hidden", teacher.hidden, (rows, teacher.hidden.shape[1]), "one row per label")
-        _check_shape("teacher.weight", teacher.weight, (vocab, teacher.hidden.shape[1]), "the student's vocab size")
+        depth = teacher.hidden.shape[1]
+        _check_shape("teacher.hidden", teacher.hidden, (rows, depth), "one row per row of student_hidden")
+        _check_shape(
+            "teacher.weight", teacher.weight, (columns_of(teacher.weight, 0), depth), "the student's vocab size"
+        )
     else:
         assert isinstance(teacher, PrecomputedTeacher)
         if teacher.logits is not None:
-            _check_shape("teacher.logits", teacher.logits, (rows, vocab), "rows × the student's vocab size")
+            expected = (label_rows, columns_of(teacher.logits, 1))
+            _check_shape("teacher.logits", teacher.logits, expected, "one row per label × the student's vocab size")
         else:
             assert teacher.teacher_hidden is not None and teacher.teacher_weight is not None
             depth = teacher.teacher_hidden.shape[1]
-            _check_shape("teacher.teacher_hidden", teacher.teacher_hidden, (rows, depth), "one row per label")
-            _check_shape("teacher.teacher_weight", teacher.teacher_weight, (vocab, depth), "the student's vocab size")
+            _check_shape(
+                "teacher.teacher_hidden", teacher.teacher_hidden, (rows, depth), "one row per row of student_hidden"
+            )
+            expected = (columns_of(teacher.teacher_weight, 0), depth)
+            _check_shape("teacher.teacher_weight", teacher.teacher_weight, expected, "the student's vocab size")
     device = hidden.device
     for name, tensor in [("weight", head), ("labels", labels), *named]:
         if tensor.device != device:
@@ -211,17 +237,29 @@ def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int) -> Non
         )
 
 
-def check_finite(name: str, tensor: Tensor, *, allow_neg_inf: bool = False) -> None:
-    """Raise if ``tensor`` holds NaN or +inf (and −inf unless allowed); names the first bad row."""
+def non_finite_mask(tensor: Tensor, *, allow_neg_inf: bool = False) -> Tensor:
+    """Where ``tensor`` holds NaN or +inf (or −inf, unless allowed)."""
     bad = torch.isnan(tensor) | (tensor == float("inf"))
     if not allow_neg_inf:
         bad |= tensor == float("-inf")
-    if bool(bad.any()):
-        index = tuple(bad.nonzero()[0].tolist())
+    return bad
+
+
+def first_non_finite(tensor: Tensor, *, allow_neg_inf: bool = False) -> tuple[int, ...] | None:
+    """Index of the first NaN/+inf (and −inf unless allowed) value, or None (synchronizes)."""
+    bad = non_finite_mask(tensor, allow_neg_inf=allow_neg_inf)
+    return tuple(bad.nonzero()[0].tolist()) if bool(bad.any()) else None
+
+
+def check_finite(name: str, tensor: Tensor, *, allow_neg_inf: bool = False) -> None:
+    """Raise if ``tensor`` holds NaN or +inf (and −inf unless allowed); names the first bad row."""
+    index = first_non_finite(tensor, allow_neg_inf=allow_neg_inf)
+    if index is not None:
+        count = int(non_finite_mask(tensor, allow_neg_inf=allow_neg_inf).sum())
         allowed = "finite or -inf" if allow_neg_inf else "finite"
         raise ValueError(
             f"{name} must be {allowed}; row {index[0]} holds {tensor[index].item()} at index {list(index)} "
-            f"({int(bad.sum())} such values)"
+            f"({count} such values)"
         )
 
 
@@ -287,4 +325,46 @@ def build_plan(
         teacher_kind=kind,
         teacher_role=role,
         config=options.config,
+    )
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The validated tensor-parallel keywords (see SPEC §1 additions)."""
+
+    tp_group: object
+    vocab_range: tuple[int, int] | None
+    vocab_size: int | None
+    sequence_parallel: bool | None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def resolve_parallel_options(
+    *, tp_group: object, vocab_range: object, vocab_size: object, sequence_parallel: object
+) -> ParallelOptions:
+    """Check the types and ranges of the tensor-parallel keywords (the group itself is checked
+    when the call resolves its layout)."""
+    if vocab_range is not None:
+        if (
+            not isinstance(vocab_range, (tuple, list))
+            or len(vocab_range) != 2
+            or not all(_is_int(v) for v in vocab_range)
+            or not 0 <= vocab_range[0] <= vocab_range[1]
+        ):
+            raise ValueError(
+                f"vocab_range must be a pair of ints (start, stop) with 0 <= start <= stop, got {vocab_range!r}"
+            )
+        vocab_range = (int(vocab_range[0]), int(vocab_range[1]))
+    if vocab_size is not None and (not _is_int(vocab_size) or int(vocab_size) < 1):  # type: ignore[call-overload]
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool or None, got {sequence_parallel!r}")
+    return ParallelOptions(
+        tp_group=tp_group,
+        vocab_range=vocab_range,  # type: ignore[arg-type]
+        vocab_size=None if vocab_size is None else int(vocab_size),  # type: ignore[call-overload]
+        sequence_parallel=sequence_parallel,
     )

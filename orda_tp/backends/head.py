@@ -26,7 +26,8 @@ class HeadTensors:
 
     ``weight`` (V_local, H) is the student head; the teacher reads ``teacher_weight`` when set
     (separate head, or a cached hidden + head), ``weight`` when tied, or ``teacher_logits``
-    (a cache, (BT, V_local)). ``vocab_start`` is the global id of local column 0.
+    (a cache, (BT, V_local)). ``vocab_start`` is the global id of local column 0; local columns
+    at or past ``real_columns`` are vocabulary padding (their logits read −inf on both sides).
     """
 
     student_hidden: Tensor
@@ -35,6 +36,7 @@ class HeadTensors:
     teacher_weight: Tensor | None
     teacher_logits: Tensor | None
     vocab_start: int = 0
+    real_columns: int | None = None
 
     @property
     def local_vocab(self) -> int:
@@ -72,9 +74,10 @@ def block_logits(
     head: HeadTensors, chunk: RowChunk, start: int, stop: int, with_teacher: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Student and teacher logits of ``chunk`` on local columns ``[start, stop)``, in the
-    statistics dtype (the GEMM runs in that dtype: logits are never rounded to bf16/fp16)."""
+    statistics dtype (the GEMM runs in that dtype: logits are never rounded to bf16/fp16).
+    Padding columns read −inf."""
     dtype = chunk.student_hidden.dtype
-    student = chunk.student_hidden @ head.weight.detach()[start:stop].to(dtype).T
+    student = _mask_padding(head, start, chunk.student_hidden @ head.weight.detach()[start:stop].to(dtype).T)
     if not with_teacher:
         return student, None
     if head.teacher_logits is not None:
@@ -82,4 +85,11 @@ def block_logits(
     else:
         assert chunk.teacher_hidden is not None
         teacher = chunk.teacher_hidden @ head.teacher_head.detach()[start:stop].to(dtype).T
-    return student, teacher
+    return student, _mask_padding(head, start, teacher)
+
+
+def _mask_padding(head: HeadTensors, start: int, logits: Tensor) -> Tensor:
+    """Set the block's padding columns (local index ≥ ``head.real_columns``) to −inf, in place."""
+    if head.real_columns is not None and start + logits.shape[1] > head.real_columns:
+        logits[:, max(0, head.real_columns - start) :] = float("-inf")
+    return logits

@@ -140,9 +140,16 @@ def reference_loss(
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
+    *,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, student_ce, teacher_ce, kl)`` on full logits, with autograd gradients."""
+    """``(loss, student_ce, teacher_ce, kl)`` on full logits, with autograd gradients. Only the
+    first ``vocab_size`` columns are read (the rest is vocabulary padding)."""
     dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
+    if vocab_size is not None:
+        weight = weight[:vocab_size]
+        teacher_weight = None if teacher_weight is None else teacher_weight[:vocab_size]
+        teacher_logits = None if teacher_logits is None else teacher_logits[:, :vocab_size]
     valid = labels != plan.ignore_index
     in_range = (labels >= 0) & (labels < weight.shape[0])
     safe_labels = torch.where(valid & in_range, labels, torch.zeros_like(labels))

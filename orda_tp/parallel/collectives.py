@@ -1,0 +1,57 @@
+"""The few collectives of a tensor-parallel loss call, each issued once per use.
+
+- :func:`all_gather_rows`: gather a (rows, K) tensor from every rank, in rank order.
+- :func:`gather_sequence_rows`: sequence parallelism's row gather of several hidden tensors in one
+  collective.
+- :func:`reduce_row_gradients`: sum the hidden gradients over the shards in one collective
+  (all-reduce; reduce-scatter under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_gather_rows", "gather_sequence_rows", "reduce_row_gradients"]
+
+
+def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> list[Tensor]:
+    """Every rank's ``local`` (same shape on all ranks), in rank order."""
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local.contiguous(), group=group)
+    return gathered
+
+
+def _pack_columns(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
+    dtype = tensors[0].dtype
+    for tensor in tensors[1:]:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return torch.cat([t.to(dtype) for t in tensors], dim=1), [t.shape[1] for t in tensors]
+
+
+def gather_sequence_rows(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """Full-batch rows of each (local_rows, width_i) tensor: the ranks' rows in rank order."""
+    packed, widths = _pack_columns([t.detach() for t in tensors])
+    full = torch.cat(all_gather_rows(packed, group), dim=0)
+    return [part.to(t.dtype) for part, t in zip(full.split(widths, dim=1), tensors)]
+
+
+def reduce_row_gradients(grads: list[Tensor], group: dist.ProcessGroup, sequence_parallel: bool) -> list[Tensor]:
+    """Sum each (rows, width_i) gradient over the ranks; under sequence parallelism keep only this
+    rank's rows (reduce-scatter where the backend has it, else all-reduce and slice)."""
+    packed, widths = _pack_columns(grads)
+    if sequence_parallel:
+        world = dist.get_world_size(group)
+        rows = packed.shape[0] // world
+        if dist.get_backend(group) == dist.Backend.NCCL:
+            local = torch.empty(rows, packed.shape[1], dtype=packed.dtype, device=packed.device)
+            dist.reduce_scatter_tensor(local, packed, group=group)
+            packed = local
+        else:
+            dist.all_reduce(packed, group=group)
+            start = dist.get_rank(group) * rows
+            packed = packed[start : start + rows]
+    else:
+        dist.all_reduce(packed, group=group)
+    return list(packed.split(widths, dim=1))

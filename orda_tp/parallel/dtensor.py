@@ -1,0 +1,92 @@
+"""DTensor inputs: read the tensor-parallel group, vocabulary range and sequence parallelism off
+the placements, and hand the local shards to the loss.
+
+- head weight: ``Shard(0)`` on one mesh dimension (the tp dimension), ``Replicate`` on the others;
+  its shards follow ``torch.chunk`` order, as DTensor lays them out;
+- hidden states: ``Replicate`` on the tp dimension (replicated rows) or ``Shard(0)`` (sequence
+  parallel); other mesh dimensions may be ``Replicate`` or ``Shard(0)`` (data parallel rows);
+- cached teacher logits: ``Shard(-1)`` (or ``Shard(1)``) on the tp dimension.
+
+``DTensor.to_local`` is differentiable, so the gradients of DTensor inputs come back as DTensors
+with the inputs' placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch without DTensor
+    DTensor = None  # type: ignore[assignment, misc]
+
+__all__ = ["MeshAxis", "chunk_range", "is_dtensor", "local_shard", "shard_axis"]
+
+
+def is_dtensor(value: object) -> bool:
+    return DTensor is not None and isinstance(value, DTensor)
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """The tensor-parallel dimension of a DTensor's mesh: its group and this rank's coordinate."""
+
+    group: dist.ProcessGroup
+    dim: int
+    size: int
+    coordinate: int
+    mesh: object
+
+
+def _placement_text(tensor: Tensor) -> str:
+    return f"{tuple(tensor.placements)} on mesh {tensor.device_mesh}"  # type: ignore[attr-defined]
+
+
+def _is_shard(placement: object, dims: tuple[int, ...]) -> bool:
+    return isinstance(placement, Shard) and placement.dim in dims
+
+
+def shard_axis(weight: Tensor, name: str) -> MeshAxis:
+    """The mesh dimension along which a head ``weight`` DTensor is sharded on its rows."""
+    placements = tuple(weight.placements)  # type: ignore[attr-defined]
+    sharded = [i for i, p in enumerate(placements) if _is_shard(p, (0,))]
+    others_ok = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in sharded)
+    if len(sharded) != 1 or not others_ok:
+        raise ValueError(
+            f"{name} as a DTensor must be Shard(0) on exactly one mesh dimension (the tensor-parallel one) and "
+            f"Replicate on the others, got {_placement_text(weight)}"
+        )
+    mesh = weight.device_mesh  # type: ignore[attr-defined]
+    dim = sharded[0]
+    return MeshAxis(mesh.get_group(dim), dim, mesh.size(dim), mesh.get_local_rank(dim), mesh)
+
+
+def chunk_range(total: int, parts: int, coordinate: int) -> tuple[int, int]:
+    """Rows of part ``coordinate`` when ``total`` rows are split in ``torch.chunk`` order."""
+    size = -(-total // parts) if total else 0
+    start = min(coordinate * size, total)
+    return start, min(start + size, total)
+
+
+def local_shard(tensor: Tensor, axis: MeshAxis, name: str, shard_dims: tuple[int, ...]) -> tuple[Tensor, bool]:
+    """``(local tensor, sharded on the tp axis)`` of a DTensor that lives on ``axis``'s mesh.
+
+    On the tp axis it may be Replicate or Shard on one of ``shard_dims``; elsewhere Replicate or
+    Shard(0) (rows split over data parallelism).
+    """
+    if tensor.device_mesh != axis.mesh:  # type: ignore[attr-defined]
+        raise ValueError(f"{name} is a DTensor on another mesh than the head weight: {_placement_text(tensor)}")
+    placements = tuple(tensor.placements)  # type: ignore[attr-defined]
+    tp_placement = placements[axis.dim]
+    others_ok = all(isinstance(p, Replicate) or _is_shard(p, (0,)) for i, p in enumerate(placements) if i != axis.dim)
+    sharded = _is_shard(tp_placement, shard_dims)
+    if not others_ok or not (sharded or isinstance(tp_placement, Replicate)):
+        raise ValueError(f"{name} has a DTensor placement this loss cannot handle: {_placement_text(tensor)}")
+    if sharded and any(_is_shard(p, (0,)) for i, p in enumerate(placements) if i != axis.dim) and 0 in shard_dims:
+        raise ValueError(
+            f"{name} is row-sharded on two mesh dimensions, which this loss cannot handle: {_placement_text(tensor)}"
+        )
+    return tensor.to_local(), sharded  # type: ignore[attr-defined]

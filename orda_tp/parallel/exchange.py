@@ -1,0 +1,96 @@
+"""Record exchange across the vocabulary shards of a tensor-parallel group.
+
+Each statistics round is one all-gather of the packed (rows, K) records; every rank merges the
+gathered records in rank order, so the merged record is bitwise identical on every rank.
+
+The first round of a call also carries each rank's *local error* (a check that only that rank
+could make, e.g. NaN in its shard of a cached teacher) in three extra columns; after the gather
+every rank sees every rank's error and raises the same ValueError. A call with no rows to process
+(all ignored) exchanges just the errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..statistics import PartitionRecord, merge_partition_records, sum_records
+from .collectives import all_gather_rows, gather_sequence_rows, reduce_row_gradients
+
+__all__ = ["LocalError", "ShardExchange"]
+
+
+@dataclass(frozen=True)
+class LocalError:
+    """An input problem found on one rank: ``code`` indexes :data:`ERROR_MESSAGES`; ``row`` and
+    ``column`` (global) locate it."""
+
+    code: int
+    row: int = 0
+    column: int = 0
+
+
+ERROR_MESSAGES = {
+    1: "teacher.logits must be finite or -inf; rank {rank}'s shard holds NaN or +inf at row {row}, "
+    "global column {column}",
+    2: "PrecomputedTeacher was modified in place after it was built (seen on rank {rank}); "
+    "build a new PrecomputedTeacher",
+    3: "student_hidden, weight and the teacher's tensors must be finite; rank {rank} holds NaN or inf "
+    "(row {row}, column {column} of its shard)",
+    4: "PrecomputedTeacher.teacher_hidden and teacher_weight must be finite; rank {rank}'s shard holds NaN or inf",
+}
+
+
+class ShardExchange:
+    """The tensor-parallel :class:`orda_tp.exchange.RecordExchange`."""
+
+    def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool, local_error: LocalError | None) -> None:
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.local_error = local_error
+        self.errors_exchanged = False
+
+    def _header(self, rows: int, like: Tensor) -> Tensor:
+        error = self.local_error or LocalError(0)
+        values = torch.tensor([error.code, error.row, error.column], dtype=like.dtype, device=like.device)
+        return values.expand(rows, 3)
+
+    def _raise_gathered_errors(self, headers: list[Tensor]) -> None:
+        self.errors_exchanged = True
+        for rank, header in enumerate(headers):
+            code, row, column = (int(v) for v in header[0].tolist())
+            if code:
+                raise ValueError(ERROR_MESSAGES[code].format(rank=rank, row=row, column=column))
+
+    def merge_partitions(self, local: PartitionRecord) -> PartitionRecord:
+        packed = local.pack()
+        width = packed.shape[1]
+        if not self.errors_exchanged:
+            packed = torch.cat([packed, self._header(packed.shape[0], packed)], dim=1)
+        gathered = all_gather_rows(packed, self.group)
+        if packed.shape[1] > width:
+            self._raise_gathered_errors([g[:, width:] for g in gathered])
+        families = local.maxes.shape[1]
+        return merge_partition_records([PartitionRecord.unpack(g[:, :width], families) for g in gathered])
+
+    def sum_over_shards(self, local: Tensor) -> Tensor:
+        return sum_records(all_gather_rows(local, self.group))
+
+    def finish(self, like: Tensor) -> None:
+        """Exchange the errors if no round did (a call with no rows to process)."""
+        if not self.errors_exchanged:
+            gathered = all_gather_rows(self._header(1, like), self.group)
+            self._raise_gathered_errors(gathered)
+
+    def gather_rows(self, tensors: list[Tensor]) -> list[Tensor]:
+        if not self.sequence_parallel:
+            return tensors
+        return gather_sequence_rows(tensors, self.group)
+
+    def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
+        if not grads:
+            return grads
+        return reduce_row_gradients(grads, self.group, self.sequence_parallel)

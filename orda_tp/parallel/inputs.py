@@ -1,0 +1,165 @@
+"""Turn a call's arguments into local shards and an agreed :class:`VocabLayout`.
+
+Inputs may be DTensors (group, vocabulary range and sequence parallelism read off their
+placements) or plain local shards with an explicit ``tp_group``. Without either, the call runs on
+one device and the layout covers the whole head (minus padding past ``vocab_size``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+
+from ..teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
+from .layout import ShardClaim, VocabLayout, resolve_layout
+
+__all__ = ["LocalInputs", "agree_layout", "localize"]
+
+Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
+
+
+@dataclass(frozen=True)
+class LocalInputs:
+    """The call's tensors as this rank holds them, and the tensor-parallel setting."""
+
+    student_hidden: Tensor
+    weight: Tensor
+    labels: Tensor
+    teacher: Teacher
+    group: dist.ProcessGroup | None
+    vocab_range: tuple[int, int] | None
+    sequence_parallel: bool
+
+
+def _check_group(group: object) -> dist.ProcessGroup | None:
+    if group is None:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def _same_ranks(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def _local_teacher(teacher: Teacher, axis: MeshAxis, hidden_sharded: bool) -> Teacher:
+    def hidden(tensor: Tensor, name: str) -> Tensor:
+        if not is_dtensor(tensor):
+            return tensor
+        local, sharded = local_shard(tensor, axis, name, (0,))
+        if sharded != hidden_sharded:
+            raise ValueError(
+                f"{name} and student_hidden must both be Shard(0) or both Replicate on the tp mesh dimension"
+            )
+        return local
+
+    def head(tensor: Tensor, name: str) -> Tensor:
+        if not is_dtensor(tensor):
+            return tensor
+        if shard_axis(tensor, name).dim != axis.dim:
+            raise ValueError(f"{name} must be sharded on the same mesh dimension as the student's weight")
+        return tensor.to_local()  # type: ignore[attr-defined]
+
+    if isinstance(teacher, TiedTeacher):
+        return TiedTeacher(hidden(teacher.hidden, "teacher.hidden"), teacher.mode)
+    if isinstance(teacher, SeparateTeacher):
+        return SeparateTeacher(hidden(teacher.hidden, "teacher.hidden"), head(teacher.weight, "teacher.weight"))
+    teacher.check_unmodified()
+    if teacher.logits is not None:
+        logits = teacher.logits
+        if is_dtensor(logits):
+            logits, sharded = local_shard(logits, axis, "teacher.logits", (1, -1))
+            if not sharded:  # replicated cache: keep this rank's columns
+                start, stop = chunk_range(logits.shape[1], axis.size, axis.coordinate)
+                logits = logits[:, start:stop]
+        return PrecomputedTeacher(logits=logits, logits_temperature=teacher.logits_temperature)
+    assert teacher.teacher_hidden is not None and teacher.teacher_weight is not None
+    return PrecomputedTeacher(
+        teacher_hidden=hidden(teacher.teacher_hidden, "teacher.teacher_hidden"),
+        teacher_weight=head(teacher.teacher_weight, "teacher.teacher_weight"),
+        logits_temperature=teacher.logits_temperature,
+    )
+
+
+def localize(
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: Teacher,
+    tp_group: object,
+    vocab_range: tuple[int, int] | None,
+    sequence_parallel: bool | None,
+) -> LocalInputs:
+    """Local shards of DTensor inputs (plain tensors pass through) and the tp setting."""
+    group = _check_group(tp_group)
+    if not is_dtensor(weight):
+        if is_dtensor(student_hidden) or is_dtensor(labels):
+            raise ValueError(
+                "student_hidden or labels is a DTensor but weight is not: pass the head weight as a DTensor "
+                "sharded on dim 0, or plain local tensors with tp_group"
+            )
+        return LocalInputs(student_hidden, weight, labels, teacher, group, vocab_range, bool(sequence_parallel))
+    axis = shard_axis(weight, "weight")
+    if group is not None and not _same_ranks(group, axis.group):
+        raise ValueError("tp_group is not the process group of the mesh dimension along which weight is sharded")
+    derived_range = chunk_range(weight.shape[0], axis.size, axis.coordinate)
+    if vocab_range is not None and tuple(vocab_range) != derived_range:
+        raise ValueError(
+            f"vocab_range={tuple(vocab_range)} disagrees with the DTensor weight's shard {derived_range} "
+            "(torch.chunk order); leave vocab_range=None"
+        )
+    hidden, sharded = student_hidden, bool(sequence_parallel)
+    if is_dtensor(student_hidden):
+        hidden, sharded = local_shard(student_hidden, axis, "student_hidden", (0,))
+        if sequence_parallel is not None and bool(sequence_parallel) != sharded:
+            raise ValueError(
+                f"sequence_parallel={sequence_parallel} disagrees with student_hidden's placement on the tp mesh "
+                f"dimension ({'Shard(0)' if sharded else 'Replicate'})"
+            )
+    local_labels = labels
+    if is_dtensor(labels):
+        local_labels, labels_sharded = local_shard(labels, axis, "labels", ())
+        assert not labels_sharded
+    return LocalInputs(
+        student_hidden=hidden,
+        weight=weight.to_local(),  # type: ignore[attr-defined]
+        labels=local_labels,
+        teacher=_local_teacher(teacher, axis, sharded),
+        group=axis.group,
+        vocab_range=derived_range,
+        sequence_parallel=sharded,
+    )
+
+
+def _teacher_columns(teacher: Teacher) -> int:
+    if isinstance(teacher, SeparateTeacher):
+        return teacher.weight.shape[0]
+    if isinstance(teacher, PrecomputedTeacher):
+        return teacher.logits.shape[1] if teacher.logits is not None else teacher.teacher_weight.shape[0]  # type: ignore[union-attr]
+    return -1
+
+
+def agree_layout(inputs: LocalInputs, vocab_size: int | None) -> VocabLayout:
+    """The layout of this call: the whole head on one device, or agreed across ``inputs.group``."""
+    if inputs.group is None:
+        if inputs.vocab_range is not None:
+            raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
+        if inputs.sequence_parallel:
+            raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
+        return VocabLayout.single_device(inputs.weight.shape[0], vocab_size)
+    start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
+    claim = ShardClaim(
+        local_columns=inputs.weight.shape[0],
+        teacher_columns=_teacher_columns(inputs.teacher),
+        range_start=start,
+        range_stop=stop,
+        vocab_size=-1 if vocab_size is None else vocab_size,
+        label_rows=inputs.labels.shape[0],
+        hidden_rows=inputs.student_hidden.shape[0],
+        sequence_parallel=int(inputs.sequence_parallel),
+    )
+    return resolve_layout(inputs.group, claim)

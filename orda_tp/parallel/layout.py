@@ -1,0 +1,183 @@
+"""Where this rank's vocabulary columns sit, agreed by every rank of the group.
+
+A :class:`VocabLayout` says which global columns ``[vocab_start, vocab_stop)`` this rank's head
+shard holds, how many columns all shards hold together (the padded vocabulary), and the real
+vocabulary size (columns at or past it are padding, masked on whichever rank holds them).
+
+Ranks agree on the layout through one small "handshake" all-gather of fixed size, made the first
+time a layout is seen and cached afterwards. Everything the handshake checks is checked from the
+gathered values, so every rank raises the same error and none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["VocabLayout", "resolve_layout"]
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    """This rank's share of the vocabulary (and of the rows, under sequence parallelism)."""
+
+    vocab_start: int
+    vocab_stop: int
+    total_columns: int
+    vocab_size: int
+    max_local_columns: int
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    world_size: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def local_columns(self) -> int:
+        return self.vocab_stop - self.vocab_start
+
+    @property
+    def real_local_columns(self) -> int:
+        """Columns of this shard below ``vocab_size`` (the rest is padding)."""
+        return max(0, min(self.vocab_stop, self.vocab_size) - self.vocab_start)
+
+    @staticmethod
+    def single_device(columns: int, vocab_size: int | None) -> VocabLayout:
+        real = columns if vocab_size is None else vocab_size
+        if real > columns:
+            raise ValueError(f"vocab_size must be <= the head's {columns} rows, got {real}")
+        return VocabLayout(0, columns, columns, real, columns)
+
+
+@dataclass(frozen=True)
+class ShardClaim:
+    """What one rank brings to the handshake (−1 where a field is not given)."""
+
+    local_columns: int
+    teacher_columns: int
+    range_start: int
+    range_stop: int
+    vocab_size: int
+    label_rows: int
+    hidden_rows: int
+    sequence_parallel: int
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor(
+            [
+                self.local_columns,
+                self.teacher_columns,
+                self.range_start,
+                self.range_stop,
+                self.vocab_size,
+                self.label_rows,
+                self.hidden_rows,
+                self.sequence_parallel,
+            ],
+            dtype=torch.int64,
+        )
+
+
+_CACHE: OrderedDict[tuple[object, ...], VocabLayout] = OrderedDict()
+_CACHE_SIZE = 64
+
+
+def _agreed_or_raise(values: list[int], what: str) -> int:
+    if len(set(values)) != 1:
+        listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise ValueError(f"{what} must be the same on every rank of tp_group, got {listing}")
+    return values[0]
+
+
+def _partition(claims: list[ShardClaim]) -> list[tuple[int, int]]:
+    """Every rank's column range: explicit ``vocab_range``s, or the shards in rank order."""
+    given = [c.range_start >= 0 for c in claims]
+    if any(given) and not all(given):
+        ranks = [r for r, g in enumerate(given) if not g]
+        raise ValueError(f"vocab_range must be given on every rank or on none; ranks {ranks} gave none")
+    if not any(given):
+        ranges, start = [], 0
+        for claim in claims:
+            ranges.append((start, start + claim.local_columns))
+            start += claim.local_columns
+        return ranges
+    ranges = [(c.range_start, c.range_stop) for c in claims]
+    for rank, (claim, (start, stop)) in enumerate(zip(claims, ranges)):
+        if stop - start != claim.local_columns:
+            raise ValueError(
+                f"vocab_range on rank {rank} is ({start}, {stop}), {stop - start} columns, but its weight shard "
+                f"has {claim.local_columns} rows"
+            )
+    expected = 0
+    for start, stop in sorted(ranges):
+        if start > expected:
+            raise ValueError(
+                f"vocab_range partition across tp_group has a gap: columns [{expected}, {start}) are on no rank"
+            )
+        if start < expected:
+            raise ValueError(
+                f"vocab_range partition across tp_group overlaps: columns [{start}, {min(expected, stop)}) "
+                "are on two ranks"
+            )
+        expected = stop
+    return ranges
+
+
+def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.ProcessGroup) -> VocabLayout:
+    for r, claim in enumerate(claims):
+        if claim.teacher_columns >= 0 and claim.teacher_columns != claim.local_columns:
+            raise ValueError(
+                f"the teacher's vocabulary shard on rank {r} has {claim.teacher_columns} columns but the student's "
+                f"weight shard has {claim.local_columns}; both heads must be sharded the same way"
+            )
+    ranges = _partition(claims)
+    total = sum(stop - start for start, stop in ranges)
+    vocab_size = _agreed_or_raise([c.vocab_size for c in claims], "vocab_size")
+    vocab_size = total if vocab_size < 0 else vocab_size
+    if not 1 <= vocab_size <= total:
+        raise ValueError(f"vocab_size must lie in [1, {total}] (the columns of all shards), got {vocab_size}")
+    label_rows = _agreed_or_raise([c.label_rows for c in claims], "labels.shape[0] (labels are global)")
+    sequence_parallel = bool(_agreed_or_raise([c.sequence_parallel for c in claims], "sequence_parallel"))
+    if sequence_parallel:
+        hidden_rows = _agreed_or_raise(
+            [c.hidden_rows for c in claims], "the rows of student_hidden under sequence_parallel"
+        )
+        if hidden_rows * len(claims) != label_rows:
+            raise ValueError(
+                f"under sequence_parallel each rank holds labels.shape[0] / world_size rows of student_hidden: "
+                f"expected {label_rows} / {len(claims)}, got {hidden_rows} rows on every rank"
+            )
+    start, stop = ranges[rank]
+    return VocabLayout(
+        vocab_start=start,
+        vocab_stop=stop,
+        total_columns=total,
+        vocab_size=vocab_size,
+        max_local_columns=max(c.local_columns for c in claims),
+        group=group,
+        rank=rank,
+        world_size=len(claims),
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def resolve_layout(group: dist.ProcessGroup, claim: ShardClaim) -> VocabLayout:
+    """The agreed layout of ``group`` for this rank's ``claim`` (a handshake on first sight)."""
+    key = (group, *claim.as_tensor().tolist())
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    world = dist.get_world_size(group)
+    mine = claim.as_tensor()
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    claims = [ShardClaim(*(int(v) for v in t.tolist())) for t in gathered]
+    layout = _layout_from_claims(claims, dist.get_rank(group), group)
+    _CACHE[key] = layout
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return layout

@@ -1,0 +1,75 @@
+"""Checks that read tensor values (and so synchronize with the device).
+
+On one device a failed check raises at once. On a tensor-parallel shard it becomes a
+:class:`LocalError` that the first record exchange shares, so that every rank raises it.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .config import KernelConfig
+from .parallel.exchange import LocalError
+from .parallel.layout import VocabLayout
+from .plan import LossPlan
+from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from .validation import check_finite, first_non_finite
+
+__all__ = ["check_values", "local_error"]
+
+Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
+
+
+def _head_tensors(student_hidden: Tensor, weight: Tensor, teacher: Teacher) -> list[tuple[str, Tensor]]:
+    named = [("student_hidden", student_hidden), ("weight", weight)]
+    if isinstance(teacher, TiedTeacher):
+        named.append(("teacher hidden", teacher.hidden))
+    elif isinstance(teacher, SeparateTeacher):
+        named += [("teacher hidden", teacher.hidden), ("teacher weight", teacher.weight)]
+    return named
+
+
+def check_values(
+    plan: LossPlan, config: KernelConfig, student_hidden: Tensor, weight: Tensor, teacher: Teacher, vocab_size: int
+) -> None:
+    """Single device: raise on a modified or non-finite cache, or (with ``check_finite_inputs``)
+    a non-finite hidden state or weight. Padding columns (≥ ``vocab_size``) are not read."""
+    if isinstance(teacher, PrecomputedTeacher):
+        teacher.check_unmodified()
+        if plan.needs_teacher_logits:
+            if teacher.logits is not None:
+                check_finite("teacher.logits", teacher.logits[:, :vocab_size], allow_neg_inf=True)
+            else:
+                for name, tensor in teacher.named_tensors():
+                    check_finite(f"teacher.{name}", tensor)
+    if config.check_finite_inputs:
+        for name, tensor in _head_tensors(student_hidden, weight, teacher):
+            check_finite(name, tensor)
+
+
+def local_error(
+    plan: LossPlan,
+    config: KernelConfig,
+    student_hidden: Tensor,
+    weight: Tensor,
+    teacher: Teacher,
+    original_teacher: Teacher,
+    layout: VocabLayout,
+) -> LocalError | None:
+    """Tensor-parallel shard: the first failed check of :func:`check_values` on this rank's
+    tensors, as a :class:`LocalError` (global column numbers), or None."""
+    if isinstance(original_teacher, PrecomputedTeacher) and original_teacher.modified_tensor() is not None:
+        return LocalError(2)
+    if isinstance(teacher, PrecomputedTeacher) and plan.needs_teacher_logits:
+        if teacher.logits is not None:
+            index = first_non_finite(teacher.logits[:, : layout.real_local_columns], allow_neg_inf=True)
+            if index is not None:
+                return LocalError(1, index[0], layout.vocab_start + index[1])
+        elif any(first_non_finite(tensor) is not None for _, tensor in teacher.named_tensors()):
+            return LocalError(4)
+    if config.check_finite_inputs:
+        for _, tensor in _head_tensors(student_hidden, weight, teacher):
+            index = first_non_finite(tensor)
+            if index is not None:
+                return LocalError(3, index[0], index[1])
+    return None
