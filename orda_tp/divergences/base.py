@@ -4,12 +4,13 @@ Every variant works on normalized log-probabilities of one block of columns,
 ``log p = u − LSE(u)`` and ``log q = v − LSE(v)`` (``u = s/T_s``, ``v = t/T_t``), which exist once
 the first statistics round (the log-partitions) is merged. A variant then
 
-1. sums ``num_sums`` elementwise terms over the block's columns (:meth:`Divergence.block_sums`);
+1. sums ``num_sums`` elementwise terms over the block's columns (:meth:`Divergence.column_terms`,
+   written as :mod:`expr` trees that every backend evaluates or compiles);
    the per-block sums of all blocks (or tensor-parallel shards) add up to the row's sums;
 2. turns the merged sums into the row value ``D`` and the row constants its gradient needs
    (:meth:`Divergence.finalize`);
 3. forms ``∂D/∂u`` (and ``∂D/∂v`` when it co-trains the teacher) from a block's columns and the
-   row constants (:meth:`Divergence.student_grad`, :meth:`Divergence.teacher_grad`).
+   row constants (:meth:`Divergence.student_grad_expr`, :meth:`Divergence.teacher_grad_expr`).
 
 Tensors are (rows, cols) for blocks and (rows,) for rows; all arithmetic is in the statistics
 dtype (fp32, or fp64 for fp64 inputs). Zero-support columns (p = 0 or q = 0, from −inf logits)
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..config import EntropyGate
+from .expr import Expr, equal, evaluate, expm1, greater, logical_and, where
 
 __all__ = [
     "BlockTerms",
@@ -61,6 +63,9 @@ class BlockTerms:
     q: Tensor
     is_target: Tensor | None = None  # (rows, cols) bool, only for variants with ``needs_target``
 
+    def columns(self) -> dict[str, Tensor | None]:
+        return {"logp": self.logp, "logq": self.logq, "p": self.p, "q": self.q, "is_target": self.is_target}
+
 
 @dataclass(frozen=True)
 class RowTargets:
@@ -94,34 +99,45 @@ class Divergence:
         """Fill defaults and validate the ranges of the parameters this variant uses."""
         return DivergenceParams()
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        """(rows, num_sums) partial sums over this block's columns."""
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        """The ``num_sums`` elementwise terms whose column sums round 2 collects."""
         raise NotImplementedError
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         """Row value ``D`` and gradient constants from the sums merged over all columns."""
         raise NotImplementedError
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        """``∂D/∂u`` on the block's columns."""
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        """``∂D/∂u`` on a column, over the block symbols and the finalize constants."""
         raise NotImplementedError
 
-    def teacher_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        """``∂D/∂v`` on the block's columns (co-training variants only)."""
+    def teacher_grad_expr(self, params: DivergenceParams) -> Expr:
+        """``∂D/∂v`` on a column (co-training variants only)."""
         raise NotImplementedError(f"{self.name} does not train the teacher through the KL")
 
+    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
+        """(rows, num_sums) partial sums over this block's columns."""
+        values = evaluate(self.column_terms(params), terms.columns(), {})
+        return torch.stack([value.sum(1) for value in values], dim=1)
 
-def xlogratio(x: Tensor, log_x: Tensor, log_y: Tensor) -> Tensor:
+    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
+        return evaluate([self.student_grad_expr(params)], terms.columns(), consts)[0]
+
+    def teacher_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
+        return evaluate([self.teacher_grad_expr(params)], terms.columns(), consts)[0]
+
+
+def xlogratio(x: Expr, log_x: Expr, log_y: Expr) -> Expr:
     """Elementwise ``x·(log x − log y)`` with ``0·(…) = 0`` where x = 0 (NaN stays NaN)."""
-    return torch.where(x == 0, torch.zeros_like(x), x * (log_x - log_y))
+    return where(equal(x, 0.0), 0.0, x * (log_x - log_y))
 
 
-def zero_where_both_zero(values: Tensor, a: Tensor, b: Tensor) -> Tensor:
+def zero_where_both_zero(values: Expr, a: Expr, b: Expr) -> Expr:
     """Zero the columns where both distributions vanish (padding, −inf in both)."""
-    return torch.where((a == 0) & (b == 0), torch.zeros_like(values), values)
+    return where(logical_and(equal(a, 0.0), equal(b, 0.0)), 0.0, values)
 
 
-def power_gap(log_a: Tensor, log_b: Tensor, a: Tensor, b: Tensor, r: float) -> Tensor:
+def power_gap(log_a: Expr, log_b: Expr, a: Expr, b: Expr, r: float) -> Expr:
     """Elementwise ``a^r b^{1−r} − r·a − (1−r)·b``, whose column sum is ``Σ a^r b^{1−r} − 1``.
 
     Weighted AM–GM makes every term ≤ 0 for r ∈ (0,1) and ≥ 0 for r > 1, so the sum has no
@@ -131,9 +147,9 @@ def power_gap(log_a: Tensor, log_b: Tensor, a: Tensor, b: Tensor, r: float) -> T
     - d > 0: ``a·(expm1(−(1−r) d) − (1−r)·expm1(−d))``
     """
     d = log_a - log_b
-    low = b * (torch.expm1(r * d) - r * torch.expm1(d))
-    high = a * (torch.expm1(-(1.0 - r) * d) - (1.0 - r) * torch.expm1(-d))
-    return zero_where_both_zero(torch.where(d > 0, high, low), a, b)
+    low = b * (expm1(r * d) - r * expm1(d))
+    high = a * (expm1(-(1.0 - r) * d) - (1.0 - r) * expm1(-d))
+    return zero_where_both_zero(where(greater(d, 0.0), high, low), a, b)
 
 
 def check_range(

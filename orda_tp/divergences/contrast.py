@@ -6,7 +6,13 @@ import torch
 from torch import Tensor
 
 from ..config import EntropyGate
-from .base import BlockTerms, Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
+from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
+from .expr import IS_TARGET, LOGP, LOGQ, Expr, P, Q, equal, row, where
+
+
+def _xlogratio_rows(x: Tensor, log_x: Tensor, log_y: Tensor) -> Tensor:
+    """Per row ``x·(log x − log y)`` with ``0·(…) = 0`` where x = 0."""
+    return torch.where(x == 0, torch.zeros_like(x), x * (log_x - log_y))
 
 
 class DecoupledKD(Divergence):
@@ -30,14 +36,12 @@ class DecoupledKD(Divergence):
         check_range("kl_beta", nontarget_weight, 0.0, 16.0, low_open=True, high_open=False, variant=self.name)
         return DivergenceParams(alpha=float(target_weight), beta=float(nontarget_weight))
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        assert terms.is_target is not None
-        others = ~terms.is_target
-        zero = torch.zeros_like(terms.p)
-        p_rest = torch.where(others, terms.p, zero).sum(1)
-        q_rest = torch.where(others, terms.q, zero).sum(1)
-        kl_rest = torch.where(others, xlogratio(terms.q, terms.logq, terms.logp), zero).sum(1)
-        return torch.stack([p_rest, q_rest, kl_rest], dim=1)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        return (
+            where(IS_TARGET, 0.0, P),
+            where(IS_TARGET, 0.0, Q),
+            where(IS_TARGET, 0.0, xlogratio(Q, LOGQ, LOGP)),
+        )
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         target_weight, nontarget_weight = params.alpha, params.beta
@@ -45,7 +49,7 @@ class DecoupledKD(Divergence):
         p_rest, q_rest, kl_rest = sums[:, 0], sums[:, 1], sums[:, 2]
         log_p_rest, log_q_rest = torch.log(p_rest), torch.log(q_rest)
         q_y = torch.exp(targets.logq_y)
-        binary = xlogratio(q_y, targets.logq_y, targets.logp_y) + xlogratio(q_rest, log_q_rest, log_p_rest)
+        binary = _xlogratio_rows(q_y, targets.logq_y, targets.logp_y) + _xlogratio_rows(q_rest, log_q_rest, log_p_rest)
         has_rest = q_rest != 0
         safe_q_rest = torch.where(has_rest, q_rest, torch.ones_like(q_rest))
         nontarget = torch.where(has_rest, kl_rest / safe_q_rest - log_q_rest + log_p_rest, torch.zeros_like(q_rest))
@@ -58,15 +62,14 @@ class DecoupledKD(Divergence):
         }
         return Finalized(value, consts)
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
         target_weight, nontarget_weight = params.alpha, params.beta
-        assert target_weight is not None and nontarget_weight is not None and terms.is_target is not None
-        p_y, q_y = consts["p_y"][:, None], consts["q_y"][:, None]
-        p_hat = terms.p * consts["inv_p_rest"][:, None]
-        q_hat = terms.q * consts["inv_q_rest"][:, None]
+        assert target_weight is not None and nontarget_weight is not None
+        p_y, q_y = row("p_y"), row("q_y")
+        p_hat = P * row("inv_p_rest")
+        q_hat = Q * row("inv_q_rest")
         rest = target_weight * (q_y - p_y) * p_hat + nontarget_weight * (p_hat - q_hat)
-        at_target = (target_weight * (p_y - q_y)).expand_as(rest)
-        return torch.where(terms.is_target, at_target, rest)
+        return where(IS_TARGET, target_weight * (p_y - q_y), rest)
 
 
 class Triangular(Divergence):
@@ -77,24 +80,22 @@ class Triangular(Divergence):
     num_sums = 2
 
     @staticmethod
-    def _column_terms(terms: BlockTerms) -> tuple[Tensor, Tensor]:
-        total = terms.p + terms.q
-        diff = terms.p - terms.q
-        empty = total == 0
-        safe_total = torch.where(empty, torch.ones_like(total), total)
-        value = torch.where(empty, torch.zeros_like(total), diff * diff / safe_total)
-        slope = torch.where(
-            empty, torch.zeros_like(total), diff * (terms.p + 3.0 * terms.q) / (safe_total * safe_total)
-        )
+    def _value_and_slope() -> tuple[Expr, Expr]:
+        total = P + Q
+        diff = P - Q
+        empty = equal(total, 0.0)
+        safe_total = where(empty, 1.0, total)
+        value = where(empty, 0.0, diff * diff / safe_total)
+        slope = where(empty, 0.0, diff * (P + 3.0 * Q) / (safe_total * safe_total))
         return value, slope
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        value, slope = self._column_terms(terms)
-        return torch.stack([value.sum(1), (terms.p * slope).sum(1)], dim=1)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        value, slope = self._value_and_slope()
+        return (value, P * slope)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         return Finalized(sums[:, 0], {"mean_slope": sums[:, 1]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        _, slope = self._column_terms(terms)
-        return terms.p * (slope - consts["mean_slope"][:, None])
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        _, slope = self._value_and_slope()
+        return P * (slope - row("mean_slope"))

@@ -11,25 +11,21 @@ import torch
 from torch import Tensor
 
 from ..config import EntropyGate
-from .base import BlockTerms, Divergence, DivergenceParams, Finalized, RowTargets, xlogratio
+from .base import Divergence, DivergenceParams, Finalized, RowTargets, xlogratio
+from .expr import LOGP, LOGQ, Expr, P, Q, equal, row, where
+
+FORWARD_TERMS = xlogratio(Q, LOGQ, LOGP)
+REVERSE_TERMS = xlogratio(P, LOGP, LOGQ)
 
 
-def forward_kl_terms(terms: BlockTerms) -> Tensor:
-    return xlogratio(terms.q, terms.logq, terms.logp)
-
-
-def reverse_kl_terms(terms: BlockTerms) -> Tensor:
-    return xlogratio(terms.p, terms.logp, terms.logq)
-
-
-def reverse_kl_grad(terms: BlockTerms, reverse_value: Tensor) -> Tensor:
+def reverse_kl_grad(reverse_value: Expr) -> Expr:
     """``∂KL(p‖q)/∂u = p ⊙ (log p − log q − KL(p‖q))`` (0 where p = 0)."""
-    return xlogratio(terms.p, terms.logp, terms.logq + reverse_value[:, None])
+    return xlogratio(P, LOGP, LOGQ + reverse_value)
 
 
-def forward_kl_teacher_grad(terms: BlockTerms, forward_value: Tensor) -> Tensor:
+def forward_kl_teacher_grad(forward_value: Expr) -> Expr:
     """``∂KL(q‖p)/∂v = q ⊙ (log q − log p − KL(q‖p))`` (0 where q = 0)."""
-    return xlogratio(terms.q, terms.logq, terms.logp + forward_value[:, None])
+    return xlogratio(Q, LOGQ, LOGP + forward_value)
 
 
 class Forward(Divergence):
@@ -37,14 +33,14 @@ class Forward(Divergence):
 
     name = "forward"
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        return forward_kl_terms(terms).sum(1, keepdim=True)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        return (FORWARD_TERMS,)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         return Finalized(sums[:, 0], {})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return terms.p - terms.q
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        return P - Q
 
 
 class Reverse(Divergence):
@@ -52,14 +48,14 @@ class Reverse(Divergence):
 
     name = "reverse"
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        return reverse_kl_terms(terms).sum(1, keepdim=True)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        return (REVERSE_TERMS,)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         return Finalized(sums[:, 0], {"reverse": sums[:, 0]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return reverse_kl_grad(terms, consts["reverse"])
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        return reverse_kl_grad(row("reverse"))
 
 
 class Jeffreys(Divergence):
@@ -68,14 +64,14 @@ class Jeffreys(Divergence):
     name = "jeffreys"
     num_sums = 2
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        return torch.stack([forward_kl_terms(terms).sum(1), reverse_kl_terms(terms).sum(1)], dim=1)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        return (FORWARD_TERMS, REVERSE_TERMS)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         return Finalized(sums[:, 0] + sums[:, 1], {"forward": sums[:, 0], "reverse": sums[:, 1]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return terms.p - terms.q + reverse_kl_grad(terms, consts["reverse"])
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        return P - Q + reverse_kl_grad(row("reverse"))
 
 
 class Mutual(Jeffreys):
@@ -84,11 +80,11 @@ class Mutual(Jeffreys):
     name = "mutual"
     cotrains_teacher = True
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return terms.p - terms.q
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        return P - Q
 
-    def teacher_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return terms.q - terms.p
+    def teacher_grad_expr(self, params: DivergenceParams) -> Expr:
+        return Q - P
 
 
 class CoJeffreys(Jeffreys):
@@ -97,13 +93,18 @@ class CoJeffreys(Jeffreys):
     name = "cojeffreys"
     cotrains_teacher = True
 
-    def teacher_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return terms.q - terms.p + forward_kl_teacher_grad(terms, consts["forward"])
+    def teacher_grad_expr(self, params: DivergenceParams) -> Expr:
+        return Q - P + forward_kl_teacher_grad(row("forward"))
 
 
 def weighted(weight: Tensor, value: Tensor) -> Tensor:
     """``weight·value`` with an exact 0 where the weight is 0 (so ``0·inf = 0``)."""
     return torch.where(weight == 0, torch.zeros_like(value), weight * value)
+
+
+def weighted_expr(weight: Expr, value: Expr) -> Expr:
+    """``weight·value`` with an exact 0 where the weight is 0 (so ``0·inf = 0``)."""
+    return where(equal(weight, 0.0), 0.0, weight * value)
 
 
 class EntropyAdaptive(Divergence):
@@ -121,9 +122,9 @@ class EntropyAdaptive(Divergence):
             raise TypeError(f"entropy_gate must be an EntropyGate or None, got {type(gate).__name__}")
         return DivergenceParams(gate=gate)
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        entropy = -torch.where(terms.q == 0, torch.zeros_like(terms.q), terms.q * terms.logq)
-        return torch.stack([forward_kl_terms(terms).sum(1), reverse_kl_terms(terms).sum(1), entropy.sum(1)], dim=1)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        entropy = -where(equal(Q, 0.0), 0.0, Q * LOGQ)
+        return (FORWARD_TERMS, REVERSE_TERMS, entropy)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         gate = params.gate
@@ -135,6 +136,6 @@ class EntropyAdaptive(Divergence):
         value = weighted(gamma, sums[:, 0]) + weighted(1.0 - gamma, sums[:, 1])
         return Finalized(value, {"gamma": gamma, "reverse": sums[:, 1]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        gamma = consts["gamma"][:, None]
-        return weighted(gamma, terms.p - terms.q) + weighted(1.0 - gamma, reverse_kl_grad(terms, consts["reverse"]))
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        gamma = row("gamma")
+        return weighted_expr(gamma, P - Q) + weighted_expr(1.0 - gamma, reverse_kl_grad(row("reverse")))

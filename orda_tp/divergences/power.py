@@ -10,21 +10,13 @@ import torch
 from torch import Tensor
 
 from ..config import EntropyGate
-from .base import (
-    BlockTerms,
-    Divergence,
-    DivergenceParams,
-    Finalized,
-    RowTargets,
-    check_range,
-    power_gap,
-    zero_where_both_zero,
-)
+from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, power_gap, zero_where_both_zero
+from .expr import LOGP, LOGQ, Expr, P, Q, absolute, equal, exp, expm1, greater, less, row, where
 
 
-def power_product(log_a: Tensor, log_b: Tensor, a: Tensor, b: Tensor, r: float) -> Tensor:
+def power_product(log_a: Expr, log_b: Expr, a: Expr, b: Expr, r: float) -> Expr:
     """Elementwise ``a^r b^{1−r}`` (0 where both vanish)."""
-    return zero_where_both_zero(torch.exp(r * log_a + (1.0 - r) * log_b), a, b)
+    return zero_where_both_zero(exp(r * log_a + (1.0 - r) * log_b), a, b)
 
 
 class AlphaDivergence(Divergence):
@@ -38,9 +30,9 @@ class AlphaDivergence(Divergence):
         check_range("kl_alpha", alpha, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
         return DivergenceParams(alpha=float(alpha))
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         assert params.alpha is not None
-        return power_gap(terms.logp, terms.logq, terms.p, terms.q, params.alpha).sum(1, keepdim=True)
+        return (power_gap(LOGP, LOGQ, P, Q, params.alpha),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         alpha = params.alpha
@@ -48,11 +40,10 @@ class AlphaDivergence(Divergence):
         a_minus_one = sums[:, 0]
         return Finalized(-a_minus_one / (alpha * (1.0 - alpha)), {"A": 1.0 + a_minus_one})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
         alpha = params.alpha
         assert alpha is not None
-        mixed = power_product(terms.logp, terms.logq, terms.p, terms.q, alpha)
-        return (consts["A"][:, None] * terms.p - mixed) / (1.0 - alpha)
+        return (row("A") * P - power_product(LOGP, LOGQ, P, Q, alpha)) / (1.0 - alpha)
 
 
 def resolve_renyi_order(kl_alpha: float | None, variant: str) -> DivergenceParams:
@@ -75,19 +66,18 @@ class Renyi(Divergence):
     def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
         return resolve_renyi_order(kl_alpha, self.name)
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         assert params.alpha is not None
-        return power_gap(terms.logq, terms.logp, terms.q, terms.p, params.alpha).sum(1, keepdim=True)
+        return (power_gap(LOGQ, LOGP, Q, P, params.alpha),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         order = params.alpha
         assert order is not None
         return Finalized(torch.log1p(sums[:, 0]) / (order - 1.0), {"A": 1.0 + sums[:, 0]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
         assert params.alpha is not None
-        mixed = power_product(terms.logq, terms.logp, terms.q, terms.p, params.alpha)
-        return terms.p - mixed / consts["A"][:, None]
+        return P - power_product(LOGQ, LOGP, Q, P, params.alpha) / row("A")
 
 
 class RenyiReverse(Divergence):
@@ -99,23 +89,22 @@ class RenyiReverse(Divergence):
     def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
         return resolve_renyi_order(kl_alpha, self.name)
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         assert params.alpha is not None
-        return power_gap(terms.logp, terms.logq, terms.p, terms.q, params.alpha).sum(1, keepdim=True)
+        return (power_gap(LOGP, LOGQ, P, Q, params.alpha),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         order = params.alpha
         assert order is not None
         return Finalized(torch.log1p(sums[:, 0]) / (order - 1.0), {"A": 1.0 + sums[:, 0]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
         order = params.alpha
         assert order is not None
-        mixed = power_product(terms.logp, terms.logq, terms.p, terms.q, order)
-        return order / (order - 1.0) * (mixed / consts["A"][:, None] - terms.p)
+        return order / (order - 1.0) * (power_product(LOGP, LOGQ, P, Q, order) / row("A") - P)
 
 
-def ab_gap(log_p: Tensor, log_q: Tensor, p: Tensor, q: Tensor, alpha: float, beta: float) -> Tensor:
+def ab_gap(log_p: Expr, log_q: Expr, p: Expr, q: Expr, alpha: float, beta: float) -> Expr:
     """Elementwise ``p^α q^β − α/(α+β)·p^{α+β} − β/(α+β)·q^{α+β}`` (≤ 0 by weighted AM–GM).
 
     With ``d = log p − log q`` and ``s = α+β``, factor out the larger of p^s, q^s:
@@ -123,18 +112,17 @@ def ab_gap(log_p: Tensor, log_q: Tensor, p: Tensor, q: Tensor, alpha: float, bet
     """
     total = alpha + beta
     d = log_p - log_q
-    low = torch.exp(total * log_q) * (torch.expm1(alpha * d) - alpha / total * torch.expm1(total * d))
-    high = torch.exp(total * log_p) * (torch.expm1(-beta * d) - beta / total * torch.expm1(-total * d))
-    return zero_where_both_zero(torch.where(d > 0, high, low), p, q)
+    low = exp(total * log_q) * (expm1(alpha * d) - alpha / total * expm1(total * d))
+    high = exp(total * log_p) * (expm1(-beta * d) - beta / total * expm1(-total * d))
+    return zero_where_both_zero(where(greater(d, 0.0), high, low), p, q)
 
 
-def ab_gradient_terms(log_p: Tensor, log_q: Tensor, p: Tensor, alpha: float, beta: float) -> Tensor:
+def ab_gradient_terms(log_p: Expr, log_q: Expr, p: Expr, alpha: float, beta: float) -> Expr:
     """Elementwise ``h = p^α (p^β − q^β)``; the ``expm1`` form where p^β ≈ q^β."""
     exponent = beta * (log_q - log_p)
-    near = -torch.exp((alpha + beta) * log_p) * torch.expm1(exponent)
-    far = torch.exp((alpha + beta) * log_p) - torch.exp(alpha * log_p + beta * log_q)
-    h = torch.where(exponent.abs() < 1.0, near, far)
-    return torch.where(p == 0, torch.zeros_like(h), h)
+    near = -exp((alpha + beta) * log_p) * expm1(exponent)
+    far = exp((alpha + beta) * log_p) - exp(alpha * log_p + beta * log_q)
+    return where(equal(p, 0.0), 0.0, where(less(absolute(exponent), 1.0), near, far))
 
 
 class ABDivergence(Divergence):
@@ -152,20 +140,17 @@ class ABDivergence(Divergence):
         check_range("kl_beta", beta, 0.05, 2.0, low_open=False, high_open=False, variant=self.name)
         return DivergenceParams(alpha=float(alpha), beta=float(beta))
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         alpha, beta = params.alpha, params.beta
         assert alpha is not None and beta is not None
-        gap = ab_gap(terms.logp, terms.logq, terms.p, terms.q, alpha, beta).sum(1)
-        h = ab_gradient_terms(terms.logp, terms.logq, terms.p, alpha, beta).sum(1)
-        return torch.stack([gap, h], dim=1)
+        return (ab_gap(LOGP, LOGQ, P, Q, alpha, beta), ab_gradient_terms(LOGP, LOGQ, P, alpha, beta))
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         alpha, beta = params.alpha, params.beta
         assert alpha is not None and beta is not None
         return Finalized(-sums[:, 0] / (alpha * beta), {"h_sum": sums[:, 1]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
         alpha, beta = params.alpha, params.beta
         assert alpha is not None and beta is not None
-        h = ab_gradient_terms(terms.logp, terms.logq, terms.p, alpha, beta)
-        return (h - terms.p * consts["h_sum"][:, None]) / beta
+        return (ab_gradient_terms(LOGP, LOGQ, P, alpha, beta) - P * row("h_sum")) / beta

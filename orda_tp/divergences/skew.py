@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from ..config import EntropyGate
-from .base import BlockTerms, Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
+from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
+from .expr import LOGP, LOGQ, Expr, P, Q, equal, exp, logaddexp, row, where
 
 
-def log_mixture(terms: BlockTerms, beta: float) -> Tensor:
+def log_mixture(beta: float) -> Expr:
     """``log m = log((1−β) q + β p)``, computed in log space."""
-    return torch.logaddexp(math.log1p(-beta) + terms.logq, math.log(beta) + terms.logp)
+    return logaddexp(math.log1p(-beta) + LOGQ, math.log(beta) + LOGP)
 
 
-def ratio_product(log_x: Tensor, log_y: Tensor, log_m: Tensor, x: Tensor) -> Tensor:
+def ratio_product(log_x: Expr, log_y: Expr, log_m: Expr, x: Expr) -> Expr:
     """Elementwise ``x·y/m`` (0 where x = 0)."""
-    value = torch.exp(log_x + log_y - log_m)
-    return torch.where(x == 0, torch.zeros_like(value), value)
+    return where(equal(x, 0.0), 0.0, exp(log_x + log_y - log_m))
 
 
 class SkewBase(Divergence):
@@ -35,28 +34,27 @@ class SkewBase(Divergence):
         check_range("kl_beta", beta, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
         return DivergenceParams(beta=float(beta))
 
+    @staticmethod
+    def beta(params: DivergenceParams) -> float:
+        assert params.beta is not None
+        return params.beta
+
 
 class SkewForward(SkewBase):
     """``D = KL(q‖m)``, ``∂D/∂u = p·S − β q p/m`` with ``S = βΣ q p/m``."""
 
     name = "skew_forward"
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        assert params.beta is not None
-        log_m = log_mixture(terms, params.beta)
-        value = xlogratio(terms.q, terms.logq, log_m).sum(1)
-        overlap = ratio_product(terms.logq, terms.logp, log_m, terms.q).sum(1)
-        return torch.stack([value, overlap], dim=1)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        log_m = log_mixture(self.beta(params))
+        return (xlogratio(Q, LOGQ, log_m), ratio_product(LOGQ, LOGP, log_m, Q))
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        assert params.beta is not None
-        return Finalized(sums[:, 0], {"S": params.beta * sums[:, 1]})
+        return Finalized(sums[:, 0], {"S": self.beta(params) * sums[:, 1]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        beta = params.beta
-        assert beta is not None
-        log_m = log_mixture(terms, beta)
-        return terms.p * consts["S"][:, None] - beta * ratio_product(terms.logq, terms.logp, log_m, terms.q)
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        beta = self.beta(params)
+        return P * row("S") - beta * ratio_product(LOGQ, LOGP, log_mixture(beta), Q)
 
 
 class SkewReverse(SkewBase):
@@ -64,24 +62,17 @@ class SkewReverse(SkewBase):
 
     name = "skew_reverse"
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        assert params.beta is not None
-        log_m = log_mixture(terms, params.beta)
-        value = xlogratio(terms.p, terms.logp, log_m).sum(1)
-        self_overlap = ratio_product(terms.logp, terms.logp, log_m, terms.p).sum(1)
-        return torch.stack([value, self_overlap], dim=1)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        log_m = log_mixture(self.beta(params))
+        return (xlogratio(P, LOGP, log_m), ratio_product(LOGP, LOGP, log_m, P))
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        assert params.beta is not None
-        return Finalized(sums[:, 0], {"shift": sums[:, 0] - params.beta * sums[:, 1]})
+        return Finalized(sums[:, 0], {"shift": sums[:, 0] - self.beta(params) * sums[:, 1]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        beta = params.beta
-        assert beta is not None
-        log_m = log_mixture(terms, beta)
-        return xlogratio(terms.p, terms.logp, log_m + consts["shift"][:, None]) - beta * ratio_product(
-            terms.logp, terms.logp, log_m, terms.p
-        )
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        beta = self.beta(params)
+        log_m = log_mixture(beta)
+        return xlogratio(P, LOGP, log_m + row("shift")) - beta * ratio_product(LOGP, LOGP, log_m, P)
 
 
 class SkewJS(SkewBase):
@@ -89,20 +80,14 @@ class SkewJS(SkewBase):
 
     name = "skew_js"
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        assert params.beta is not None
-        log_m = log_mixture(terms, params.beta)
-        forward = xlogratio(terms.q, terms.logq, log_m).sum(1)
-        reverse = xlogratio(terms.p, terms.logp, log_m).sum(1)
-        return torch.stack([forward, reverse], dim=1)
+    def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        log_m = log_mixture(self.beta(params))
+        return (xlogratio(Q, LOGQ, log_m), xlogratio(P, LOGP, log_m))
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        beta = params.beta
-        assert beta is not None
+        beta = self.beta(params)
         return Finalized((1.0 - beta) * sums[:, 0] + beta * sums[:, 1], {"reverse": sums[:, 1]})
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        beta = params.beta
-        assert beta is not None
-        log_m = log_mixture(terms, beta)
-        return beta * xlogratio(terms.p, terms.logp, log_m + consts["reverse"][:, None])
+    def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        beta = self.beta(params)
+        return beta * xlogratio(P, LOGP, log_mixture(beta) + row("reverse"))

@@ -1,0 +1,209 @@
+"""A small expression language for the column-wise formulas of the KL variants.
+
+Each variant writes its per-column terms and gradients once, as :class:`Expr` trees over the
+block symbols (``LOGP``, ``LOGQ``, ``P``, ``Q``, ``IS_TARGET``) and per-row constants
+(``row("name")``). The torch backend evaluates the trees with torch ops (:func:`evaluate`); the
+Triton backend compiles the same trees into kernel code (``orda_tp.kernels.codegen``). So a
+formula exists in one place, whatever runs it.
+
+Shared subtrees (the same Python object used twice) are computed once by both evaluators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Expr",
+    "IS_TARGET",
+    "LOGP",
+    "LOGQ",
+    "P",
+    "Q",
+    "absolute",
+    "equal",
+    "evaluate",
+    "exp",
+    "expm1",
+    "greater",
+    "less",
+    "log",
+    "log1p",
+    "logaddexp",
+    "logical_and",
+    "logical_not",
+    "row",
+    "sigmoid",
+    "where",
+    "wrap",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Expr:
+    """A node: ``op`` applied to ``args``; ``value`` holds a constant or a symbol's name."""
+
+    op: str
+    args: tuple[Expr, ...] = ()
+    value: float | str | None = None
+
+    def __add__(self, other: Expr | float) -> Expr:
+        return Expr("add", (self, wrap(other)))
+
+    def __radd__(self, other: float) -> Expr:
+        return Expr("add", (wrap(other), self))
+
+    def __sub__(self, other: Expr | float) -> Expr:
+        return Expr("sub", (self, wrap(other)))
+
+    def __rsub__(self, other: float) -> Expr:
+        return Expr("sub", (wrap(other), self))
+
+    def __mul__(self, other: Expr | float) -> Expr:
+        return Expr("mul", (self, wrap(other)))
+
+    def __rmul__(self, other: float) -> Expr:
+        return Expr("mul", (wrap(other), self))
+
+    def __truediv__(self, other: Expr | float) -> Expr:
+        return Expr("div", (self, wrap(other)))
+
+    def __rtruediv__(self, other: float) -> Expr:
+        return Expr("div", (wrap(other), self))
+
+    def __neg__(self) -> Expr:
+        return Expr("neg", (self,))
+
+
+def wrap(value: Expr | float) -> Expr:
+    if isinstance(value, Expr):
+        return value
+    return Expr("const", value=float(value))
+
+
+def _symbol(name: str) -> Expr:
+    return Expr("column", value=name)
+
+
+LOGP = _symbol("logp")
+LOGQ = _symbol("logq")
+P = _symbol("p")
+Q = _symbol("q")
+IS_TARGET = _symbol("is_target")
+
+
+def row(name: str) -> Expr:
+    """A per-row constant produced by the variant's finalize step."""
+    return Expr("row", value=name)
+
+
+def exp(x: Expr) -> Expr:
+    return Expr("exp", (x,))
+
+
+def log(x: Expr) -> Expr:
+    return Expr("log", (x,))
+
+
+def expm1(x: Expr) -> Expr:
+    return Expr("expm1", (x,))
+
+
+def log1p(x: Expr) -> Expr:
+    return Expr("log1p", (x,))
+
+
+def sigmoid(x: Expr) -> Expr:
+    return Expr("sigmoid", (x,))
+
+
+def absolute(x: Expr) -> Expr:
+    return Expr("abs", (x,))
+
+
+def logaddexp(a: Expr, b: Expr) -> Expr:
+    """``log(e^a + e^b)``, with ``logaddexp(−inf, −inf) = −inf``."""
+    return Expr("logaddexp", (a, b))
+
+
+def equal(a: Expr | float, b: Expr | float) -> Expr:
+    return Expr("eq", (wrap(a), wrap(b)))
+
+
+def greater(a: Expr | float, b: Expr | float) -> Expr:
+    return Expr("gt", (wrap(a), wrap(b)))
+
+
+def less(a: Expr | float, b: Expr | float) -> Expr:
+    return Expr("lt", (wrap(a), wrap(b)))
+
+
+def logical_and(a: Expr, b: Expr) -> Expr:
+    return Expr("and", (a, b))
+
+
+def logical_not(a: Expr) -> Expr:
+    return Expr("not", (a,))
+
+
+def where(condition: Expr, a: Expr | float, b: Expr | float) -> Expr:
+    return Expr("where", (condition, wrap(a), wrap(b)))
+
+
+_TORCH_UNARY = {
+    "exp": torch.exp,
+    "log": torch.log,
+    "expm1": torch.expm1,
+    "log1p": torch.log1p,
+    "sigmoid": torch.sigmoid,
+    "abs": torch.abs,
+    "neg": torch.neg,
+    "not": torch.logical_not,
+}
+_TORCH_BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "eq": torch.eq,
+    "gt": torch.gt,
+    "lt": torch.lt,
+    "and": torch.logical_and,
+    "logaddexp": torch.logaddexp,
+}
+
+
+def evaluate(exprs: Sequence[Expr], columns: Mapping[str, Tensor | None], rows: Mapping[str, Tensor]) -> list[Tensor]:
+    """Evaluate ``exprs`` with torch on a block: ``columns`` maps the column symbols to
+    (rows, cols) tensors, ``rows`` the row constants to (rows,) tensors."""
+    reference = columns["logp"]
+    assert reference is not None
+    memo: dict[int, Tensor] = {}
+
+    def run(node: Expr) -> Tensor:
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if node.op == "const":
+            result = torch.tensor(node.value, dtype=reference.dtype, device=reference.device)
+        elif node.op == "column":
+            value = columns[str(node.value)]
+            assert value is not None, f"the block has no {node.value}"
+            result = value
+        elif node.op == "row":
+            result = rows[str(node.value)][:, None]
+        elif node.op == "where":
+            condition, a, b = (run(arg) for arg in node.args)
+            result = torch.where(condition, a, b)
+        elif node.op in _TORCH_UNARY:
+            result = _TORCH_UNARY[node.op](run(node.args[0]))
+        else:
+            result = _TORCH_BINARY[node.op](run(node.args[0]), run(node.args[1]))
+        memo[key] = result
+        return result
+
+    return [run(e).expand_as(reference) for e in exprs]
