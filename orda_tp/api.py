@@ -9,11 +9,13 @@ import torch
 from torch import Tensor, nn
 
 from .backends import select_backend
+from .backends.block_math import BlockMath, TorchBlockMath
 from .backends.chunked import ChunkedProblem, chunked_loss
+from .backends.head import statistics_dtype
 from .backends.reference import reference_loss
 from .config import EntropyGate, KernelConfig
 from .exchange import LocalExchange, RecordExchange
-from .kernels import unavailable_reason
+from .kernels import is_available
 from .parallel.exchange import ShardExchange
 from .parallel.inputs import LocalInputs, agree_layout, localize
 from .parallel.layout import VocabLayout
@@ -47,11 +49,6 @@ class DistillationLossOutput(NamedTuple):
     student_ce: Tensor
     teacher_ce: Tensor
     kl: Tensor
-
-
-def is_available() -> bool:
-    """True when the fused Triton kernels can run on this machine."""
-    return unavailable_reason() is None
 
 
 def _denominator(num_valid_tokens: object, reduction: str, valid_count: int, device: torch.device) -> float | Tensor:
@@ -121,6 +118,14 @@ def _exchange(
     return ShardExchange(local.group, layout.sequence_parallel, error)
 
 
+def _block_math(backend: str) -> BlockMath:
+    if backend == "triton":
+        from .backends.triton_math import TritonBlockMath
+
+        return TritonBlockMath()
+    return TorchBlockMath()
+
+
 def _run(
     options: LossOptions,
     parallel: ParallelOptions,
@@ -153,9 +158,9 @@ def _run(
     valid_rows = (local.labels != options.ignore_index).nonzero().squeeze(1)
     device = local.student_hidden.device
     denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel(), device)
-    backend = select_backend(options.backend, device)
     teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(local.teacher)
     inputs = (local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits)
+    backend = select_backend(options.backend, device, statistics_dtype(*inputs))
     # Statistics are computed in fp32/fp64 whatever autocast would pick for the GEMMs.
     with torch.autocast(device.type, enabled=False):
         if backend == "reference":
@@ -169,6 +174,7 @@ def _run(
                 grad_needs=_gradient_needs(plan, inputs[:4]),
                 exchange=exchange,
                 layout=layout,
+                math=_block_math(backend),
             )
             outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from orda_tp import KL_VARIANTS, TiedTeacher
+from orda_tp.backends.block_math import TorchBlockMath
 from orda_tp.backends.chunk_grads import block_logit_grads
 from orda_tp.backends.chunk_stats import chunk_row_stats
 from orda_tp.backends.reference import reference_loss
@@ -66,7 +67,7 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
         for start, stop in zip(BOUNDARIES[:-1], BOUNDARIES[1:])
     ]
     random.Random(variant).shuffle(blocks)
-    stats = chunk_row_stats(plan, blocks, labels, LocalExchange())
+    stats = chunk_row_stats(plan, blocks, labels, LocalExchange(), TorchBlockMath())
     for actual, reference in zip((stats.student_ce, stats.teacher_ce, stats.kl), expected[1:]):
         assert relative_error(actual.sum(), reference) <= 1e-12
 

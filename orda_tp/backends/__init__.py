@@ -1,4 +1,5 @@
-"""Backends: ``reference`` (full logits, the oracle), ``torch`` (chunked), ``triton`` (fused)."""
+"""Backends: ``reference`` (full logits, the oracle), ``torch`` (chunked), ``triton`` (chunked, with
+generated Triton kernels for the per-block math)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ __all__ = ["select_backend"]
 _warned_fallback = False
 
 
-def select_backend(requested: str, device: torch.device) -> str:
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """The backend that runs a call: ``requested``, or for "auto" the best one available.
 
-    "auto" falls back from the fused kernels to the chunked torch backend; on a CUDA device it
-    says so once, with the reason.
+    "auto" takes the Triton kernels on a CUDA device with fp16/bf16/fp32 inputs, and otherwise the
+    chunked torch backend; on a CUDA device it says once why it fell back.
     """
     global _warned_fallback
     if requested in ("reference", "torch"):
         return requested
-    reason = unavailable_reason()
+    reason = unavailable_reason(device, dtype)
     if requested == "triton":
         if reason is not None:
             raise ValueError(f"backend='triton' is unavailable on this machine: {reason}")

@@ -13,6 +13,7 @@ then ``dh += dS·W_block``, ``dW_block += dSᵀ·h`` (and the same for the teach
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,7 +22,10 @@ from ..plan import LossPlan
 from .chunk_stats import RowStats, kl_block_terms
 from .head import HeadTensors, RowChunk
 
-__all__ = ["GradientBuffers", "accumulate_chunk_gradients"]
+if TYPE_CHECKING:
+    from .block_math import BlockMath
+
+__all__ = ["GradientBuffers", "accumulate_chunk_gradients", "block_logit_grads"]
 
 
 @dataclass
@@ -102,6 +106,7 @@ def accumulate_chunk_gradients(
     blocks: list[tuple[int, int, Tensor, Tensor | None]],
     row_scale: Tensor,
     buffers: GradientBuffers,
+    math: BlockMath,
 ) -> None:
     """Add this chunk's gradient to ``buffers``; ``blocks`` are ``(start, stop, s, t)`` in local columns."""
     dtype = chunk.student_hidden.dtype
@@ -112,8 +117,9 @@ def accumulate_chunk_gradients(
         else None
     )
     for start, stop, student, teacher in blocks:
-        local_labels = chunk.labels - (head.vocab_start + start)
-        student_grad, teacher_grad = block_logit_grads(plan, stats, student, teacher, local_labels, row_scale)
+        student_grad, teacher_grad = math.logit_grads(
+            plan, stats, student, teacher, chunk.labels, head.vocab_start + start, row_scale
+        )
         weight_block = head.weight.detach()[start:stop].to(dtype)
         if student_hidden_grad is not None:
             student_hidden_grad += student_grad @ weight_block

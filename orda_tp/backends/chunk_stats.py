@@ -8,6 +8,7 @@ same code runs on one device and on a vocabulary shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -15,7 +16,10 @@ from torch import Tensor
 from ..divergences import BlockTerms, RowTargets
 from ..exchange import RecordExchange
 from ..plan import LossPlan
-from ..statistics import LogitFamily, block_partition_record, merge_partition_records, sum_records
+from ..statistics import LogitFamily, merge_partition_records, sum_records
+
+if TYPE_CHECKING:
+    from .block_math import BlockMath
 
 __all__ = ["RowStats", "chunk_row_stats", "kl_block_terms"]
 
@@ -72,12 +76,13 @@ def chunk_row_stats(
     blocks: list[tuple[int, Tensor, Tensor | None]],
     labels: Tensor,
     exchange: RecordExchange,
+    math: BlockMath,
 ) -> RowStats:
     """Row statistics of a chunk from its column blocks ``(global_col_start, student, teacher)``."""
     families = plan.families
     record = exchange.merge_partitions(
         merge_partition_records(
-            [block_partition_record(student, teacher, labels, start, families) for start, student, teacher in blocks]
+            [math.partition(student, teacher, labels, start, families) for start, student, teacher in blocks]
         )
     )
     log_partitions = record.log_partitions()
@@ -102,20 +107,12 @@ def chunk_row_stats(
         assert divergence is not None
         lse_u = lse(plan.kl_student_family)
         lse_v = torch.where(teacher_absent, zeros, lse(plan.kl_teacher_family))
-        sums = exchange.sum_over_shards(
-            sum_records(
-                [
-                    divergence.block_sums(
-                        kl_block_terms(
-                            plan, student, teacher, lse_u, lse_v, labels - start if divergence.needs_target else None
-                        ),
-                        plan.params,
-                    )
-                    for start, student, teacher in blocks
-                    if teacher is not None
-                ]
-            )
-        )
+        partial_sums = [
+            math.kl_sums(plan, student, teacher, labels, start, lse_u, lse_v)
+            for start, student, teacher in blocks
+            if teacher is not None
+        ]
+        sums = exchange.sum_over_shards(sum_records(partial_sums))
         targets = RowTargets(
             logp_y=student_y / plan.student_temperature - lse_u,
             logq_y=teacher_y / plan.teacher_temperature - lse_v,

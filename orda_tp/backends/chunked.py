@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from ..exchange import RecordExchange
 from ..parallel.layout import VocabLayout
 from ..plan import LossPlan
+from .block_math import BlockMath
 from .chunk_grads import GradientBuffers, accumulate_chunk_gradients
 from .chunk_stats import RowStats, chunk_row_stats
 from .head import HeadTensors, RowChunk, block_logits, column_blocks, statistics_dtype
@@ -39,7 +40,7 @@ class ChunkedProblem:
     ``grad_needs``: whether (student_hidden, weight, teacher_hidden, teacher_weight) receive a
     gradient (requires_grad, grad mode and routing already applied); ``layout``: this device's
     columns (and whether hidden rows are sequence-parallel); ``labels``/``valid_rows`` cover the
-    full batch.
+    full batch; ``math``: how a block becomes records and gradients (torch or Triton).
     """
 
     plan: LossPlan
@@ -49,6 +50,7 @@ class ChunkedProblem:
     grad_needs: tuple[bool, bool, bool, bool]
     exchange: RecordExchange
     layout: VocabLayout
+    math: BlockMath
 
     @property
     def wants_grad(self) -> bool:
@@ -133,12 +135,18 @@ class _ChunkedDistillation(torch.autograd.Function):
         for chunk in _chunks(problem, head, dtype):
             blocks = _chunk_blocks(problem, head, chunk)
             stats = chunk_row_stats(
-                plan, [(head.vocab_start + start, s, t) for start, _, s, t in blocks], chunk.labels, problem.exchange
+                plan,
+                [(head.vocab_start + start, s, t) for start, _, s, t in blocks],
+                chunk.labels,
+                problem.exchange,
+                problem.math,
             )
             for parts, values in zip(components, (stats.student_ce, stats.teacher_ce, stats.kl)):
                 parts.append(values)
             if buffers is not None:
-                accumulate_chunk_gradients(plan, head, chunk, stats, blocks, _row_scale(problem, unit, chunk), buffers)
+                accumulate_chunk_gradients(
+                    plan, head, chunk, stats, blocks, _row_scale(problem, unit, chunk), buffers, problem.math
+                )
             elif problem.wants_grad:
                 saved_stats.append(stats)
         problem.exchange.finish(unit)
@@ -184,7 +192,7 @@ def _input_gradients(
         for chunk, stats in zip(_chunks(problem, head, dtype), ctx.saved_stats):
             blocks = _chunk_blocks(problem, head, chunk)
             scale = _row_scale(problem, grad_loss.to(dtype), chunk)
-            accumulate_chunk_gradients(problem.plan, head, chunk, stats, blocks, scale, fresh)
+            accumulate_chunk_gradients(problem.plan, head, chunk, stats, blocks, scale, fresh, problem.math)
         grads = _as_list(fresh)
     hidden_slots = [i for i in (0, 2) if grads[i] is not None]
     reduced = problem.exchange.reduce_row_gradients([grads[i] for i in hidden_slots])

@@ -1,11 +1,36 @@
-"""Fused Triton kernels (GPU). Reserved: the fused kernels arrive with a later release; until then
-:func:`unavailable_reason` says why the Triton backend cannot run."""
+"""Generated Triton kernels for the per-block statistics and logit gradients.
+
+The kernels are compiled from the variants' expression trees (:mod:`.codegen`,
+:mod:`.templates`) and launched by :mod:`.ops`. They run on CUDA devices, and on the CPU under
+Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
+"""
 
 from __future__ import annotations
 
-__all__ = ["unavailable_reason"]
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["is_available", "unavailable_reason"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def unavailable_reason() -> str | None:
-    """Why ``backend="triton"`` cannot run here, or None when it can."""
-    return "the fused Triton kernels are not part of this orda_tp release yet (use backend='torch' or 'auto')"
+def unavailable_reason(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """Why the Triton kernels cannot run for inputs on ``device`` with ``dtype``, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'orda-tp[gpu]')"
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        return f"the Triton kernels take float16, bfloat16 or float32 inputs, not {dtype} (use backend='torch')"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device is None:
+        return None if torch.cuda.is_available() or interpreted else "no CUDA device"
+    if device.type == "cuda" or (device.type == "cpu" and interpreted):
+        return None
+    return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1), got {device.type} tensors"
+
+
+def is_available() -> bool:
+    """True when the Triton kernels can run on this machine's CUDA device."""
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()

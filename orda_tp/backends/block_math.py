@@ -1,0 +1,91 @@
+"""The per-block math of the chunked loop, in two implementations.
+
+The chunked loop (row chunks, column blocks, record exchange, gradient GEMMs) is the same for
+every backend; what differs is how one block of logits becomes a round-1 record, round-2 sums
+and logit gradients: torch ops (:class:`TorchBlockMath`) or generated Triton kernels
+(:class:`orda_tp.backends.triton_math.TritonBlockMath`). Both read the same variant formulas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import Tensor
+
+from ..plan import LossPlan
+from ..statistics import LogitFamily, PartitionRecord, block_partition_record
+from .chunk_grads import block_logit_grads
+from .chunk_stats import RowStats, kl_block_terms
+
+__all__ = ["BlockMath", "TorchBlockMath"]
+
+
+class BlockMath(Protocol):
+    def partition(
+        self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
+    ) -> PartitionRecord:
+        """Round-1 record of a block whose first column is global column ``col_start``."""
+        ...
+
+    def kl_sums(
+        self,
+        plan: LossPlan,
+        student: Tensor,
+        teacher: Tensor,
+        labels: Tensor,
+        col_start: int,
+        lse_u: Tensor,
+        lse_v: Tensor,
+    ) -> Tensor:
+        """(rows, num_sums) round-2 sums of the plan's variant over the block."""
+        ...
+
+    def logit_grads(
+        self,
+        plan: LossPlan,
+        stats: RowStats,
+        student: Tensor,
+        teacher: Tensor | None,
+        labels: Tensor,
+        col_start: int,
+        row_scale: Tensor,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(∂loss/∂s, ∂loss/∂t)`` on the block (the teacher part None when it is not trained)."""
+        ...
+
+
+class TorchBlockMath:
+    """Torch ops on (rows × block) tensors: runs anywhere, fp64 included."""
+
+    def partition(
+        self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
+    ) -> PartitionRecord:
+        return block_partition_record(student, teacher, labels, col_start, families)
+
+    def kl_sums(
+        self,
+        plan: LossPlan,
+        student: Tensor,
+        teacher: Tensor,
+        labels: Tensor,
+        col_start: int,
+        lse_u: Tensor,
+        lse_v: Tensor,
+    ) -> Tensor:
+        divergence = plan.divergence
+        assert divergence is not None
+        local_labels = labels - col_start if divergence.needs_target else None
+        return divergence.block_sums(kl_block_terms(plan, student, teacher, lse_u, lse_v, local_labels), plan.params)
+
+    def logit_grads(
+        self,
+        plan: LossPlan,
+        stats: RowStats,
+        student: Tensor,
+        teacher: Tensor | None,
+        labels: Tensor,
+        col_start: int,
+        row_scale: Tensor,
+    ) -> tuple[Tensor, Tensor | None]:
+        return block_logit_grads(plan, stats, student, teacher, labels - col_start, row_scale)

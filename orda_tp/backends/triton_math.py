@@ -1,0 +1,78 @@
+"""Block math on generated Triton kernels (``orda_tp.kernels``): one pass over the block per
+statistics round and one for the logit gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..kernels import ops
+from ..plan import LossPlan
+from ..statistics import LogitFamily, PartitionRecord
+from .chunk_stats import RowStats
+
+__all__ = ["TritonBlockMath"]
+
+
+class TritonBlockMath:
+    def partition(
+        self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
+    ) -> PartitionRecord:
+        return ops.partition_record(student, teacher, labels, col_start, families)
+
+    def kl_sums(
+        self,
+        plan: LossPlan,
+        student: Tensor,
+        teacher: Tensor,
+        labels: Tensor,
+        col_start: int,
+        lse_u: Tensor,
+        lse_v: Tensor,
+    ) -> Tensor:
+        assert plan.divergence is not None
+        temperatures = (plan.student_temperature, plan.teacher_temperature)
+        return ops.variant_sums(
+            plan.divergence, plan.params, student, teacher, labels, col_start, lse_u, lse_v, temperatures
+        )
+
+    def logit_grads(
+        self,
+        plan: LossPlan,
+        stats: RowStats,
+        student: Tensor,
+        teacher: Tensor | None,
+        labels: Tensor,
+        col_start: int,
+        row_scale: Tensor,
+    ) -> tuple[Tensor, Tensor | None]:
+        zeros = torch.zeros_like(row_scale)
+        values: dict[str, Tensor] = dict(stats.kl_consts)
+        teacher_ce = plan.teacher_receives_grad and plan.teacher_ce_weight > 0
+        if plan.student_ce_weight > 0:
+            values["lse_s"] = stats.lse(plan, plan.ce_student_family)
+            values["c_ce_s"] = plan.student_ce_weight * row_scale
+        if teacher_ce:
+            keep = ~stats.teacher_absent
+            values["lse_t"] = torch.where(keep, stats.lse(plan, plan.ce_teacher_family), zeros)
+            values["c_ce_t"] = torch.where(keep, plan.teacher_ce_weight * row_scale, zeros)
+        if plan.computes_kl:
+            values["lse_u"], values["lse_v"] = stats.kl_log_partitions(plan)
+            values["c_kl_s"] = plan.kl_weight * plan.student_temperature * row_scale
+            values["keep"] = stats.keep_kl_grad.to(row_scale.dtype)
+            if plan.kl_trains_teacher:
+                scale = plan.kl_weight * plan.student_temperature**2 / plan.teacher_temperature
+                values["c_kl_t"] = scale * row_scale
+        terms = ops.GradTerms(
+            student_ce=plan.student_ce_weight > 0,
+            student_kl=plan.computes_kl,
+            teacher_ce=teacher_ce,
+            teacher_kl=plan.kl_trains_teacher,
+            has_teacher=teacher is not None,
+        )
+        temperatures = (plan.student_temperature, plan.teacher_temperature)
+        return ops.logit_grads(
+            plan.divergence, plan.params, terms, student, teacher, labels, col_start, values, temperatures
+        )

@@ -1,0 +1,111 @@
+"""Compile the variants' :mod:`orda_tp.divergences.expr` trees into Triton source.
+
+The generated code is a straight-line block of assignments over the kernel's column variables
+(``logp``, ``logq``, ``p``, ``q``, ``is_target``: (BLOCK_R, BLOCK_C) tiles) and row constants
+(``row_<name>``: (BLOCK_R, 1)). Shared subtrees become one variable. ``expm1``/``log1p`` use
+exp/log-only forms (Kahan's), since the Triton interpreter has no libdevice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..divergences.expr import Expr
+
+__all__ = ["HELPERS", "compile_exprs", "row_names"]
+
+HELPERS = """
+@triton.jit
+def _expm1(x):
+    u = tl.exp(x)
+    um1 = u - 1.0
+    accurate = um1 * x / tl.log(tl.where(u == 1.0, 2.0, u))
+    return tl.where(u == 1.0, x, tl.where(um1 == -1.0, -1.0, tl.where(u > 3.0e38, u, accurate)))
+
+
+@triton.jit
+def _log1p(x):
+    u = 1.0 + x
+    accurate = tl.log(u) * x / tl.where(u == 1.0, 1.0, u - 1.0)
+    return tl.where(u == 1.0, x, tl.where(u > 3.0e38, u, accurate))
+
+
+@triton.jit
+def _logaddexp(a, b):
+    m = tl.maximum(a, b)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    return shift + tl.log(tl.exp(a - shift) + tl.exp(b - shift))
+"""
+
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "eq": "==", "gt": ">", "lt": "<", "and": "&"}
+_CALLS = {
+    "exp": "tl.exp",
+    "log": "tl.log",
+    "expm1": "_expm1",
+    "log1p": "_log1p",
+    "sigmoid": "tl.sigmoid",
+    "abs": "tl.abs",
+    "logaddexp": "_logaddexp",
+}
+
+
+def _literal(value: float) -> str:
+    if not math.isfinite(value):
+        raise ValueError(f"expression constants must be finite, got {value}")
+    return repr(float(value))
+
+
+def row_names(exprs: Sequence[Expr]) -> list[str]:
+    """The row constants the expressions read, in first-use order."""
+    names: list[str] = []
+    seen: set[int] = set()
+
+    def visit(node: Expr) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if node.op == "row" and node.value not in names:
+            names.append(str(node.value))
+        for arg in node.args:
+            visit(arg)
+
+    for expr in exprs:
+        visit(expr)
+    return names
+
+
+def compile_exprs(exprs: Sequence[Expr], prefix: str) -> tuple[list[str], list[str]]:
+    """``(lines, results)``: assignments computing each expression, and the variable holding it."""
+    lines: list[str] = []
+    names: dict[int, str] = {}
+
+    def emit(node: Expr) -> str:
+        key = id(node)
+        if key in names:
+            return names[key]
+        if node.op == "const":
+            return _literal(float(node.value))  # type: ignore[arg-type]
+        if node.op == "column":
+            name = str(node.value)
+        elif node.op == "row":
+            name = f"row_{node.value}"
+        else:
+            args = [emit(arg) for arg in node.args]
+            if node.op in _BINARY:
+                code = f"({args[0]} {_BINARY[node.op]} {args[1]})"
+            elif node.op == "neg":
+                code = f"(-{args[0]})"
+            elif node.op == "not":
+                code = f"({args[0]} == 0)"
+            elif node.op == "where":
+                code = f"tl.where({args[0]}, {args[1]}, {args[2]})"
+            else:
+                code = f"{_CALLS[node.op]}({', '.join(args)})"
+            name = f"{prefix}{len(lines)}"
+            lines.append(f"{name} = {code}")
+        names[key] = name
+        return name
+
+    results = [emit(expr) for expr in exprs]
+    return lines, results

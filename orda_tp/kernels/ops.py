@@ -1,0 +1,251 @@
+"""Launch the generated kernels on one block of logits (rows × columns, fp32).
+
+Each function mirrors one step of the torch block math (``orda_tp.backends.block_math``) and
+returns the same thing: a :class:`PartitionRecord`, the variant's (rows, num_sums) sums, or the
+logit gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from types import ModuleType
+
+import torch
+import triton
+from torch import Tensor
+
+from ..divergences import Divergence, DivergenceParams
+from ..statistics import LogitFamily, PartitionRecord, merge_partition_records, sum_records
+from .codegen import compile_exprs, row_names
+from .templates import (
+    GRADS_TEMPLATE,
+    PARTITION_INIT,
+    PARTITION_STORE,
+    PARTITION_TEMPLATE,
+    PARTITION_UPDATE,
+    SUMS_TEMPLATE,
+    load_kernel_module,
+)
+
+__all__ = ["partition_record", "variant_sums", "logit_grads", "GradTerms"]
+
+BLOCK_R = 16
+BLOCK_C = 128
+
+
+def _indent(lines: Sequence[str], depth: int) -> str:
+    return "\n".join(" " * depth + line for line in lines)
+
+
+def _grid(rows: int, cols: int) -> tuple[tuple[int, int], int]:
+    """Row tiles × column splits, and the columns of one split (a multiple of BLOCK_C)."""
+    row_tiles = triton.cdiv(max(rows, 1), BLOCK_R)
+    wanted_splits = max(1, min(triton.cdiv(cols, BLOCK_C), triton.cdiv(256, row_tiles)))
+    per_split = triton.cdiv(triton.cdiv(cols, wanted_splits), BLOCK_C) * BLOCK_C
+    return (row_tiles, triton.cdiv(max(cols, 1), per_split)), per_split
+
+
+@cache
+def _partition_module(sides: tuple[str, ...]) -> ModuleType:
+    families = len(sides)
+    source = PARTITION_TEMPLATE.format(
+        scale_args=" ".join(f"scale{f}," for f in range(families)),
+        init="\n".join(PARTITION_INIT.format(f=f) for f in range(families)),
+        update="\n".join(
+            PARTITION_UPDATE.format(f=f, side="s" if side == "student" else "t") for f, side in enumerate(sides)
+        ),
+        store="\n".join(PARTITION_STORE.format(f=f) for f in range(families)),
+    )
+    width = 2 * families + 3
+    return load_kernel_module(source.replace("WIDTH", str(width)).replace("FAMILIES", str(families)))
+
+
+def partition_record(
+    student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
+) -> PartitionRecord:
+    """Round-1 record of a block (see :func:`orda_tp.statistics.block_partition_record`)."""
+    rows, cols = student.shape
+    count = len(families)
+    if count == 0:
+        from ..statistics import block_partition_record
+
+        return block_partition_record(student, teacher, labels, col_start, families)
+    module = _partition_module(tuple(f.side for f in families))
+    grid, per_split = _grid(rows, cols)
+    out = torch.empty(grid[1], rows, 2 * count + 3, dtype=torch.float32, device=student.device)
+    has_teacher = teacher is not None
+    other = teacher if has_teacher else student
+    module.kernel[grid](
+        student,
+        other,
+        labels,
+        out,
+        rows,
+        cols,
+        student.stride(0),
+        other.stride(0),
+        col_start,
+        per_split,
+        *[1.0 / f.temperature for f in families],
+        HAS_T=has_teacher,
+        BLOCK_R=BLOCK_R,
+        BLOCK_C=BLOCK_C,
+    )
+    return merge_partition_records([PartitionRecord.unpack(part, count) for part in out])
+
+
+@cache
+def _sums_module(divergence: Divergence, params: DivergenceParams) -> ModuleType:
+    exprs = divergence.column_terms(params)
+    lines, results = compile_exprs(exprs, "v")
+    count = len(exprs)
+    source = SUMS_TEMPLATE.format(
+        init=_indent([f"acc{k} = tl.zeros([BLOCK_R], dtype=tl.float32)" for k in range(count)], 4),
+        body=_indent(lines, 8),
+        accumulate=_indent(
+            [f"acc{k} += tl.sum(tl.where(ok, {r} + tl.zeros_like(p), 0.0), axis=1)" for k, r in enumerate(results)], 8
+        ),
+        store=_indent([f"tl.store(base + {k}, acc{k}, mask=row_ok)" for k in range(count)], 4),
+    )
+    return load_kernel_module(source.replace("NUM_SUMS", str(count)))
+
+
+def variant_sums(
+    divergence: Divergence,
+    params: DivergenceParams,
+    student: Tensor,
+    teacher: Tensor,
+    labels: Tensor,
+    col_start: int,
+    lse_u: Tensor,
+    lse_v: Tensor,
+    temperatures: tuple[float, float],
+) -> Tensor:
+    """(rows, num_sums) round-2 sums of a block (see ``Divergence.block_sums``)."""
+    rows, cols = student.shape
+    module = _sums_module(divergence, params)
+    grid, per_split = _grid(rows, cols)
+    out = torch.empty(grid[1], rows, divergence.num_sums, dtype=torch.float32, device=student.device)
+    lse = torch.stack([lse_u, lse_v], dim=1).float().contiguous()
+    module.kernel[grid](
+        student,
+        teacher,
+        labels,
+        lse,
+        out,
+        rows,
+        cols,
+        student.stride(0),
+        teacher.stride(0),
+        col_start,
+        per_split,
+        1.0 / temperatures[0],
+        1.0 / temperatures[1],
+        HAS_T=True,
+        BLOCK_R=BLOCK_R,
+        BLOCK_C=BLOCK_C,
+    )
+    return sum_records(list(out))
+
+
+class GradTerms:
+    """Which gradient terms a call forms; part of the kernel's specialization."""
+
+    def __init__(
+        self, student_ce: bool, student_kl: bool, teacher_ce: bool, teacher_kl: bool, has_teacher: bool
+    ) -> None:
+        self.key = (student_ce, student_kl, teacher_ce, teacher_kl, has_teacher)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GradTerms) and other.key == self.key
+
+
+@cache
+def _grads_module(
+    divergence: Divergence | None, params: DivergenceParams, terms: GradTerms
+) -> tuple[ModuleType, tuple[str, ...]]:
+    student_ce, student_kl, teacher_ce, teacher_kl, _ = terms.key
+    exprs = []
+    if student_kl:
+        assert divergence is not None
+        exprs.append(divergence.student_grad_expr(params))
+    if teacher_kl:
+        assert divergence is not None
+        exprs.append(divergence.teacher_grad_expr(params))
+    lines, results = compile_exprs(exprs, "g")
+    names = ["lse_u", "lse_v", "lse_s", "lse_t", "c_ce_s", "c_kl_s", "c_ce_t", "c_kl_t", "keep"]
+    names += [n for n in row_names(exprs) if n not in names]
+    load_rows = [
+        f"row_{name} = tl.load(rowc_ptr + rows * {len(names)} + {j}, mask=row_ok, other=0.0)[:, None]"
+        for j, name in enumerate(names)
+    ] + ["lse_u = row_lse_u", "lse_v = row_lse_v"]
+    body = list(lines)
+    one_hot = "tl.where(is_target, 1.0, 0.0)"
+    results_iter = iter(results)
+    body.append("ds = tl.zeros_like(s)")
+    if student_ce:
+        body.append(f"ds += row_c_ce_s * (tl.exp(s - row_lse_s) - {one_hot})")
+    if student_kl:
+        body.append(f"ds += row_c_kl_s * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
+    body.append("tl.store(ds_ptr + rows[:, None] * stride_ds + cols[None, :], ds, mask=ok)")
+    if teacher_ce or teacher_kl:
+        body.append("dt = tl.zeros_like(s)")
+        if teacher_ce:
+            body.append(f"dt += row_c_ce_t * (tl.exp(t - row_lse_t) - {one_hot})")
+        if teacher_kl:
+            body.append(f"dt += row_c_kl_t * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
+        body.append("tl.store(dt_ptr + rows[:, None] * stride_dt + cols[None, :], dt, mask=ok)")
+    source = GRADS_TEMPLATE.format(load_rows=_indent(load_rows, 4), body=_indent(body, 8))
+    return load_kernel_module(source), tuple(names)
+
+
+def logit_grads(
+    divergence: Divergence | None,
+    params: DivergenceParams,
+    terms: GradTerms,
+    student: Tensor,
+    teacher: Tensor | None,
+    labels: Tensor,
+    col_start: int,
+    row_values: dict[str, Tensor],
+    temperatures: tuple[float, float],
+) -> tuple[Tensor, Tensor | None]:
+    """``(∂loss/∂s, ∂loss/∂t or None)`` on a block; ``row_values`` holds every row constant the
+    kernel reads (names as in the generated kernel)."""
+    rows, cols = student.shape
+    module, names = _grads_module(divergence, params, terms)
+    zeros = torch.zeros(rows, dtype=torch.float32, device=student.device)
+    rowc = torch.stack([row_values.get(name, zeros).float() for name in names], dim=1).contiguous()
+    grad_s = torch.empty_like(student, dtype=torch.float32)
+    trains_teacher = terms.key[2] or terms.key[3]
+    grad_t = torch.empty_like(student, dtype=torch.float32) if trains_teacher else None
+    has_teacher = teacher is not None
+    other = teacher if has_teacher else student
+    grid, per_split = _grid(rows, cols)
+    out_t = grad_t if grad_t is not None else grad_s
+    module.kernel[grid](
+        student,
+        other,
+        labels,
+        rowc,
+        grad_s,
+        out_t,
+        rows,
+        cols,
+        student.stride(0),
+        other.stride(0),
+        grad_s.stride(0),
+        out_t.stride(0),
+        col_start,
+        per_split,
+        1.0 / temperatures[0],
+        1.0 / temperatures[1],
+        HAS_T=has_teacher,
+        BLOCK_R=BLOCK_R,
+        BLOCK_C=BLOCK_C,
+    )
+    return grad_s, grad_t
