@@ -17,7 +17,7 @@ from .config import EntropyGate, KernelConfig
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
 from .parallel.exchange import ShardExchange
-from .parallel.inputs import LocalInputs, agree_layout, localize
+from .parallel.inputs import LocalInputs, agree_layout, localize, tp_group_of
 from .parallel.layout import VocabLayout
 from .plan import LossPlan
 from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
@@ -126,16 +126,15 @@ def _block_math(backend: str) -> BlockMath:
     return TorchBlockMath()
 
 
-def _run(
+def _local_inputs(
     options: LossOptions,
     parallel: ParallelOptions,
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
     teacher: Teacher,
-    num_valid_tokens: object,
-) -> DistillationLossOutput:
-    teacher_tensors(teacher)  # a TypeError for anything but a teacher descriptor
+) -> LocalInputs:
+    """This rank's tensors, checked (types, shapes, devices); no collective."""
     local = localize(
         student_hidden, weight, labels, teacher, parallel.tp_group, parallel.vocab_range, parallel.sequence_parallel
     )
@@ -150,7 +149,29 @@ def _run(
     )
     if local.group is not None and options.backend == "reference":
         raise ValueError("backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'")
-    layout = agree_layout(local, parallel.vocab_size)
+    return local
+
+
+def _run(
+    options: LossOptions,
+    parallel: ParallelOptions,
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: Teacher,
+    num_valid_tokens: object,
+) -> DistillationLossOutput:
+    teacher_tensors(teacher)  # a TypeError for anything but a teacher descriptor
+    group = tp_group_of(weight, parallel.tp_group)
+    local, problem = None, None
+    try:
+        local = _local_inputs(options, parallel, student_hidden, weight, labels, teacher)
+    except (ValueError, TypeError) as error:
+        if group is None:
+            raise
+        problem = error  # every rank of the group raises it after the handshake
+    layout = agree_layout(group, local, parallel.vocab_size, problem)
+    assert local is not None
     plan = build_plan(options, local.teacher, layout.vocab_size)
     if not options.config.assume_valid_labels:
         check_label_range(local.labels, layout.vocab_size, options.ignore_index)

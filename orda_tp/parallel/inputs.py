@@ -16,7 +16,7 @@ from ..teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
 from .layout import ShardClaim, VocabLayout, resolve_layout
 
-__all__ = ["LocalInputs", "agree_layout", "localize"]
+__all__ = ["LocalInputs", "agree_layout", "localize", "tp_group_of"]
 
 Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 
@@ -68,7 +68,6 @@ def _local_teacher(teacher: Teacher, axis: MeshAxis, hidden_sharded: bool) -> Te
         return TiedTeacher(hidden(teacher.hidden, "teacher.hidden"), teacher.mode)
     if isinstance(teacher, SeparateTeacher):
         return SeparateTeacher(hidden(teacher.hidden, "teacher.hidden"), head(teacher.weight, "teacher.weight"))
-    teacher.check_unmodified()
     if teacher.logits is not None:
         logits = teacher.logits
         if is_dtensor(logits):
@@ -97,11 +96,17 @@ def localize(
     """Local shards of DTensor inputs (plain tensors pass through) and the tp setting."""
     group = _check_group(tp_group)
     if not is_dtensor(weight):
-        if is_dtensor(student_hidden) or is_dtensor(labels):
+        others = [("student_hidden", student_hidden), ("labels", labels)] + [
+            (f"teacher.{name}", tensor) for name, tensor in _teacher_named(teacher)
+        ]
+        wrapped = [name for name, tensor in others if is_dtensor(tensor)]
+        if wrapped:
             raise ValueError(
-                "student_hidden or labels is a DTensor but weight is not: pass the head weight as a DTensor "
+                f"{', '.join(wrapped)} is a DTensor but weight is not: pass the head weight as a DTensor "
                 "sharded on dim 0, or plain local tensors with tp_group"
             )
+        if sequence_parallel and group is None:
+            raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
         return LocalInputs(student_hidden, weight, labels, teacher, group, vocab_range, bool(sequence_parallel))
     axis = shard_axis(weight, "weight")
     if group is not None and not _same_ranks(group, axis.group):
@@ -135,6 +140,14 @@ def localize(
     )
 
 
+def _teacher_named(teacher: Teacher) -> list[tuple[str, Tensor]]:
+    if isinstance(teacher, TiedTeacher):
+        return [("hidden", teacher.hidden)]
+    if isinstance(teacher, SeparateTeacher):
+        return [("hidden", teacher.hidden), ("weight", teacher.weight)]
+    return teacher.named_tensors()
+
+
 def _teacher_columns(teacher: Teacher) -> int:
     if isinstance(teacher, SeparateTeacher):
         return teacher.weight.shape[0]
@@ -143,14 +156,21 @@ def _teacher_columns(teacher: Teacher) -> int:
     return -1
 
 
-def agree_layout(inputs: LocalInputs, vocab_size: int | None) -> VocabLayout:
-    """The layout of this call: the whole head on one device, or agreed across ``inputs.group``."""
-    if inputs.group is None:
+def agree_layout(
+    group: dist.ProcessGroup | None, inputs: LocalInputs | None, vocab_size: int | None, problem: Exception | None
+) -> VocabLayout:
+    """The layout of this call: the whole head on one device, or agreed across ``group``.
+
+    On a group, ``inputs`` is None and ``problem`` set when this rank's own checks failed; the
+    handshake then makes every rank raise.
+    """
+    if group is None:
+        assert inputs is not None
         if inputs.vocab_range is not None:
             raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
-        if inputs.sequence_parallel:
-            raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
         return VocabLayout.single_device(inputs.weight.shape[0], vocab_size)
+    if inputs is None:
+        return resolve_layout(group, ShardClaim(failed=1), None, problem)
     start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
     claim = ShardClaim(
         local_columns=inputs.weight.shape[0],
@@ -162,4 +182,13 @@ def agree_layout(inputs: LocalInputs, vocab_size: int | None) -> VocabLayout:
         hidden_rows=inputs.student_hidden.shape[0],
         sequence_parallel=int(inputs.sequence_parallel),
     )
-    return resolve_layout(inputs.group, claim)
+    return resolve_layout(group, claim, inputs.labels, problem)
+
+
+def tp_group_of(weight: object, tp_group: object) -> dist.ProcessGroup | None:
+    """The call's tensor-parallel group: ``tp_group``, or the mesh group a DTensor weight is
+    sharded over (placements are the same on every rank, so every rank decides alike)."""
+    group = _check_group(tp_group)
+    if group is None and is_dtensor(weight):
+        return shard_axis(weight, "weight").group  # type: ignore[arg-type]
+    return group

@@ -4,14 +4,15 @@ A :class:`VocabLayout` says which global columns ``[vocab_start, vocab_stop)`` t
 shard holds, how many columns all shards hold together (the padded vocabulary), and the real
 vocabulary size (columns at or past it are padding, masked on whichever rank holds them).
 
-Ranks agree on the layout through one small "handshake" all-gather of fixed size, made the first
-time a layout is seen and cached afterwards. Everything the handshake checks is checked from the
-gathered values, so every rank raises the same error and none is left waiting in a collective.
+Ranks agree on the layout through one small "handshake" all-gather of fixed size at the start of
+every call. It carries each rank's shard sizes, vocabulary range, row counts, a checksum of its
+labels and whether its own input checks failed. Everything is checked from the gathered values, so
+every rank raises the same error and none is left waiting in a collective, whatever changed on
+whichever rank since the last call.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -55,14 +56,15 @@ class VocabLayout:
 class ShardClaim:
     """What one rank brings to the handshake (−1 where a field is not given)."""
 
-    local_columns: int
-    teacher_columns: int
-    range_start: int
-    range_stop: int
-    vocab_size: int
-    label_rows: int
-    hidden_rows: int
-    sequence_parallel: int
+    local_columns: int = -1
+    teacher_columns: int = -1
+    range_start: int = -1
+    range_stop: int = -1
+    vocab_size: int = -1
+    label_rows: int = -1
+    hidden_rows: int = -1
+    sequence_parallel: int = 0
+    failed: int = 0
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor(
@@ -75,13 +77,16 @@ class ShardClaim:
                 self.label_rows,
                 self.hidden_rows,
                 self.sequence_parallel,
+                self.failed,
             ],
             dtype=torch.int64,
         )
 
 
-_CACHE: OrderedDict[tuple[object, ...], VocabLayout] = OrderedDict()
-_CACHE_SIZE = 64
+def labels_checksum(labels: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums that differ when two ranks' labels differ (computed on the labels' device)."""
+    positions = torch.arange(1, labels.numel() + 1, device=labels.device, dtype=torch.int64)
+    return torch.stack([labels.sum(), (labels * positions).sum()]).to(torch.int64)
 
 
 def _agreed_or_raise(values: list[int], what: str) -> int:
@@ -163,21 +168,36 @@ def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.Process
     )
 
 
-def resolve_layout(group: dist.ProcessGroup, claim: ShardClaim) -> VocabLayout:
-    """The agreed layout of ``group`` for this rank's ``claim`` (a handshake on first sight)."""
-    key = (group, *claim.as_tensor().tolist())
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
+def _raise_local_failures(claims: list[ShardClaim], problem: Exception | None, group: dist.ProcessGroup) -> None:
+    """If any rank's own input checks failed, every rank raises the same error naming them."""
+    failed = [rank for rank, claim in enumerate(claims) if claim.failed]
+    if not failed:
+        return
+    messages: list[object] = [None] * len(claims)
+    dist.all_gather_object(messages, None if problem is None else f"{type(problem).__name__}: {problem}", group=group)
+    details = "; ".join(f"rank {rank}: {messages[rank]}" for rank in failed)
+    raise ValueError(f"invalid inputs on tp_group rank(s) {failed}: {details}")
+
+
+def resolve_layout(
+    group: dist.ProcessGroup, claim: ShardClaim, labels: torch.Tensor | None, problem: Exception | None
+) -> VocabLayout:
+    """The layout agreed by every rank of ``group`` (one fixed-size all-gather).
+
+    ``problem`` is this rank's own input-check failure, if any: it travels as a flag, so every
+    rank raises. Labels must be identical on every rank; their checksums are compared.
+    """
     world = dist.get_world_size(group)
-    mine = claim.as_tensor()
-    if dist.get_backend(group) == dist.Backend.NCCL:
-        mine = mine.cuda()
+    device = labels.device if labels is not None else torch.device("cpu")
+    if dist.get_backend(group) == dist.Backend.NCCL and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    checksum = labels_checksum(labels) if labels is not None else torch.full((2,), -1, dtype=torch.int64)
+    mine = torch.cat([claim.as_tensor().to(device), checksum.to(device)])
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    claims = [ShardClaim(*(int(v) for v in t.tolist())) for t in gathered]
-    layout = _layout_from_claims(claims, dist.get_rank(group), group)
-    _CACHE[key] = layout
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return layout
+    rows = [t.tolist() for t in gathered]
+    claims = [ShardClaim(*(int(v) for v in values[:-2])) for values in rows]
+    _raise_local_failures(claims, problem, group)
+    if len({tuple(values[-2:]) for values in rows}) != 1:
+        raise ValueError("labels must be identical on every rank of tp_group (they are global ids); they differ")
+    return _layout_from_claims(claims, dist.get_rank(group), group)
