@@ -1,0 +1,141 @@
+"""SPEC §4 on real torch.distributed process groups (gloo, 2–4 ranks, tests/distributed.py).
+
+Every tensor-parallel call is compared, in the same process, with the single-device call on the
+full tensors: loss and components bitwise identical on every rank and equal to the single-device
+values (fp64 ≤ 1e-12, fp32 ≤ 1e-6 relative); each rank's head gradients equal its slice of the
+single-device gradients; hidden gradients equal the full ones (or this rank's rows under sequence
+parallelism). The workers are in tests/tp_workers.py; each spawn runs many cases and reports every
+mismatch at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from . import tp_workers
+from .distributed import run_distributed
+
+# The full matrix runs 270 cases per spawn; generous bounds, CI runs other tests alongside.
+MATRIX_TIMEOUT_S = 300.0
+CASES_TIMEOUT_S = 180.0
+ERROR_TIMEOUT_S = 60.0
+# An error scenario takes well under a second; a rank left waiting in a collective would take the
+# collective timeout (ERROR_TIMEOUT_S / 2) and fail.
+ERROR_SECONDS = 10.0
+
+
+def run_and_check(
+    world_size: int, worker: Callable[..., list[str]], *args: Any, timeout: float = CASES_TIMEOUT_S
+) -> None:
+    """Run ``worker`` on ``world_size`` ranks and fail with every rank's mismatches."""
+    results = run_distributed(world_size, worker, *args, timeout=timeout)
+    problems = [f"rank {rank}: {problem}" for rank, found in enumerate(results) for problem in found]
+    shown = "\n".join(problems[:80]) + (f"\n... and {len(problems) - 80} more" if len(problems) > 80 else "")
+    assert not problems, f"{len(problems)} mismatches:\n{shown}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_variant_mode_reduction_and_dtype(world_size: int) -> None:
+    """15 variants × 3 teacher modes × 3 reductions × fp64/fp32 on torch.chunk shards of V=203
+    (uneven on 2, 3 and 4 ranks), 4 row chunks per call, ignored rows, T_s ≠ T_t; co-trained
+    variants with a cached teacher raise on every rank."""
+    run_and_check(world_size, tp_workers.matrix_worker, timeout=MATRIX_TIMEOUT_S)
+
+
+def test_uneven_shards_v1001_over_4() -> None:
+    """V=1001 over 4 ranks in torch.chunk order (251, 251, 251, 248) with the default vocab_range."""
+    run_and_check(4, tp_workers.uneven_worker)
+
+
+def test_explicit_vocab_range_out_of_rank_order() -> None:
+    """vocab_range blocks of sizes 37, 23, 90, 53 where rank 0 holds the last block."""
+    run_and_check(4, tp_workers.permuted_worker)
+
+
+def test_vocab_padding_across_ranks() -> None:
+    """vocab_size below the head's rows with padding on two ranks (one of them only padding),
+    in torch.chunk order and in a permuted explicit partition; against the call on the real
+    columns and against the padded single-device head with vocab_size."""
+    run_and_check(4, tp_workers.padded_worker)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel(world_size: int) -> None:
+    """sequence_parallel=True: hidden (student and teacher) rows sharded, labels full, hidden
+    gradients come back as this rank's rows."""
+    run_and_check(world_size, tp_workers.sequence_parallel_worker)
+
+
+def test_module_form() -> None:
+    """DistillationLoss(tp_group=..., vocab_size=..., sequence_parallel=...)."""
+    run_and_check(2, tp_workers.module_worker)
+
+
+def test_calls_with_few_or_no_statistics() -> None:
+    """Every row ignored; CE only; KL only; num_valid_tokens as a number and as a tensor."""
+    run_and_check(3, tp_workers.edge_worker)
+
+
+def test_layout_change_on_some_ranks_only() -> None:
+    """A later call whose shard sizes change on ranks 1 and 2 but not on rank 0 (whose own
+    shapes repeat a cached layout) is still exact, and so is going back."""
+    run_and_check(3, tp_workers.layout_change_worker)
+
+
+def test_dtensor_weight_on_1d_mesh() -> None:
+    """Weight Shard(0) DTensor (group and vocab_range inferred); hidden plain, Replicate or
+    Shard(0) (sequence parallel); cached logits plain shards or Shard(-1); gradients of DTensor
+    inputs are DTensors with the inputs' placements."""
+    run_and_check(2, tp_workers.dtensor_1d_worker)
+
+
+def test_dtensor_weight_on_2d_mesh() -> None:
+    """A (dp=2, tp=2) mesh with heads [Replicate(), Shard(0)]: each dp group is its own
+    tensor-parallel problem; also sequence parallel through [Replicate(), Shard(0)] hidden."""
+    run_and_check(4, tp_workers.dtensor_2d_worker)
+
+
+def test_collectives_per_call() -> None:
+    """Per call: one fixed-size handshake, at most one collective per statistics round (two per
+    row chunk), one for the hidden gradient (+ one row gather under sequence parallelism); every
+    call alike (nothing is cached across calls); a no-grad call has no gradient collective."""
+    reports = run_distributed(2, tp_workers.counting_worker, timeout=CASES_TIMEOUT_S)
+    failures = []
+    for rank, report in enumerate(reports):
+        for name, info in report.items():
+            calls = [len(c) for c in info["calls"]]
+            first, second, third, no_grad = calls
+            gather = 1 if info["sequence_parallel"] else 0
+            bound = 1 + 2 * info["row_chunks"] + 1 + gather
+            kinds = dict(Counter(info["calls"][1]))
+            detail = (
+                f"rank {rank} {name}: {first}/{second}/{third}/{no_grad} collectives in the first/second/"
+                f"third/no-grad call (second: {kinds}), {info['row_chunks']} row chunks"
+            )
+            if second > bound:
+                failures.append(f"{detail}: {second} collectives > {bound}")
+            if not first == second == third:
+                failures.append(f"{detail}: calls differ in their collectives")
+            if no_grad > bound - 1:
+                failures.append(f"{detail}: no-grad call made {no_grad} > {bound - 1}")
+            if kinds.get("all_reduce", 0) > 1:
+                failures.append(f"{detail}: more than one all-reduce (the hidden gradient)")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("scenario", list(tp_workers.ERROR_SCENARIOS))
+def test_error_on_one_rank_raises_everywhere(scenario: str) -> None:
+    """An invalid input on one rank only: every rank raises the same ValueError, and none waits
+    (well under the collective timeout)."""
+    outcomes = run_distributed(tp_workers.ERROR_WORLD, tp_workers.error_worker, scenario, timeout=ERROR_TIMEOUT_S)
+    listing = "\n".join(
+        f"rank {rank}: {kind or 'no error'} after {seconds:.1f} s: {message}"
+        for rank, (kind, message, seconds) in enumerate(outcomes)
+    )
+    assert all(kind == "ValueError" for kind, _, _ in outcomes), listing
+    assert len({message for _, message, _ in outcomes}) == 1, f"different messages:\n{listing}"
+    assert max(seconds for _, _, seconds in outcomes) < ERROR_SECONDS, listing

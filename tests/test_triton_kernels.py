@@ -1,0 +1,92 @@
+"""The generated Triton kernels (``backend="triton"``) against the fp64 reference.
+
+On a machine without a GPU they run under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``), on small shapes. fp16 and bf16 inputs are compared with the reference
+on the same rounded values: logits are formed in fp32 from them, so the loss keeps fp32
+accuracy, while gradients come back in the input dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import orda_tp
+from orda_tp import KL_VARIANTS
+
+from .cases import COTRAINED, TEACHER_MODES, loss_and_grads, make_problem, relative_error, separate_problem
+from .test_equivalence import call_kwargs
+
+pytest.importorskip("triton")
+
+CHUNKS = orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=7), vocab_block=96)
+GRAD_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def compare(variant: str, mode: str, reduction: str, dtype: torch.dtype) -> None:
+    base = make_problem(rows=14, vocab=203, seed=hash((variant, mode, reduction)) % 997).to(dtype)
+    if mode == "separate":
+        base = separate_problem(base).to(dtype)
+    exact = base.to(torch.float64)
+    kwargs = call_kwargs(variant, mode, reduction)
+    upstream = None
+    if reduction == "none":
+        upstream = torch.rand(base.labels.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    expected, expected_grads = loss_and_grads(exact, mode, upstream, backend="reference", **kwargs)
+    actual, actual_grads = loss_and_grads(
+        base, mode, None if upstream is None else upstream.float(), backend="triton", config=CHUNKS, **kwargs
+    )
+    for field in ("loss", "student_ce", "teacher_ce", "kl"):
+        assert relative_error(getattr(actual, field), getattr(expected, field)) <= 1e-5, field
+    for index, (grad, reference) in enumerate(zip(actual_grads, expected_grads)):
+        assert (grad is None) == (reference is None), index
+        if grad is not None:
+            assert grad.dtype == dtype
+            assert relative_error(grad, reference) <= GRAD_TOLERANCE[dtype], (index, relative_error(grad, reference))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("mode", TEACHER_MODES)
+@pytest.mark.parametrize("variant", KL_VARIANTS)
+def test_triton_matches_reference_fp32(variant: str, mode: str, reduction: str) -> None:
+    if variant in COTRAINED and mode == "precomputed":
+        pytest.skip("co-training variants need a trainable teacher (tested to raise in test_equivalence)")
+    compare(variant, mode, reduction, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("variant", KL_VARIANTS)
+def test_triton_low_precision_inputs(variant: str, dtype: torch.dtype) -> None:
+    compare(variant, "tied", "mean", dtype)
+
+
+def test_triton_padded_vocabulary_and_zero_support() -> None:
+    p = make_problem(rows=14, vocab=203, ignored_every=0).to(torch.float32)
+    logits = p.teacher_logits.clone()
+    logits[2, :40] = float("-inf")
+    logits[5] = float("-inf")
+    labels = p.labels.clamp(max=189)
+    for variant in ("reverse", "renyi", "triangular", "dkd"):
+        kwargs = dict(kl_weight=1.0, kl_divergence=variant, reduction="none", vocab_size=190)
+        teacher = orda_tp.PrecomputedTeacher(logits=logits)
+        out = orda_tp.distillation_loss(
+            p.student_hidden, p.weight, labels, teacher, backend="triton", config=CHUNKS, **kwargs
+        )
+        ref = orda_tp.distillation_loss(p.student_hidden, p.weight, labels, teacher, backend="reference", **kwargs)
+        finite = torch.isfinite(ref.kl)
+        assert torch.equal(torch.isfinite(out.kl), finite) and torch.equal(
+            torch.isposinf(out.kl), torch.isposinf(ref.kl)
+        )
+        assert relative_error(out.kl[finite], ref.kl[finite]) <= 1e-5
+        grads = [torch.autograd.grad(o.loss.sum(), [p.student_hidden, p.weight]) for o in (out, ref)]
+        for grad, reference in zip(*grads):
+            assert torch.isfinite(grad).all()
+            assert relative_error(grad, reference) <= 1e-5
+
+
+def test_triton_backend_rejects_fp64() -> None:
+    p = make_problem()
+    with pytest.raises(ValueError, match="backend='triton' is unavailable on this machine: .*float64"):
+        orda_tp.distillation_loss(
+            p.student_hidden, p.weight, p.labels, orda_tp.TiedTeacher(p.teacher_hidden), backend="triton"
+        )
