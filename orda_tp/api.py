@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .backends import select_backend
 from .backends.block_math import BlockMath, TorchBlockMath
 from .backends.chunked import ChunkedProblem, chunked_loss
+from .backends.gemm import GemmPolicy
 from .backends.head import statistics_dtype
 from .backends.reference import reference_loss
 from .config import EntropyGate, KernelConfig
@@ -118,6 +119,16 @@ def _exchange(
     return ShardExchange(local.group, layout.sequence_parallel, error)
 
 
+def _gradient_scale(options: LossOptions) -> float | None:
+    """The scale at which fp16 logit gradients are materialized for the gradient GEMMs."""
+    if options.gradient_materialization_scale is not None:
+        return options.gradient_materialization_scale
+    scaler = options.grad_scaler
+    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+        return float(scaler.get_scale())  # type: ignore[attr-defined]
+    return None
+
+
 def _block_math(backend: str) -> BlockMath:
     if backend == "triton":
         from .backends.triton_math import TritonBlockMath
@@ -196,6 +207,7 @@ def _run(
                 exchange=exchange,
                 layout=layout,
                 math=_block_math(backend),
+                gemms=GemmPolicy(_gradient_scale(options)),
             )
             outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)

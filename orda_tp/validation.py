@@ -57,6 +57,7 @@ class LossOptions:
     config: KernelConfig
     backend: str
     gradient_materialization_scale: float | None
+    grad_scaler: object | None
 
 
 def resolve_options(
@@ -123,6 +124,7 @@ def resolve_options(
         config=resolve_config(profile, config),  # type: ignore[arg-type]
         backend=backend,  # type: ignore[arg-type]
         gradient_materialization_scale=gradient_materialization_scale,  # type: ignore[arg-type]
+        grad_scaler=grad_scaler,
     )
     if options.kl_teacher_temperature is not None:
         _check_cotrained_temperatures(divergence, options.kl_temperature, options.kl_teacher_temperature)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..plan import LossPlan
 from .chunk_stats import RowStats, kl_block_terms
+from .gemm import GemmPolicy
 from .head import HeadTensors, RowChunk
 
 if TYPE_CHECKING:
@@ -107,12 +108,17 @@ def accumulate_chunk_gradients(
     row_scale: Tensor,
     buffers: GradientBuffers,
     math: BlockMath,
+    gemms: GemmPolicy,
 ) -> None:
     """Add this chunk's gradient to ``buffers``; ``blocks`` are ``(start, stop, s, t)`` in local columns."""
-    dtype = chunk.student_hidden.dtype
-    student_hidden_grad = torch.zeros_like(chunk.student_hidden) if buffers.student_hidden is not None else None
+    dtype = chunk.dtype
+    student_hidden_grad = (
+        torch.zeros(chunk.student_hidden.shape, dtype=dtype, device=chunk.student_hidden.device)
+        if buffers.student_hidden is not None
+        else None
+    )
     teacher_hidden_grad = (
-        torch.zeros_like(chunk.teacher_hidden)
+        torch.zeros(chunk.teacher_hidden.shape, dtype=dtype, device=chunk.teacher_hidden.device)
         if buffers.teacher_hidden is not None and chunk.teacher_hidden is not None
         else None
     )
@@ -120,19 +126,19 @@ def accumulate_chunk_gradients(
         student_grad, teacher_grad = math.logit_grads(
             plan, stats, student, teacher, chunk.labels, head.vocab_start + start, row_scale
         )
-        weight_block = head.weight.detach()[start:stop].to(dtype)
+        weight_block = head.weight.detach()[start:stop]
         if student_hidden_grad is not None:
-            student_hidden_grad += student_grad @ weight_block
+            student_hidden_grad += gemms.grad_mm(student_grad, weight_block)
         if buffers.weight is not None:
-            buffers.weight[start:stop] += student_grad.T @ chunk.student_hidden
+            buffers.weight[start:stop] += gemms.grad_mm(student_grad.T, chunk.student_hidden)
         if teacher_grad is None or chunk.teacher_hidden is None:
             continue
-        teacher_block = head.teacher_head.detach()[start:stop].to(dtype)
+        teacher_block = head.teacher_head.detach()[start:stop]
         if teacher_hidden_grad is not None:
-            teacher_hidden_grad += teacher_grad @ teacher_block
+            teacher_hidden_grad += gemms.grad_mm(teacher_grad, teacher_block)
         teacher_weight_buffer = buffers.teacher_weight if head.teacher_weight is not None else buffers.weight
         if teacher_weight_buffer is not None:
-            teacher_weight_buffer[start:stop] += teacher_grad.T @ chunk.teacher_hidden
+            teacher_weight_buffer[start:stop] += gemms.grad_mm(teacher_grad.T, chunk.teacher_hidden)
     if student_hidden_grad is not None and buffers.student_hidden is not None:
         buffers.student_hidden.index_add_(0, chunk.index, student_hidden_grad)
     if teacher_hidden_grad is not None and buffers.teacher_hidden is not None:

@@ -27,6 +27,7 @@ from ..plan import LossPlan
 from .block_math import BlockMath
 from .chunk_grads import GradientBuffers, accumulate_chunk_gradients
 from .chunk_stats import RowStats, chunk_row_stats
+from .gemm import GemmPolicy
 from .head import HeadTensors, RowChunk, block_logits, column_blocks, statistics_dtype
 
 __all__ = ["ChunkedProblem", "chunked_loss"]
@@ -51,6 +52,7 @@ class ChunkedProblem:
     exchange: RecordExchange
     layout: VocabLayout
     math: BlockMath
+    gemms: GemmPolicy = GemmPolicy()
 
     @property
     def wants_grad(self) -> bool:
@@ -88,7 +90,7 @@ def _row_scale(problem: ChunkedProblem, upstream: Tensor, chunk: RowChunk) -> Te
         scale = upstream.expand(chunk.index.numel())
     if reduction == "mean":
         scale = scale / problem.denominator
-    return scale.to(chunk.student_hidden.dtype)
+    return scale.to(chunk.dtype)
 
 
 def _reduce(problem: ChunkedProblem, per_row: Tensor, total_rows: int) -> Tensor:
@@ -145,7 +147,15 @@ class _ChunkedDistillation(torch.autograd.Function):
                 parts.append(values)
             if buffers is not None:
                 accumulate_chunk_gradients(
-                    plan, head, chunk, stats, blocks, _row_scale(problem, unit, chunk), buffers, problem.math
+                    plan,
+                    head,
+                    chunk,
+                    stats,
+                    blocks,
+                    _row_scale(problem, unit, chunk),
+                    buffers,
+                    problem.math,
+                    problem.gemms,
                 )
             elif problem.wants_grad:
                 saved_stats.append(stats)
@@ -192,7 +202,9 @@ def _input_gradients(
         for chunk, stats in zip(_chunks(problem, head, dtype), ctx.saved_stats):
             blocks = _chunk_blocks(problem, head, chunk)
             scale = _row_scale(problem, grad_loss.to(dtype), chunk)
-            accumulate_chunk_gradients(problem.plan, head, chunk, stats, blocks, scale, fresh, problem.math)
+            accumulate_chunk_gradients(
+                problem.plan, head, chunk, stats, blocks, scale, fresh, problem.math, problem.gemms
+            )
         grads = _as_list(fresh)
     hidden_slots = [i for i in (0, 2) if grads[i] is not None]
     reduced = problem.exchange.reduce_row_gradients([grads[i] for i in hidden_slots])

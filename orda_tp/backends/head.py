@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .gemm import logits_mm
+
 __all__ = ["HeadTensors", "column_blocks", "statistics_dtype"]
 
 
@@ -49,24 +51,26 @@ class HeadTensors:
 
 @dataclass(frozen=True)
 class RowChunk:
-    """The valid rows of one chunk: their indices into the batch, labels and hidden states
-    (already in the statistics dtype)."""
+    """The valid rows of one chunk: their indices into the batch, labels and hidden states (in the
+    inputs' dtype), and the statistics dtype the chunk computes in."""
 
     index: Tensor
     labels: Tensor
     student_hidden: Tensor
     teacher_hidden: Tensor | None
+    dtype: torch.dtype
 
     @staticmethod
     def gather(head: HeadTensors, index: Tensor, labels: Tensor, dtype: torch.dtype, with_teacher: bool) -> RowChunk:
         teacher_hidden = None
         if with_teacher and head.teacher_hidden is not None:
-            teacher_hidden = head.teacher_hidden.detach().index_select(0, index).to(dtype)
+            teacher_hidden = head.teacher_hidden.detach().index_select(0, index)
         return RowChunk(
             index=index,
             labels=labels.index_select(0, index),
-            student_hidden=head.student_hidden.detach().index_select(0, index).to(dtype),
+            student_hidden=head.student_hidden.detach().index_select(0, index),
             teacher_hidden=teacher_hidden,
+            dtype=dtype,
         )
 
 
@@ -74,17 +78,16 @@ def block_logits(
     head: HeadTensors, chunk: RowChunk, start: int, stop: int, with_teacher: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Student and teacher logits of ``chunk`` on local columns ``[start, stop)``, in the
-    statistics dtype (the GEMM runs in that dtype: logits are never rounded to bf16/fp16).
-    Padding columns read −inf."""
-    dtype = chunk.student_hidden.dtype
-    student = _mask_padding(head, start, chunk.student_hidden @ head.weight.detach()[start:stop].to(dtype).T)
+    statistics dtype (logits are never rounded to bf16/fp16). Padding columns read −inf."""
+    dtype = chunk.dtype
+    student = _mask_padding(head, start, logits_mm(chunk.student_hidden, head.weight.detach()[start:stop], dtype))
     if not with_teacher:
         return student, None
     if head.teacher_logits is not None:
         teacher = head.teacher_logits.detach()[:, start:stop].index_select(0, chunk.index).to(dtype)
     else:
         assert chunk.teacher_hidden is not None
-        teacher = chunk.teacher_hidden @ head.teacher_head.detach()[start:stop].to(dtype).T
+        teacher = logits_mm(chunk.teacher_hidden, head.teacher_head.detach()[start:stop], dtype)
     return student, _mask_padding(head, start, teacher)
 
 
