@@ -1,15 +1,24 @@
-"""Distillation demo: a tiny causal LM teacher taught to a smaller student through ``orda_tp``.
+"""Tensor-parallel distillation job: a tiny causal LM teacher taught to a smaller student through ``orda_tp``,
+with both LM heads split along the vocabulary over the ranks of a torchrun job.
 
-1. A synthetic language (a sparse Markov chain, ``launch/data.py``) supplies token batches.
-2. The teacher (``launch/tiny_lm.py``) trains briefly with plain cross-entropy, then is frozen.
-3. The student trains on ``student_ce_weight · CE + kl_weight · T² · KL(teacher ‖ student)`` (or the
-   variant named by ``--kl-divergence``), computed by ``orda_tp.distillation_loss`` from hidden states
-   and head weights, never from ``(BT, V)`` logits.
-4. On a held-out batch, the fused loss (``backend="torch"``) and its gradients are checked against a
-   plain full-logits computation; the script exits non-zero if they differ by more than 1e-5 relative.
+1. A synthetic language (a sparse Markov chain, ``launch/data.py``) supplies token batches; every rank
+   draws the same batches.
+2. Each model is a body (``launch/tiny_lm.py``, replicated: same init seed on every rank) and a
+   **vocab-parallel head**: the vocabulary is padded to a multiple of ``--pad-vocab-multiple`` × world size
+   (1000 → 1024 by default) and each rank trains its ``V_padded / world`` rows of the head. The padding
+   columns get no probability mass (``vocab_size=``).
+3. The teacher trains briefly with plain cross-entropy, then is frozen; the student trains on
+   ``ce_weight · CE + kl_weight · T² · KL(teacher ‖ student)`` (or the variant named by ``--kl-divergence``).
+   Both losses come from ``orda_tp.distillation_loss(..., tp_group=...)`` on the head shards, never from
+   ``(BT, V)`` logits. The loss sums the hidden gradient over the ranks, so the replicated bodies get
+   identical gradients and stay identical without any data-parallel wrapper.
+4. At the end: a parameter checksum of the bodies is compared across ranks (all_reduce max − min must be
+   0), and on a held-out batch the fused tensor-parallel loss and its gradients (hidden, this rank's head
+   shard) are checked against a plain full-logits computation on the all-gathered heads in float64. The
+   job exits non-zero on every rank if either check fails on any rank.
 
-Run ``python launch/distill.py`` or ``torchrun --standalone --nproc-per-node 1 launch/distill.py``.
-Under torchrun every rank runs the same job and only rank 0 prints.
+Run ``torchrun --standalone --nproc-per-node 2 launch/distill.py`` (gloo on CPU, NCCL with one GPU per rank
+when CUDA is present), or ``python launch/distill.py`` (one process, no process group). Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,6 +47,7 @@ from launch.tiny_lm import LMConfig, TinyLM  # noqa: E402
 
 CHECK_TOLERANCE = 1e-5
 HELD_OUT_BATCH = 2**31 - 1  # a batch index that training never reaches
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # a rank left waiting fails instead of hanging the job
 
 
 def positive_int(text: str) -> int:
@@ -48,13 +59,19 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options; the defaults finish in well under a minute on two CPU cores."""
+    """Command-line options; the defaults finish in about a minute with 2 ranks on two CPU cores."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=300, help="student training steps")
     parser.add_argument("--teacher-steps", type=positive_int, default=300, help="teacher pre-training steps")
-    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step (the same on every rank)")
     parser.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
-    parser.add_argument("--vocab", type=positive_int, default=1000, help="vocabulary size of the synthetic language")
+    parser.add_argument("--vocab", type=positive_int, default=1000, help="real vocabulary size (before padding)")
+    parser.add_argument(
+        "--pad-vocab-multiple",
+        type=positive_int,
+        default=64,
+        help="pad the vocabulary to a multiple of this times the world size (Megatron's make-vocab-size-divisible-by)",
+    )
     parser.add_argument("--teacher-hidden", type=positive_int, default=128)
     parser.add_argument("--student-hidden", type=positive_int, default=64)
     parser.add_argument("--layers", type=positive_int, default=2, help="transformer blocks of each model")
@@ -63,24 +80,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ce-weight", type=float, default=0.5, help="weight of the student CE term")
     parser.add_argument("--kl-weight", type=float, default=0.5, help="weight of the T²-scaled KL term")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (cosine decay)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "reference"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="orda_tp backend")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=positive_int, default=20)
+    parser.add_argument("--log-every", type=positive_int, default=25)
     return parser.parse_args(argv)
 
 
 # --------------------------------------------------------------------------------------------------
-# Runtime: single process or torchrun.
+# Runtime: one process, or one rank of a torchrun job.
 # --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs: its rank, the world size and its device."""
+    """Where this process runs: its rank, the world size, its device and the process group (None when
+    the job runs as a single process without torchrun)."""
 
     rank: int
     world_size: int
     device: torch.device
+    group: dist.ProcessGroup | None
 
     def log(self, message: str) -> None:
         """Print on rank 0 only."""
@@ -89,16 +108,22 @@ class Runtime:
 
 
 def init_runtime() -> Runtime:
-    """Join the torchrun process group when torchrun's variables are set (nccl on CUDA, else gloo)."""
+    """Join the torchrun process group when torchrun's variables are set: NCCL with one GPU per rank
+    when CUDA is present, else gloo on CPU with one thread per rank (the ranks share the cores)."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        return Runtime(rank=0, world_size=1, device=torch.device("cuda" if cuda else "cpu"))
+        return Runtime(rank=0, world_size=1, device=torch.device("cuda" if cuda else "cpu"), group=None)
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return Runtime(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    world_size = dist.get_world_size()
+    if not cuda and world_size > 1:
+        torch.set_num_threads(1)
+    return Runtime(rank=dist.get_rank(), world_size=world_size, device=device, group=dist.group.WORLD)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -108,66 +133,122 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # ru_maxrss is in KiB on Linux
 
 
-# --------------------------------------------------------------------------------------------------
-# The vocabulary head and the loss: the one place that a vocab-parallel head changes.
-# --------------------------------------------------------------------------------------------------
+# ==================================================================================================
+# TENSOR PARALLELISM LIVES HERE: the vocab-parallel LM head and the orda_tp loss call site.
+# Everything else in this file is an ordinary replicated single-device training loop.
+# ==================================================================================================
 
 
-def new_head(vocab: int, hidden: int, device: torch.device) -> nn.Parameter:
-    """The LM head weight (V, H), kept outside the model so that the loss takes hidden + weight."""
-    return nn.Parameter(torch.randn(vocab, hidden, device=device) * 0.02)
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows ``[start, stop)`` of the padded vocabulary ``(padded_vocab ≥ vocab_size)``."""
+
+    vocab_size: int  # real tokens; columns at or past it are padding
+    padded_vocab: int  # a multiple of (pad multiple × world size)
+    start: int
+    stop: int
+    group: dist.ProcessGroup | None
+
+    @staticmethod
+    def of(vocab_size: int, multiple: int, runtime: Runtime) -> VocabShard:
+        """Pad the vocabulary to a multiple of ``multiple × world size`` and give every rank an equal share
+        (1000 tokens, multiple 64, 2 ranks: 1024 columns, 512 rows per rank, the last 24 of rank 1 padding)."""
+        rows = -(-vocab_size // (multiple * runtime.world_size)) * multiple
+        start = runtime.rank * rows
+        return VocabShard(vocab_size, rows * runtime.world_size, start, start + rows, runtime.group)
+
+    def loss_kwargs(self) -> dict[str, object]:
+        """The tensor-parallel keywords of ``orda_tp.distillation_loss`` for a head held as this shard."""
+        in_group = self.group is not None
+        return {
+            "tp_group": self.group,
+            "vocab_range": (self.start, self.stop) if in_group else None,
+            "vocab_size": self.vocab_size,
+        }
 
 
-def ce_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, backend: str) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``hidden @ head.T`` (teacher pre-training).
+class VocabParallelHead(nn.Module):
+    """An LM head ``(V_padded, H)`` of which this rank holds and trains rows ``shard.start:shard.stop``."""
 
-    A CE-only call: with ``teacher_ce_weight=0`` and ``kl_weight=0`` no teacher term has weight, so the
-    tied teacher descriptor is never read.
+    def __init__(self, shard: VocabShard, hidden: int, device: torch.device) -> None:
+        super().__init__()
+        self.shard = shard
+        # Every rank draws the same real rows from the shared seed (so the job starts from the same model
+        # at any world size), pads with zero rows and keeps its own slice as the parameter it trains.
+        full = torch.randn(shard.vocab_size, hidden, device=device) * 0.02
+        full = F.pad(full, (0, 0, 0, shard.padded_vocab - shard.vocab_size))
+        self.weight = nn.Parameter(full[shard.start : shard.stop].clone())
+
+    @torch.no_grad()
+    def gather_full(self) -> torch.Tensor:
+        """The whole padded head ``(V_padded, H)`` on every rank (all-gather of the shards, rank order)."""
+        if self.shard.group is None:
+            return self.weight.detach().clone()
+        shards = [torch.empty_like(self.weight) for _ in range(dist.get_world_size(self.shard.group))]
+        dist.all_gather(shards, self.weight.detach().contiguous(), group=self.shard.group)
+        return torch.cat(shards)
+
+
+def ce_loss(
+    hidden: torch.Tensor, head_shard: torch.Tensor, labels: torch.Tensor, shard: VocabShard, backend: str
+) -> orda_tp.DistillationLossOutput:
+    """Mean next-token CE of ``hidden @ head.T`` over the real vocabulary, from this rank's head shard.
+
+    A CE-only call (teacher pre-training): with ``teacher_ce_weight=0`` and ``kl_weight=0`` no teacher
+    term has weight, so the tied teacher descriptor is never read.
     """
-    output = orda_tp.distillation_loss(
-        hidden, head, labels, orda_tp.TiedTeacher(hidden.detach()), teacher_ce_weight=0.0, backend=backend
+    return orda_tp.distillation_loss(
+        hidden,
+        head_shard,
+        labels,
+        orda_tp.TiedTeacher(hidden.detach()),
+        teacher_ce_weight=0.0,
+        kl_weight=0.0,
+        backend=backend,
+        **shard.loss_kwargs(),
     )
-    return output.loss
 
 
 def kd_loss(
     student_hidden: torch.Tensor,
-    student_head: torch.Tensor,
+    student_head_shard: torch.Tensor,
     teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
+    teacher_head_shard: torch.Tensor,
     labels: torch.Tensor,
+    shard: VocabShard,
     args: argparse.Namespace,
-    backend: str,
 ) -> orda_tp.DistillationLossOutput:
-    """``ce_weight · CE(student) + kl_weight · T² · D(student, frozen teacher)``, rows (BT, ·)."""
+    """``ce_weight · CE(student) + kl_weight · T² · D(student, frozen teacher)`` from replicated hidden rows
+    (BT, H) and the two heads' shards on this rank; the same value on every rank."""
     return orda_tp.distillation_loss(
         student_hidden,
-        student_head,
+        student_head_shard,
         labels,
-        orda_tp.SeparateTeacher(teacher_hidden.detach(), teacher_head.detach()),
+        orda_tp.SeparateTeacher(teacher_hidden.detach(), teacher_head_shard.detach()),
         student_ce_weight=args.ce_weight,
         kl_weight=args.kl_weight,
         kl_temperature=args.temperature,
         kl_divergence=args.kl_divergence,
-        backend=backend,
+        backend=args.backend,
+        **shard.loss_kwargs(),
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Training.
-# --------------------------------------------------------------------------------------------------
+# ==================================================================================================
+# Training (replicated bodies, same data on every rank).
+# ==================================================================================================
 
 
 @dataclass
 class LanguageModel:
-    """A body (tokens -> hidden states) and its separate head weight."""
+    """A replicated body (tokens -> hidden states) and its vocab-parallel head."""
 
     body: TinyLM
-    head: nn.Parameter
+    head: VocabParallelHead
 
     def parameters(self) -> list[nn.Parameter]:
-        """All trainable parameters, head included."""
-        return [*self.body.parameters(), self.head]
+        """All trainable parameters of this rank: the body and this rank's head shard."""
+        return [*self.body.parameters(), self.head.weight]
 
     def hidden_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Final hidden states flattened to rows (B·T, H)."""
@@ -175,14 +256,16 @@ class LanguageModel:
         return hidden.reshape(-1, hidden.shape[-1])
 
 
-def build_model(args: argparse.Namespace, hidden: int, runtime: Runtime) -> LanguageModel:
-    """A :class:`TinyLM` of width ``hidden`` with a fresh head, on the runtime's device."""
+def build_model(args: argparse.Namespace, hidden: int, shard: VocabShard, runtime: Runtime) -> LanguageModel:
+    """A :class:`TinyLM` of width ``hidden`` and its head shard, on the runtime's device."""
     config = LMConfig(vocab=args.vocab, hidden=hidden, layers=args.layers, heads=max(1, hidden // 32), max_seq=args.seq)
-    return LanguageModel(body=TinyLM(config).to(runtime.device), head=new_head(args.vocab, hidden, runtime.device))
+    body = TinyLM(config).to(runtime.device)
+    return LanguageModel(body=body, head=VocabParallelHead(shard, hidden, runtime.device))
 
 
 def batch_on(language: MarkovLanguage, args: argparse.Namespace, index: int, runtime: Runtime) -> Batch:
-    """Batch number ``index`` of the job's stream, on the runtime's device; labels flattened to (B·T,)."""
+    """Batch number ``index`` of the job's stream (the same on every rank), on the runtime's device;
+    labels flattened to (B·T,)."""
     batch = sample_batch(language, args.batch, args.seq, seed=(args.seed << 32) + index)
     inputs = batch.inputs.to(runtime.device)
     return Batch(inputs=inputs, labels=batch.labels.reshape(-1).to(runtime.device), floor=batch.floor)
@@ -221,18 +304,19 @@ def should_log(step: int, total: int, every: int) -> bool:
 
 
 def train_teacher(teacher: LanguageModel, language: MarkovLanguage, args: argparse.Namespace, runtime: Runtime) -> None:
-    """Pre-train the teacher with plain CE, then freeze it."""
+    """Pre-train the teacher with plain CE (its head vocab-parallel too), then freeze it."""
     optimizer, schedule = make_optimizer(teacher, args.lr, args.teacher_steps)
     meter = ProgressMeter(runtime, args.batch * args.seq)
     for step in range(1, args.teacher_steps + 1):
         batch = batch_on(language, args, index=step, runtime=runtime)
-        loss = ce_loss(teacher.hidden_rows(batch.inputs), teacher.head, batch.labels, args.backend)
+        hidden = teacher.hidden_rows(batch.inputs)
+        output = ce_loss(hidden, teacher.head.weight, batch.labels, teacher.head.shard, args.backend)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        output.loss.backward()
         optimizer.step()
         schedule.step()
         if should_log(step, args.teacher_steps, args.log_every):
-            runtime.log(meter.line("teacher", step, args.teacher_steps, {"ce": loss.item()}))
+            runtime.log(meter.line("teacher", step, args.teacher_steps, {"ce": output.student_ce.item()}))
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
     teacher.body.eval()
@@ -245,10 +329,10 @@ def train_student(
     args: argparse.Namespace,
     runtime: Runtime,
 ) -> list[float]:
-    """Distil the frozen teacher into the student; returns the logged student CE values."""
+    """Distil the frozen teacher into the student; returns the logged student losses."""
     optimizer, schedule = make_optimizer(student, args.lr, args.steps)
     meter = ProgressMeter(runtime, args.batch * args.seq)
-    logged_ce = []
+    logged_loss = []
     for step in range(1, args.steps + 1):
         # Student batches continue the stream after the teacher's, so the student sees new text.
         batch = batch_on(language, args, index=args.teacher_steps + step, runtime=runtime)
@@ -256,31 +340,64 @@ def train_student(
             teacher_hidden = teacher.hidden_rows(batch.inputs)
         output = kd_loss(
             student.hidden_rows(batch.inputs),
-            student.head,
+            student.head.weight,
             teacher_hidden,
-            teacher.head,
+            teacher.head.weight,
             batch.labels,
+            student.head.shard,
             args,
-            args.backend,
         )
         optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
+        output.loss.backward()  # the hidden gradient arrives already summed over the ranks
         optimizer.step()
         schedule.step()
         if should_log(step, args.steps, args.log_every):
-            values = {
-                "loss": output.loss.item(),
-                "student_ce": output.student_ce.item(),
-                "kl": output.kl.item(),
-            }
-            logged_ce.append(values["student_ce"])
+            values = {"loss": output.loss.item(), "student_ce": output.student_ce.item(), "kl": output.kl.item()}
+            logged_loss.append(values["loss"])
             runtime.log(meter.line("student", step, args.steps, values))
-    return logged_ce
+    return logged_loss
 
 
-# --------------------------------------------------------------------------------------------------
-# The final check: fused loss versus a plain full-logits computation.
-# --------------------------------------------------------------------------------------------------
+def held_out_ce(model: LanguageModel, batch: Batch, backend: str) -> float:
+    """Mean next-token CE of ``model`` on ``batch``."""
+    with torch.no_grad():
+        hidden = model.hidden_rows(batch.inputs)
+        return ce_loss(hidden, model.head.weight, batch.labels, model.head.shard, backend).loss.item()
+
+
+# ==================================================================================================
+# Final checks: the bodies stayed replicated; the fused TP loss equals a plain full-logits computation.
+# ==================================================================================================
+
+
+def all_reduce(values: torch.Tensor, op: dist.ReduceOp, runtime: Runtime) -> torch.Tensor:
+    """``values`` reduced over the ranks (a copy; unchanged without a process group)."""
+    values = values.clone()
+    if runtime.group is not None:
+        dist.all_reduce(values, op=op, group=runtime.group)
+    return values
+
+
+def check_bodies_replicated(models: dict[str, LanguageModel], runtime: Runtime) -> bool:
+    """Every rank must hold bitwise the same bodies: per-parameter float64 checksums (sum and sum of
+    squares) reduced with max and min over the ranks must agree exactly."""
+    checksums = torch.stack(
+        [
+            statistic
+            for model in models.values()
+            for parameter in model.body.parameters()
+            for statistic in (parameter.detach().double().sum(), parameter.detach().double().square().sum())
+        ]
+    )
+    spread = all_reduce(checksums, dist.ReduceOp.MAX, runtime) - all_reduce(checksums, dist.ReduceOp.MIN, runtime)
+    worst = spread.abs().max().item()
+    passed = worst == 0.0
+    runtime.log(
+        f"replicated bodies {'PASS' if passed else 'FAIL'}: checksum max-min {worst:.3e} over "
+        f"{runtime.world_size} rank(s), {checksums.numel() // 2} parameters of {'+'.join(models)}"
+    )
+    return passed
+
 
 # Per-row D(p, q) from log p (student) and log q (teacher), tempered log-probabilities (rows, V).
 PLAIN_DIVERGENCES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -290,38 +407,37 @@ PLAIN_DIVERGENCES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor
 }
 
 
-def plain_kd_loss(
+def unfused_kd_loss(
     student_hidden: torch.Tensor,
     student_head: torch.Tensor,
     teacher_hidden: torch.Tensor,
     teacher_head: torch.Tensor,
     labels: torch.Tensor,
     args: argparse.Namespace,
-) -> dict[str, torch.Tensor]:
-    """The demo's loss written out on full logits: ``F.cross_entropy`` plus ``T² · mean_rows D(p, q)``."""
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The job's loss written out on full logits over the real vocabulary (heads (V, H), no padding):
+    ``F.cross_entropy`` plus ``T² · mean_rows D(p, q)`` when the variant has a plain form here, else the
+    library's single-device full-logits ``reference`` backend. Returns the values and the oracle's name."""
+    if args.kl_divergence not in PLAIN_DIVERGENCES:
+        output = orda_tp.distillation_loss(
+            student_hidden,
+            student_head,
+            labels,
+            orda_tp.SeparateTeacher(teacher_hidden, teacher_head),
+            student_ce_weight=args.ce_weight,
+            kl_weight=args.kl_weight,
+            kl_temperature=args.temperature,
+            kl_divergence=args.kl_divergence,
+            backend="reference",
+        )
+        return output._asdict(), "reference-backend"
     student_logits = student_hidden @ student_head.T
     teacher_logits = teacher_hidden @ teacher_head.T
     student_ce = F.cross_entropy(student_logits, labels)
     log_p = F.log_softmax(student_logits / args.temperature, dim=-1)
     log_q = F.log_softmax(teacher_logits / args.temperature, dim=-1)
     kl = args.temperature**2 * PLAIN_DIVERGENCES[args.kl_divergence](log_p, log_q).mean()
-    return {"loss": args.ce_weight * student_ce + args.kl_weight * kl, "student_ce": student_ce, "kl": kl}
-
-
-def oracle_kd_loss(
-    student_hidden: torch.Tensor,
-    student_head: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
-    labels: torch.Tensor,
-    args: argparse.Namespace,
-) -> dict[str, torch.Tensor]:
-    """The unfused float64 loss: :func:`plain_kd_loss` when the variant has a plain form here,
-    else the library's full-logits ``reference`` backend."""
-    inputs = (student_hidden, student_head, teacher_hidden, teacher_head, labels, args)
-    if args.kl_divergence in PLAIN_DIVERGENCES:
-        return plain_kd_loss(*inputs)
-    return kd_loss(*inputs, backend="reference")._asdict()
+    return {"loss": args.ce_weight * student_ce + args.kl_weight * kl, "student_ce": student_ce, "kl": kl}, "plain"
 
 
 def relative_error(value: torch.Tensor, expected: torch.Tensor) -> float:
@@ -334,27 +450,40 @@ def relative_error(value: torch.Tensor, expected: torch.Tensor) -> float:
 def check_fused_against_unfused(
     student: LanguageModel, teacher: LanguageModel, batch: Batch, args: argparse.Namespace, runtime: Runtime
 ) -> bool:
-    """Compare the fused ``backend="torch"`` loss, components and gradients (head, hidden) on ``batch``
-    with the unfused loss computed in float64 from the same fp32 values; log the errors."""
+    """On ``batch``, compare the fused tensor-parallel loss, its components, the hidden gradient and this
+    rank's head-shard gradient with the unfused loss computed in float64 from the all-gathered full heads
+    (same fp32 values); the worst relative error over all ranks decides."""
+    shard = student.head.shard
     with torch.no_grad():
         student_hidden = student.hidden_rows(batch.inputs)
         teacher_hidden = teacher.hidden_rows(batch.inputs)
-    leaves = [student_hidden.clone().requires_grad_(True), student.head.detach().clone().requires_grad_(True)]
-    fused = kd_loss(leaves[0], leaves[1], teacher_hidden, teacher.head, batch.labels, args, backend="torch")
-    fused_grads = torch.autograd.grad(fused.loss, leaves)
+    hidden_leaf = student_hidden.clone().requires_grad_(True)
+    shard_leaf = student.head.weight.detach().clone().requires_grad_(True)
+    fused = kd_loss(hidden_leaf, shard_leaf, teacher_hidden, teacher.head.weight, batch.labels, shard, args)
+    fused_d_hidden, fused_d_shard = torch.autograd.grad(fused.loss, [hidden_leaf, shard_leaf])
 
-    leaves64 = [leaf.detach().double().requires_grad_(True) for leaf in leaves]
-    unfused = oracle_kd_loss(
-        leaves64[0], leaves64[1], teacher_hidden.double(), teacher.head.detach().double(), batch.labels, args
+    # Unfused: every rank rebuilds the full heads and keeps the real vocabulary rows.
+    real = shard.vocab_size
+    hidden64 = student_hidden.double().requires_grad_(True)
+    head64 = student.head.gather_full().double().requires_grad_(True)
+    teacher_head64 = teacher.head.gather_full().double()
+    unfused, oracle = unfused_kd_loss(
+        hidden64, head64[:real], teacher_hidden.double(), teacher_head64[:real], batch.labels, args
     )
-    unfused_grads = torch.autograd.grad(unfused["loss"], leaves64)
+    d_hidden64, d_head64 = torch.autograd.grad(unfused["loss"], [hidden64, head64])
 
     errors = {name: relative_error(getattr(fused, name), unfused[name]) for name in ("loss", "student_ce", "kl")}
-    errors["d_hidden"] = relative_error(fused_grads[0], unfused_grads[0])
-    errors["d_head"] = relative_error(fused_grads[1], unfused_grads[1])
-    oracle = "plain" if args.kl_divergence in PLAIN_DIVERGENCES else "reference-backend"
-    fused_value, unfused_value = fused.loss.item(), unfused["loss"].item()
-    runtime.log(f"held-out loss: fused {fused_value:.8f} vs unfused ({oracle}, float64) {unfused_value:.8f}")
+    errors["d_hidden"] = relative_error(fused_d_hidden, d_hidden64)
+    errors["d_head_shard"] = relative_error(fused_d_shard, d_head64[shard.start : shard.stop])
+    worst_over_ranks = all_reduce(
+        torch.tensor(list(errors.values()), device=runtime.device), dist.ReduceOp.MAX, runtime
+    )
+    errors = dict(zip(errors, worst_over_ranks.tolist()))
+    runtime.log(
+        f"held-out loss: fused TP {fused.loss.item():.8f} vs unfused full logits ({oracle}, float64) "
+        f"{unfused['loss'].item():.8f} | vocab {real} padded to {shard.padded_vocab} = {runtime.world_size} x "
+        f"{shard.stop - shard.start} rows"
+    )
     worst = max(errors.values())
     passed = worst <= CHECK_TOLERANCE
     details = ", ".join(f"{name} {error:.2e}" for name, error in errors.items())
@@ -362,40 +491,44 @@ def check_fused_against_unfused(
     return passed
 
 
-def held_out_ce(model: LanguageModel, batch: Batch, backend: str) -> float:
-    """Mean next-token CE of ``model`` on ``batch``."""
-    with torch.no_grad():
-        return ce_loss(model.hidden_rows(batch.inputs), model.head, batch.labels, backend).item()
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the process exit code (1 when the fused-vs-unfused check fails)."""
+    """Run the job; returns the process exit code (1 on every rank when a check fails on any rank)."""
     args = parse_args(argv)
     runtime = init_runtime()
     start = time.perf_counter()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same on every rank: replicated bodies, identical full heads
     language = make_language(args.vocab, seed=args.seed)
-    teacher = build_model(args, args.teacher_hidden, runtime)
-    student = build_model(args, args.student_hidden, runtime)
+    shard = VocabShard.of(args.vocab, args.pad_vocab_multiple, runtime)
+    teacher = build_model(args, args.teacher_hidden, shard, runtime)
+    student = build_model(args, args.student_hidden, shard, runtime)
     runtime.log(
-        f"distill: world_size {runtime.world_size} device {runtime.device} vocab {args.vocab} "
-        f"tokens/step {args.batch * args.seq} kl {args.kl_divergence} T {args.temperature} "
-        f"backend {args.backend}"
+        f"distill: world_size {runtime.world_size} device {runtime.device} "
+        f"process_group {dist.get_backend(runtime.group) if runtime.group is not None else 'none'} | "
+        f"vocab {args.vocab} padded to {shard.padded_vocab}, head shard {shard.stop - shard.start} rows/rank | "
+        f"tokens/step {args.batch * args.seq} kl {args.kl_divergence} T {args.temperature} backend {args.backend}"
     )
 
     train_teacher(teacher, language, args, runtime)
-    logged_ce = train_student(student, teacher, language, args, runtime)
+    logged_loss = train_student(student, teacher, language, args, runtime)
 
     held_out = batch_on(language, args, index=HELD_OUT_BATCH, runtime=runtime)
-    passed = check_fused_against_unfused(student, teacher, held_out, args, runtime)
+    replicated = check_bodies_replicated({"teacher": teacher, "student": student}, runtime)
+    fused_ok = check_fused_against_unfused(student, teacher, held_out, args, runtime)
     student_ce, teacher_ce = (held_out_ce(model, held_out, args.backend) for model in (student, teacher))
+    # Every rank leaves with the same status.
+    passed = bool(
+        all_reduce(torch.tensor(int(replicated and fused_ok), device=runtime.device), dist.ReduceOp.MIN, runtime)
+    )
     runtime.log(
-        f"summary: student_ce {logged_ce[0]:.4f} -> {logged_ce[-1]:.4f} over {args.steps} steps | "
+        f"summary: student loss {logged_loss[0]:.4f} -> {logged_loss[-1]:.4f} over {args.steps} steps | "
         f"held-out ce: student {student_ce:.4f} teacher {teacher_ce:.4f} floor {held_out.floor:.4f} | "
         f"{time.perf_counter() - start:.1f} s | peak_mem {peak_memory_mib(runtime.device):.1f} MiB | "
         f"check {'PASS' if passed else 'FAIL'}"
     )
-    if dist.is_initialized():
+    if runtime.group is not None:
+        # Tear down together: without the barrier, a gloo rank that is still closing its connections when
+        # its peer exits can abort ("terminate called without an active exception"; ~1 run in 4 here).
+        dist.barrier()
         dist.destroy_process_group()
     return 0 if passed else 1
 

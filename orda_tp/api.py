@@ -248,9 +248,9 @@ def distillation_loss(
     ``s = student_hidden·weightᵀ``, ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``. See
     docs/reference.md for every argument and error, docs/variants.md for the 15 divergences.
 
-    ``gradient_materialization_scale`` and ``grad_scaler`` control how the fused kernels store
-    fp16 logit gradients; the torch and reference backends form gradients in fp32/fp64, where
-    no scaling is needed, and only validate them.
+    ``gradient_materialization_scale`` (or, when None, ``grad_scaler.get_scale()``) is the scale at
+    which fp16 logit gradients are materialized for the tensor-core gradient GEMMs on CUDA; without
+    one those GEMMs run in fp32. It has no effect for other dtypes or on the CPU.
 
     Tensor parallelism: with ``tp_group`` (or a head ``weight`` DTensor sharded on dim 0),
     ``weight`` — and a separate teacher's weight, and cached teacher logits — are this rank's

@@ -1,5 +1,6 @@
-"""End-to-end runs of the launch scripts: the distillation demo (plain and under torchrun) and the
-memory measurement, each in a subprocess with small settings."""
+"""End-to-end runs of the launch scripts: the distillation job (one plain process, and a 2-rank
+torchrun job with vocab-parallel heads on gloo) and the memory measurement, each in a subprocess with
+small settings."""
 
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ def run(command: list[str]) -> str:
 
 
 def assert_demo_succeeded(stdout: str) -> None:
-    """The fused-vs-unfused check passed, and the logged student CE fell clearly."""
+    """The bodies stayed replicated, the fused-vs-unfused check passed, and the logged student loss and
+    CE fell clearly."""
+    replicated = re.search(rf"^replicated bodies (PASS|FAIL): checksum max-min {FLOAT} ", stdout, flags=re.MULTILINE)
+    assert replicated is not None and replicated.group(1) == "PASS", stdout
+    assert float(replicated.group(2)) == 0.0, stdout
     check = re.search(rf"^check (PASS|FAIL) max_rel_err {FLOAT} tol {FLOAT}", stdout, flags=re.MULTILINE)
     assert check is not None, stdout
     assert check.group(1) == "PASS", stdout
@@ -36,6 +41,9 @@ def assert_demo_succeeded(stdout: str) -> None:
     student_ce = [float(value) for value in re.findall(rf"^student step .*\| student_ce {FLOAT} \|", stdout, re.M)]
     assert len(student_ce) >= 3, stdout
     assert student_ce[-1] < 0.8 * student_ce[0], f"student CE did not fall: {student_ce}"
+    loss = [float(value) for value in re.findall(rf"^student step .*\| loss {FLOAT} \|", stdout, re.M)]
+    assert len(loss) == len(student_ce), stdout
+    assert loss[-1] < 0.85 * loss[0] and loss[-1] < min(loss[:2]), f"student loss did not fall: {loss}"
     assert re.search(r"^summary: .* check PASS$", stdout, flags=re.MULTILINE), stdout
 
 
@@ -43,9 +51,13 @@ def test_distill_demo_single_process() -> None:
     assert_demo_succeeded(run([sys.executable, DISTILL, *SMALL_DEMO]))
 
 
-def test_distill_demo_under_torchrun() -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    assert_demo_succeeded(run([*torchrun, DISTILL, *SMALL_DEMO, "--kl-divergence", "reverse"]))
+def test_distill_job_two_ranks_vocab_parallel() -> None:
+    # --standalone rendezvous picks a free port itself. Vocab 255 pads to 256: rank 1 holds the padding row.
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    stdout = run([*torchrun, DISTILL, *SMALL_DEMO, "--vocab", "255", "--kl-divergence", "reverse"])
+    assert re.search(r"^distill: world_size 2 device cpu process_group gloo ", stdout, flags=re.MULTILINE), stdout
+    assert "vocab 255 padded to 256 = 2 x 128 rows" in stdout, stdout
+    assert_demo_succeeded(stdout)
 
 
 def test_measure_memory_chunked_below_quarter_of_reference() -> None:

@@ -6,8 +6,9 @@ statistics dtype. fp16/bf16 operands on CUDA run on the tensor cores with an fp3
 
 For the gradient GEMMs the fp32 logit gradients are materialized in the operands' dtype: bf16 as
 they are, fp16 only with a ``scale`` (``gradient_materialization_scale``, or the GradScaler's
-scale) that keeps the small gradients out of fp16's subnormal range; the result is divided by it.
-Without a scale fp16 gradient GEMMs run in fp32.
+scale) that keeps the small gradients out of fp16's subnormal range, lowered per block (on the
+device, no synchronization) where it would push the largest gradient past fp16's range; the
+result is divided by it. Without a scale fp16 gradient GEMMs run in fp32.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 __all__ = ["GemmPolicy", "logits_mm"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+FP16_HEADROOM = 6.0e4  # below fp16's largest finite value, 65504
 
 
 def _tensor_cores(a: Tensor, b: Tensor) -> bool:
@@ -46,6 +48,8 @@ class GemmPolicy:
             if operand.dtype == torch.bfloat16:
                 return torch.mm(dlogits.to(torch.bfloat16), operand, torch.float32)
             if self.scale is not None:
-                scaled = (dlogits * self.scale).to(torch.float16)
-                return torch.mm(scaled, operand, torch.float32) / self.scale
+                # Lowered on the device where scale·max|gradient| would leave fp16's range.
+                factor = torch.clamp(FP16_HEADROOM / dlogits.abs().amax(), max=self.scale)
+                scaled = (dlogits * factor).to(torch.float16)
+                return torch.mm(scaled, operand, torch.float32) / factor
         return dlogits @ operand.to(dtype)

@@ -177,33 +177,41 @@ _TORCH_BINARY = {
 }
 
 
+def _run(
+    node: Expr,
+    memo: dict[int, Tensor],
+    columns: Mapping[str, Tensor | None],
+    rows: Mapping[str, Tensor],
+    reference: Tensor,
+) -> Tensor:
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if node.op == "const":
+        result = torch.tensor(node.value, dtype=reference.dtype, device=reference.device)
+    elif node.op == "column":
+        value = columns[str(node.value)]
+        assert value is not None, f"the block has no {node.value}"
+        result = value
+    elif node.op == "row":
+        result = rows[str(node.value)][:, None]
+    else:
+        args = [_run(arg, memo, columns, rows, reference) for arg in node.args]
+        if node.op == "where":
+            result = torch.where(*args)
+        elif node.op in _TORCH_UNARY:
+            result = _TORCH_UNARY[node.op](args[0])
+        else:
+            result = _TORCH_BINARY[node.op](args[0], args[1])
+    memo[key] = result
+    return result
+
+
 def evaluate(exprs: Sequence[Expr], columns: Mapping[str, Tensor | None], rows: Mapping[str, Tensor]) -> list[Tensor]:
     """Evaluate ``exprs`` with torch on a block: ``columns`` maps the column symbols to
-    (rows, cols) tensors, ``rows`` the row constants to (rows,) tensors."""
+    (rows, cols) tensors, ``rows`` the row constants to (rows,) tensors. Intermediates live only
+    as long as this call (a plain memo dict, no closure cycle)."""
     reference = columns["logp"]
     assert reference is not None
     memo: dict[int, Tensor] = {}
-
-    def run(node: Expr) -> Tensor:
-        key = id(node)
-        if key in memo:
-            return memo[key]
-        if node.op == "const":
-            result = torch.tensor(node.value, dtype=reference.dtype, device=reference.device)
-        elif node.op == "column":
-            value = columns[str(node.value)]
-            assert value is not None, f"the block has no {node.value}"
-            result = value
-        elif node.op == "row":
-            result = rows[str(node.value)][:, None]
-        elif node.op == "where":
-            condition, a, b = (run(arg) for arg in node.args)
-            result = torch.where(condition, a, b)
-        elif node.op in _TORCH_UNARY:
-            result = _TORCH_UNARY[node.op](run(node.args[0]))
-        else:
-            result = _TORCH_BINARY[node.op](run(node.args[0]), run(node.args[1]))
-        memo[key] = result
-        return result
-
-    return [run(e).expand_as(reference) for e in exprs]
+    return [_run(e, memo, columns, rows, reference).expand_as(reference) for e in exprs]
