@@ -23,7 +23,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LogitFamily", "PartitionRecord", "merge_partition_records", "sum_records", "block_partition_record"]
+__all__ = [
+    "LogitFamily",
+    "PartitionRecord",
+    "block_partition_record",
+    "merge_partition_records",
+    "merge_stacked_partition_records",
+    "sum_records",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,20 @@ def merge_partition_records(records: Sequence[PartitionRecord]) -> PartitionReco
             label_hits=merged.label_hits + record.label_hits,
         )
     return merged
+
+
+def merge_stacked_partition_records(stacked: Tensor, num_families: int) -> PartitionRecord:
+    """Merge S packed records stacked as (S, rows, 2F+3) at once (e.g. a kernel's column splits);
+    the same merge as :func:`merge_partition_records`, in a handful of tensor ops."""
+    f = num_families
+    maxes, sumexps, rest = stacked[..., :f], stacked[..., f : 2 * f], stacked[..., 2 * f :]
+    new_max = maxes.amax(dim=0)
+    return PartitionRecord(
+        maxes=new_max,
+        sumexps=_rescaled(sumexps, maxes, new_max.unsqueeze(0)).sum(dim=0),
+        target_logits=rest[..., :2].sum(dim=0),
+        label_hits=rest[..., 2].sum(dim=0),
+    )
 
 
 def sum_records(records: Sequence[Tensor]) -> Tensor:

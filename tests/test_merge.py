@@ -19,7 +19,12 @@ from orda_tp.backends.chunk_grads import block_logit_grads
 from orda_tp.backends.chunk_stats import chunk_row_stats
 from orda_tp.backends.reference import reference_loss
 from orda_tp.exchange import LocalExchange
-from orda_tp.statistics import PartitionRecord, block_partition_record, merge_partition_records
+from orda_tp.statistics import (
+    PartitionRecord,
+    block_partition_record,
+    merge_partition_records,
+    merge_stacked_partition_records,
+)
 from orda_tp.validation import build_plan, resolve_options
 
 from .cases import COTRAINED, VARIANT_KWARGS, relative_error
@@ -101,5 +106,9 @@ def test_records_pack_and_merge_in_any_order() -> None:
     assert relative_error(forward, expected) <= 1e-14
     assert relative_error(backward, expected) <= 1e-14
     merged = merge_partition_records(records)
+    stacked = merge_stacked_partition_records(torch.stack([record.pack() for record in records]), families)
+    assert relative_error(stacked.log_partitions(), expected) <= 1e-14
+    assert torch.equal(stacked.label_hits, merged.label_hits)
+    assert torch.equal(stacked.target_logits, merged.target_logits)
     assert torch.equal(merged.label_hits, torch.ones(6, dtype=torch.float64))
     assert torch.equal(merged.target_logits[:, 0], logits.gather(1, labels[:, None]).squeeze(1))

@@ -22,6 +22,10 @@ __all__ = ["BlockMath", "TorchBlockMath"]
 
 
 class BlockMath(Protocol):
+    def block_columns(self, configured: int, local_columns: int) -> int:
+        """Columns per block: the configured size, or more where blocks create no temporaries."""
+        ...
+
     def partition(
         self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
     ) -> PartitionRecord:
@@ -57,6 +61,9 @@ class BlockMath(Protocol):
 
 class TorchBlockMath:
     """Torch ops on (rows × block) tensors: runs anywhere, fp64 included."""
+
+    def block_columns(self, configured: int, local_columns: int) -> int:
+        return configured  # each block's temporaries are (rows × block) tensors
 
     def partition(
         self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]

@@ -77,7 +77,9 @@ def _chunk_blocks(
     with_teacher = problem.plan.needs_teacher_logits
     return [
         (start, stop, *block_logits(head, chunk, start, stop, with_teacher))
-        for start, stop in column_blocks(head.local_vocab, problem.plan.config.vocab_block)
+        for start, stop in column_blocks(
+            head.local_vocab, problem.math.block_columns(problem.plan.config.vocab_block, head.local_vocab)
+        )
     ]
 
 

@@ -17,6 +17,9 @@ __all__ = ["TritonBlockMath"]
 
 
 class TritonBlockMath:
+    def block_columns(self, configured: int, local_columns: int) -> int:
+        return max(local_columns, 1)  # the kernels tile the columns themselves: one block per chunk
+
     def partition(
         self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
     ) -> PartitionRecord:

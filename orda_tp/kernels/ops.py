@@ -16,7 +16,7 @@ import triton
 from torch import Tensor
 
 from ..divergences import Divergence, DivergenceParams
-from ..statistics import LogitFamily, PartitionRecord, merge_partition_records, sum_records
+from ..statistics import LogitFamily, PartitionRecord, merge_stacked_partition_records
 from .codegen import compile_exprs, row_names
 from .templates import (
     GRADS_TEMPLATE,
@@ -92,7 +92,7 @@ def partition_record(
         BLOCK_R=BLOCK_R,
         BLOCK_C=BLOCK_C,
     )
-    return merge_partition_records([PartitionRecord.unpack(part, count) for part in out])
+    return merge_stacked_partition_records(out, count)
 
 
 @cache
@@ -146,7 +146,7 @@ def variant_sums(
         BLOCK_R=BLOCK_R,
         BLOCK_C=BLOCK_C,
     )
-    return sum_records(list(out))
+    return out.sum(dim=0)
 
 
 class GradTerms:

@@ -1,0 +1,86 @@
+"""Profile one forward+backward of the loss on a CUDA device: where the time goes.
+
+    python3 launch/profile_loss.py --backend triton --bt 8192 --hidden 4096 --vocab 128256
+
+Prints the wall time of a warm call, the number of kernel launches, and the top operations by
+self CUDA time and by self CPU time (torch.profiler), for the tied-frozen-teacher KD task of the
+benchmarks (bf16, student CE + forward KL, 1 label in 7 ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import orda_tp  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="triton", choices=("triton", "torch"))
+    parser.add_argument("--bt", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--workspace-mib", type=int, default=None, help="KernelConfig.workspace_mib")
+    parser.add_argument("--vocab-block", type=int, default=None, help="KernelConfig.vocab_block")
+    parser.add_argument("--rows", type=int, default=10, help="rows of each table")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    scale = args.hidden**-0.5
+    hidden = (torch.randn(args.bt, args.hidden, device=device, generator=generator)).bfloat16().requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden, device=device, generator=generator) * scale).bfloat16()
+    weight.requires_grad_()
+    teacher = torch.randn(args.bt, args.hidden, device=device, generator=generator).bfloat16()
+    labels = torch.randint(0, args.vocab, (args.bt,), device=device, generator=generator)
+    labels[::7] = -100
+    config_kwargs = {}
+    if args.workspace_mib is not None:
+        config_kwargs["workspace_mib"] = args.workspace_mib
+    if args.vocab_block is not None:
+        config_kwargs["vocab_block"] = args.vocab_block
+    config = orda_tp.KernelConfig(**config_kwargs)
+
+    def step() -> None:
+        out = orda_tp.distillation_loss(
+            hidden,
+            weight,
+            labels,
+            orda_tp.TiedTeacher(teacher),
+            teacher_ce_weight=0.0,
+            kl_weight=1.0,
+            backend=args.backend,
+            config=config,
+        )
+        out.loss.backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    print(f"warm call: {1e3 * (time.perf_counter() - start):.1f} ms  ({args.backend}, {config})")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"CUDA kernel executions in one call: {launches}")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
