@@ -177,6 +177,9 @@ def _run(
     local, problem = None, None
     try:
         local = _local_inputs(options, parallel, student_hidden, weight, labels, teacher)
+        _denominator(
+            num_valid_tokens, options.reduction, 1, local.student_hidden.device
+        )  # checked before any collective
     except (ValueError, TypeError) as error:
         if group is None:
             raise

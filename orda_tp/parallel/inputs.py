@@ -101,8 +101,9 @@ def localize(
         ]
         wrapped = [name for name, tensor in others if is_dtensor(tensor)]
         if wrapped:
+            verb = "is a DTensor" if len(wrapped) == 1 else "are DTensors"
             raise ValueError(
-                f"{', '.join(wrapped)} is a DTensor but weight is not: pass the head weight as a DTensor "
+                f"{', '.join(wrapped)} {verb} but weight is not: pass the head weight as a DTensor "
                 "sharded on dim 0, or plain local tensors with tp_group"
             )
         if sequence_parallel and group is None:
