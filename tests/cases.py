@@ -142,3 +142,22 @@ def loss_and_grads(
         return out, [None] * len(inputs)
     grads = torch.autograd.grad(out.loss, inputs, grad_outputs=upstream, allow_unused=True)
     return out, list(grads)
+
+
+def call_kwargs(variant: str, mode: str, reduction: str) -> dict[str, object]:
+    """Loss keywords of the equivalence tests: every term on, T_s ≠ T_t where the variant allows it."""
+    kwargs: dict[str, object] = dict(
+        student_ce_weight=0.7,
+        kl_weight=1.3,
+        kl_temperature=2.0,
+        kl_divergence=variant,
+        reduction=reduction,
+        **VARIANT_KWARGS[variant],
+    )
+    if variant not in COTRAINED:
+        kwargs["kl_teacher_temperature"] = 1.5
+    if mode == "separate":
+        kwargs["teacher_ce_weight"] = 0.4
+    elif mode == "precomputed":
+        kwargs["teacher_ce_weight"] = 0.2
+    return kwargs

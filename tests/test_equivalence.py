@@ -15,7 +15,7 @@ from .cases import (
     COTRAINED,
     SMALL_CHUNKS,
     TEACHER_MODES,
-    VARIANT_KWARGS,
+    call_kwargs,
     loss_and_grads,
     make_problem,
     relative_error,
@@ -23,24 +23,6 @@ from .cases import (
 )
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
-
-
-def call_kwargs(variant: str, mode: str, reduction: str) -> dict[str, object]:
-    kwargs: dict[str, object] = dict(
-        student_ce_weight=0.7,
-        kl_weight=1.3,
-        kl_temperature=2.0,
-        kl_divergence=variant,
-        reduction=reduction,
-        **VARIANT_KWARGS[variant],
-    )
-    if variant not in COTRAINED:
-        kwargs["kl_teacher_temperature"] = 1.5
-    if mode == "separate":
-        kwargs["teacher_ce_weight"] = 0.4
-    elif mode == "precomputed":
-        kwargs["teacher_ce_weight"] = 0.2
-    return kwargs
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])

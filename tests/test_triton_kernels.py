@@ -14,8 +14,7 @@ import torch
 import orda_tp
 from orda_tp import KL_VARIANTS
 
-from .cases import COTRAINED, TEACHER_MODES, loss_and_grads, make_problem, relative_error, separate_problem
-from .test_equivalence import call_kwargs
+from .cases import COTRAINED, TEACHER_MODES, call_kwargs, loss_and_grads, make_problem, relative_error, separate_problem
 
 pytest.importorskip("triton")
 

@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 import orda_tp
 from orda_tp import KL_VARIANTS, ChunkSize, KernelConfig
 
-from .cases import COTRAINED, TEACHER_MODES, VARIANT_KWARGS, Problem, loss_and_grads, make_problem, relative_error
+from . import cases
+from .cases import COTRAINED, TEACHER_MODES, Problem, loss_and_grads, make_problem, relative_error
 from .distributed import note
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -62,24 +63,8 @@ def stable_seed(*parts: object) -> int:
 
 
 def call_kwargs(variant: str, mode: str, reduction: str) -> dict[str, object]:
-    """Loss keywords in the style of tests/test_equivalence.py: every term on, T_s ≠ T_t where allowed."""
-    kwargs: dict[str, object] = dict(
-        student_ce_weight=0.7,
-        kl_weight=1.3,
-        kl_temperature=2.0,
-        kl_divergence=variant,
-        reduction=reduction,
-        backend="torch",
-        config=TP_CHUNKS,
-        **VARIANT_KWARGS[variant],
-    )
-    if variant not in COTRAINED:
-        kwargs["kl_teacher_temperature"] = 1.5
-    if mode == "separate":
-        kwargs["teacher_ce_weight"] = 0.4
-    elif mode == "precomputed":
-        kwargs["teacher_ce_weight"] = 0.2
-    return kwargs
+    """The equivalence tests' keywords on the torch backend with small row chunks."""
+    return {**cases.call_kwargs(variant, mode, reduction), "backend": "torch", "config": TP_CHUNKS}
 
 
 def full_problem(

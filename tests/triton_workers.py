@@ -7,8 +7,7 @@ import torch.distributed as dist
 
 import orda_tp
 
-from .cases import make_problem, relative_error, separate_problem
-from .test_equivalence import call_kwargs
+from .cases import call_kwargs, make_problem, relative_error, separate_problem
 from .tp_workers import chunk_ranges
 
 
