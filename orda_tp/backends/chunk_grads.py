@@ -128,17 +128,17 @@ def accumulate_chunk_gradients(
         )
         weight_block = head.weight.detach()[start:stop]
         if student_hidden_grad is not None:
-            student_hidden_grad += gemms.grad_mm(student_grad, weight_block)
+            gemms.accumulate(student_hidden_grad, student_grad, weight_block)
         if buffers.weight is not None:
-            buffers.weight[start:stop] += gemms.grad_mm(student_grad.T, chunk.student_hidden)
+            gemms.accumulate(buffers.weight[start:stop], student_grad.T, chunk.student_hidden)
         if teacher_grad is None or chunk.teacher_hidden is None:
             continue
         teacher_block = head.teacher_head.detach()[start:stop]
         if teacher_hidden_grad is not None:
-            teacher_hidden_grad += gemms.grad_mm(teacher_grad, teacher_block)
+            gemms.accumulate(teacher_hidden_grad, teacher_grad, teacher_block)
         teacher_weight_buffer = buffers.teacher_weight if head.teacher_weight is not None else buffers.weight
         if teacher_weight_buffer is not None:
-            teacher_weight_buffer[start:stop] += gemms.grad_mm(teacher_grad.T, chunk.teacher_hidden)
+            gemms.accumulate(teacher_weight_buffer[start:stop], teacher_grad.T, chunk.teacher_hidden)
     if student_hidden_grad is not None and buffers.student_hidden is not None:
         buffers.student_hidden.index_add_(0, chunk.index, student_hidden_grad)
     if teacher_hidden_grad is not None and buffers.teacher_hidden is not None:

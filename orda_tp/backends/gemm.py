@@ -22,6 +22,7 @@ __all__ = ["GemmPolicy", "logits_mm"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FP16_HEADROOM = 6.0e4  # below fp16's largest finite value, 65504
+_ADDMM_OUT_DTYPE = [True]  # cleared once if this torch has no addmm(..., out_dtype=...)
 
 
 def _tensor_cores(a: Tensor, b: Tensor) -> bool:
@@ -53,3 +54,21 @@ class GemmPolicy:
                 scaled = (dlogits * factor).to(torch.float16)
                 return torch.mm(scaled, operand, torch.float32) / factor
         return dlogits @ operand.to(dtype)
+
+    def accumulate(self, target: Tensor, dlogits: Tensor, operand: Tensor) -> None:
+        """``target += dlogits · operand``: for bf16 operands on CUDA one GEMM that adds into the
+        fp32 target in its epilogue (no separate pass over the target), else product then add."""
+        if (
+            _ADDMM_OUT_DTYPE[0]
+            and _tensor_cores(operand, operand)
+            and operand.dtype == torch.bfloat16
+            and target.dtype == torch.float32
+            and target.is_contiguous()
+        ):
+            try:
+                torch.addmm(target, dlogits.to(torch.bfloat16), operand, out_dtype=torch.float32, out=target)
+                return
+            except (TypeError, RuntimeError):  # a torch without addmm(out_dtype=...)
+                _ADDMM_OUT_DTYPE[0] = False
+        target += self.grad_mm(dlogits, operand)
+
