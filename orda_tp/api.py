@@ -163,6 +163,9 @@ def _local_inputs(
     return local
 
 
+# Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
+# exchanges and hand-written backward are not traceable, and gain nothing from tracing.
+@torch.compiler.disable
 def _run(
     options: LossOptions,
     parallel: ParallelOptions,

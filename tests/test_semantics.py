@@ -575,3 +575,20 @@ def test_autocast_does_not_round_the_logits() -> None:
         assert autocast.loss.dtype == torch.float32
         assert relative_error(autocast.loss, plain.loss) <= 1e-6
         assert relative_error(grad, torch.autograd.grad(plain.loss.sum(), [p.weight])[0]) <= 1e-6
+
+
+def test_callable_inside_torch_compiled_code() -> None:
+    p = make_problem(dtype=torch.float32)
+
+    def step(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        out = orda_tp.distillation_loss(
+            hidden, weight, p.labels, TiedTeacher(teacher), kl_weight=1.0, kl_divergence="jeffreys"
+        )
+        return 2.0 * out.loss
+
+    inputs = [p.student_hidden, p.weight]
+    eager = step(p.student_hidden, p.weight, p.teacher_hidden)
+    compiled = torch.compile(step, backend="aot_eager")(p.student_hidden, p.weight, p.teacher_hidden)
+    assert relative_error(compiled, eager) <= 1e-12
+    for grad, expected in zip(torch.autograd.grad(compiled, inputs), torch.autograd.grad(eager, inputs)):
+        assert relative_error(grad, expected) <= 1e-12

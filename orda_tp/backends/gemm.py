@@ -71,4 +71,3 @@ class GemmPolicy:
             except (TypeError, RuntimeError):  # a torch without addmm(out_dtype=...)
                 _ADDMM_OUT_DTYPE[0] = False
         target += self.grad_mm(dlogits, operand)
-
