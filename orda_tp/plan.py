@@ -12,10 +12,9 @@ from .config import KernelConfig
 from .divergences import Divergence, DivergenceParams
 from .statistics import LogitFamily
 
-__all__ = ["LossPlan", "REDUCTIONS", "TEACHER_KINDS"]
+__all__ = ["LossPlan", "REDUCTIONS"]
 
 REDUCTIONS = ("mean", "sum", "none")
-TEACHER_KINDS = ("tied", "separate", "precomputed_logits", "precomputed_hidden")
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class LossPlan:
     params: DivergenceParams
     reduction: str
     ignore_index: int
-    teacher_kind: str
+    teacher_kind: str  # "tied", "separate", "precomputed_logits" or "precomputed_hidden"
     teacher_role: str
     config: KernelConfig
 

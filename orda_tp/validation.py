@@ -20,7 +20,6 @@ __all__ = ["LossOptions", "resolve_options", "check_inputs", "build_plan", "BACK
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-PARAMETER_KEYWORDS = ("kl_alpha", "kl_beta", "entropy_gate")
 
 
 def _is_real(value: object) -> bool:

@@ -32,12 +32,9 @@ __all__ = [
     "greater",
     "less",
     "log",
-    "log1p",
     "logaddexp",
     "logical_and",
-    "logical_not",
     "row",
-    "sigmoid",
     "where",
     "wrap",
 ]
@@ -113,14 +110,6 @@ def expm1(x: Expr) -> Expr:
     return Expr("expm1", (x,))
 
 
-def log1p(x: Expr) -> Expr:
-    return Expr("log1p", (x,))
-
-
-def sigmoid(x: Expr) -> Expr:
-    return Expr("sigmoid", (x,))
-
-
 def absolute(x: Expr) -> Expr:
     return Expr("abs", (x,))
 
@@ -146,10 +135,6 @@ def logical_and(a: Expr, b: Expr) -> Expr:
     return Expr("and", (a, b))
 
 
-def logical_not(a: Expr) -> Expr:
-    return Expr("not", (a,))
-
-
 def where(condition: Expr, a: Expr | float, b: Expr | float) -> Expr:
     return Expr("where", (condition, wrap(a), wrap(b)))
 
@@ -158,11 +143,8 @@ _TORCH_UNARY = {
     "exp": torch.exp,
     "log": torch.log,
     "expm1": torch.expm1,
-    "log1p": torch.log1p,
-    "sigmoid": torch.sigmoid,
     "abs": torch.abs,
     "neg": torch.neg,
-    "not": torch.logical_not,
 }
 _TORCH_BINARY = {
     "add": torch.add,

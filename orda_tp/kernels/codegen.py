@@ -2,8 +2,8 @@
 
 The generated code is a straight-line block of assignments over the kernel's column variables
 (``logp``, ``logq``, ``p``, ``q``, ``is_target``: (BLOCK_R, BLOCK_C) tiles) and row constants
-(``row_<name>``: (BLOCK_R, 1)). Shared subtrees become one variable. ``expm1``/``log1p`` use
-exp/log-only forms (Kahan's), since the Triton interpreter has no libdevice.
+(``row_<name>``: (BLOCK_R, 1)). Shared subtrees become one variable. ``expm1`` uses an
+exp/log-only form (Kahan's), since the Triton interpreter has no libdevice.
 """
 
 from __future__ import annotations
@@ -25,13 +25,6 @@ def _expm1(x):
 
 
 @triton.jit
-def _log1p(x):
-    u = 1.0 + x
-    accurate = tl.log(u) * x / tl.where(u == 1.0, 1.0, u - 1.0)
-    return tl.where(u == 1.0, x, tl.where(u > 3.0e38, u, accurate))
-
-
-@triton.jit
 def _logaddexp(a, b):
     m = tl.maximum(a, b)
     shift = tl.where(m == float("-inf"), 0.0, m)
@@ -43,8 +36,6 @@ _CALLS = {
     "exp": "tl.exp",
     "log": "tl.log",
     "expm1": "_expm1",
-    "log1p": "_log1p",
-    "sigmoid": "tl.sigmoid",
     "abs": "tl.abs",
     "logaddexp": "_logaddexp",
 }
@@ -96,8 +87,6 @@ def compile_exprs(exprs: Sequence[Expr], prefix: str) -> tuple[list[str], list[s
                 code = f"({args[0]} {_BINARY[node.op]} {args[1]})"
             elif node.op == "neg":
                 code = f"(-{args[0]})"
-            elif node.op == "not":
-                code = f"({args[0]} == 0)"
             elif node.op == "where":
                 code = f"tl.where({args[0]}, {args[1]}, {args[2]})"
             else:
