@@ -80,15 +80,6 @@ def _denominator(num_valid_tokens: object, reduction: str, valid_count: int, dev
     return float(num_valid_tokens)
 
 
-def _teacher_inputs(teacher: Teacher) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(teacher_hidden, teacher_weight, teacher_logits)``; the weight is None for a tied head."""
-    if isinstance(teacher, TiedTeacher):
-        return teacher.hidden, None, None
-    if isinstance(teacher, SeparateTeacher):
-        return teacher.hidden, teacher.weight, None
-    return teacher.teacher_hidden, teacher.teacher_weight, teacher.logits
-
-
 def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> tuple[bool, bool, bool, bool]:
     """Which of (student_hidden, weight, teacher_hidden, teacher_weight) receive a gradient."""
     grad_on = torch.is_grad_enabled()
@@ -196,7 +187,7 @@ def _run(
     valid_rows = (local.labels != options.ignore_index).nonzero().squeeze(1)
     device = local.student_hidden.device
     denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel(), device)
-    teacher_hidden, teacher_weight, teacher_logits = _teacher_inputs(local.teacher)
+    teacher_hidden, teacher_weight, teacher_logits = local.teacher.head_inputs()
     inputs = (local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits)
     backend = select_backend(options.backend, device, statistics_dtype(*inputs))
     # Statistics are computed in fp32/fp64 whatever autocast would pick for the GEMMs.
@@ -217,6 +208,16 @@ def _run(
             )
             outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)
+
+
+_PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_parallel")
+
+
+def _resolve_keywords(keywords: dict[str, object]) -> tuple[LossOptions, ParallelOptions]:
+    """Validate the keywords of :func:`distillation_loss` / :class:`DistillationLoss` (one path, so
+    both raise the same error for the same keywords)."""
+    parallel = {name: keywords.pop(name) for name in _PARALLEL_KEYWORDS}
+    return resolve_options(**keywords), resolve_parallel_options(**parallel)  # type: ignore[arg-type]
 
 
 def distillation_loss(
@@ -264,27 +265,10 @@ def distillation_loss(
     ``vocab_size`` marks the columns at or past it as padding; ``sequence_parallel`` says the
     hidden states hold this rank's rows of the batch. Every rank returns the single-device result.
     """
-    options = resolve_options(
-        student_ce_weight=student_ce_weight,
-        teacher_ce_weight=teacher_ce_weight,
-        kl_weight=kl_weight,
-        kl_temperature=kl_temperature,
-        kl_teacher_temperature=kl_teacher_temperature,
-        kl_divergence=kl_divergence,
-        kl_alpha=kl_alpha,
-        kl_beta=kl_beta,
-        entropy_gate=entropy_gate,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        profile=profile,
-        backend=backend,
-        config=config,
-        gradient_materialization_scale=gradient_materialization_scale,
-        grad_scaler=grad_scaler,
-    )
-    parallel = resolve_parallel_options(
-        tp_group=tp_group, vocab_range=vocab_range, vocab_size=vocab_size, sequence_parallel=sequence_parallel
-    )
+    keywords = dict(locals())
+    for argument in ("student_hidden", "weight", "labels", "teacher", "num_valid_tokens"):
+        del keywords[argument]
+    options, parallel = _resolve_keywords(keywords)
     return _run(options, parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
 
 
@@ -316,28 +300,9 @@ class DistillationLoss(nn.Module):
         vocab_size: int | None = None,
         sequence_parallel: bool | None = None,
     ) -> None:
+        keywords = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()
-        self.parallel = resolve_parallel_options(
-            tp_group=tp_group, vocab_range=vocab_range, vocab_size=vocab_size, sequence_parallel=sequence_parallel
-        )
-        self.options = resolve_options(
-            student_ce_weight=student_ce_weight,
-            teacher_ce_weight=teacher_ce_weight,
-            kl_weight=kl_weight,
-            kl_temperature=kl_temperature,
-            kl_teacher_temperature=kl_teacher_temperature,
-            kl_divergence=kl_divergence,
-            kl_alpha=kl_alpha,
-            kl_beta=kl_beta,
-            entropy_gate=entropy_gate,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            profile=profile,
-            backend=backend,
-            config=config,
-            gradient_materialization_scale=gradient_materialization_scale,
-            grad_scaler=grad_scaler,
-        )
+        self.options, self.parallel = _resolve_keywords(keywords)
 
     def forward(
         self,

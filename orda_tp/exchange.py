@@ -2,7 +2,7 @@
 
 On one device the local record already covers the whole vocabulary, so every method is the
 identity. The tensor-parallel layer (:class:`orda_tp.parallel.exchange.ShardExchange`) gathers
-every rank's record and merges them in rank order, gathers sequence-parallel rows and sums the
+every rank's record and merges them identically on every rank, gathers sequence-parallel rows and sums the
 hidden gradients; the loss code is the same in both cases.
 """
 

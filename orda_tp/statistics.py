@@ -77,22 +77,17 @@ def _rescaled(sumexp: Tensor, local_max: Tensor, new_max: Tensor) -> Tensor:
 
 
 def merge_partition_records(records: Sequence[PartitionRecord]) -> PartitionRecord:
-    """Fold records left to right (callers fix the order, e.g. rank order, for determinism)."""
-    merged = records[0]
-    for record in records[1:]:
-        new_max = torch.maximum(merged.maxes, record.maxes)
-        merged = PartitionRecord(
-            maxes=new_max,
-            sumexps=_rescaled(merged.sumexps, merged.maxes, new_max) + _rescaled(record.sumexps, record.maxes, new_max),
-            target_logits=merged.target_logits + record.target_logits,
-            label_hits=merged.label_hits + record.label_hits,
-        )
-    return merged
+    """Merge records of the same rows (column blocks, shards), through their packed layout."""
+    if len(records) == 1:
+        return records[0]
+    families = records[0].maxes.shape[1]
+    return merge_stacked_partition_records(torch.stack([record.pack() for record in records]), families)
 
 
 def merge_stacked_partition_records(stacked: Tensor, num_families: int) -> PartitionRecord:
-    """Merge S packed records stacked as (S, rows, 2F+3) at once (e.g. a kernel's column splits);
-    the same merge as :func:`merge_partition_records`, in a handful of tensor ops."""
+    """Merge S packed records stacked as (S, rows, 2F+3) at once: every partial is rescaled to the
+    overall max and summed, in a handful of tensor ops (deterministic for a given stack, so ranks
+    that merge the same gathered stack get bitwise-identical records)."""
     f = num_families
     maxes, sumexps, rest = stacked[..., :f], stacked[..., f : 2 * f], stacked[..., 2 * f :]
     new_max = maxes.amax(dim=0)

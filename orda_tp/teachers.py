@@ -43,6 +43,13 @@ class TiedTeacher:
         if self.mode is not None and self.mode not in TEACHER_MODES:
             raise ValueError(f"TiedTeacher.mode must be one of {TEACHER_MODES} or None, got {self.mode!r}")
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [("hidden", self.hidden)]
+
+    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(hidden, head weight, logits)``: the head is the student's own (None)."""
+        return self.hidden, None, None
+
 
 @dataclass(frozen=True)
 class SeparateTeacher:
@@ -59,6 +66,13 @@ class SeparateTeacher:
                 "SeparateTeacher.hidden and SeparateTeacher.weight must share their last dimension, got "
                 f"hidden {tuple(self.hidden.shape)} and weight {tuple(self.weight.shape)}"
             )
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [("hidden", self.hidden), ("weight", self.weight)]
+
+    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(hidden, head weight, logits)``."""
+        return self.hidden, self.weight, None
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,10 @@ class PrecomputedTeacher:
         """The cached tensors with their field names."""
         names = ("logits", "teacher_hidden", "teacher_weight")
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
+
+    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(hidden, head weight, logits)``: either the cached logits or the cached hidden and head."""
+        return self.teacher_hidden, self.teacher_weight, self.logits
 
     def modified_tensor(self) -> tuple[str, int, int] | None:
         """``(name, recorded version, current version)`` of a tensor modified in place since

@@ -157,15 +157,11 @@ def _check_shape(name: str, tensor: Tensor, expected: tuple[int, ...], meaning: 
 
 def teacher_tensors(teacher: object) -> list[tuple[str, Tensor]]:
     """The named tensors of a teacher descriptor (TypeError for anything else)."""
-    if isinstance(teacher, TiedTeacher):
-        return [("teacher.hidden", teacher.hidden)]
-    if isinstance(teacher, SeparateTeacher):
-        return [("teacher.hidden", teacher.hidden), ("teacher.weight", teacher.weight)]
-    if isinstance(teacher, PrecomputedTeacher):
-        return [(f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()]
-    raise TypeError(
-        f"teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher, got {type(teacher).__name__}"
-    )
+    if not isinstance(teacher, (TiedTeacher, SeparateTeacher, PrecomputedTeacher)):
+        raise TypeError(
+            f"teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher, got {type(teacher).__name__}"
+        )
+    return [(f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()]
 
 
 def check_inputs(

@@ -21,11 +21,10 @@ Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 
 
 def _head_tensors(student_hidden: Tensor, weight: Tensor, teacher: Teacher) -> list[tuple[str, Tensor]]:
+    """The tensors ``check_finite_inputs`` covers: the student's and a trainable teacher's."""
     named = [("student_hidden", student_hidden), ("weight", weight)]
-    if isinstance(teacher, TiedTeacher):
-        named.append(("teacher hidden", teacher.hidden))
-    elif isinstance(teacher, SeparateTeacher):
-        named += [("teacher hidden", teacher.hidden), ("teacher weight", teacher.weight)]
+    if not isinstance(teacher, PrecomputedTeacher):  # a cache has its own checks
+        named += [(f"teacher {name}", tensor) for name, tensor in teacher.named_tensors()]
     return named
 
 

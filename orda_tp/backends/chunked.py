@@ -172,7 +172,8 @@ class _ChunkedDistillation(torch.autograd.Function):
         ctx.problem = problem
         ctx.eager_buffers = buffers
         ctx.saved_stats = saved_stats
-        ctx.gathered_hidden = (full[0], full[2]) if problem.layout.sequence_parallel else None
+        # Only the deferred backward (reduction "none") recomputes logits from the gathered rows.
+        ctx.gathered_hidden = (full[0], full[2]) if problem.layout.sequence_parallel and buffers is None else None
         ctx.save_for_backward(*inputs)
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs  # type: ignore[return-value]

@@ -1,7 +1,7 @@
 """Record exchange across the vocabulary shards of a tensor-parallel group.
 
-Each statistics round is one all-gather of the packed (rows, K) records; every rank merges the
-gathered records in rank order, so the merged record is bitwise identical on every rank.
+Each statistics round is one all-gather of the packed (rows, K) records; every rank merges the same
+gathered stack with the same ops, so the merged record is bitwise identical on every rank.
 
 The first round of a call also carries each rank's *local error* (a check that only that rank
 could make, e.g. NaN in its shard of a cached teacher) in three extra columns; after the gather
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..statistics import PartitionRecord, merge_partition_records, sum_records
+from ..statistics import PartitionRecord, merge_stacked_partition_records, sum_records
 from .collectives import all_gather_rows, gather_sequence_rows, reduce_row_gradients
 
 __all__ = ["LocalError", "ShardExchange"]
@@ -73,8 +73,7 @@ class ShardExchange:
         gathered = all_gather_rows(packed, self.group)
         if packed.shape[1] > width:
             self._raise_gathered_errors([g[:, width:] for g in gathered])
-        families = local.maxes.shape[1]
-        return merge_partition_records([PartitionRecord.unpack(g[:, :width], families) for g in gathered])
+        return merge_stacked_partition_records(torch.stack(gathered)[..., :width], local.maxes.shape[1])
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
         return sum_records(all_gather_rows(local, self.group))

@@ -97,7 +97,7 @@ def localize(
     group = _check_group(tp_group)
     if not is_dtensor(weight):
         others = [("student_hidden", student_hidden), ("labels", labels)] + [
-            (f"teacher.{name}", tensor) for name, tensor in _teacher_named(teacher)
+            (f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()
         ]
         wrapped = [name for name, tensor in others if is_dtensor(tensor)]
         if wrapped:
@@ -139,14 +139,6 @@ def localize(
         vocab_range=derived_range,
         sequence_parallel=sharded,
     )
-
-
-def _teacher_named(teacher: Teacher) -> list[tuple[str, Tensor]]:
-    if isinstance(teacher, TiedTeacher):
-        return [("hidden", teacher.hidden)]
-    if isinstance(teacher, SeparateTeacher):
-        return [("hidden", teacher.hidden), ("weight", teacher.weight)]
-    return teacher.named_tensors()
 
 
 def _teacher_columns(teacher: Teacher) -> int:
