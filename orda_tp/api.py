@@ -52,12 +52,14 @@ class DistillationLossOutput(NamedTuple):
     kl: Tensor
 
 
-def _denominator(num_valid_tokens: object, reduction: str, valid_count: int, device: torch.device) -> float | Tensor:
-    """N of "mean": ``num_valid_tokens`` when given, else the count of non-ignored rows (1 if
-    there are none, so that an all-ignored batch gives 0 and no gradient). A tensor's value is
-    not read (that would synchronize with the device): it must be > 0."""
+def _denominator(
+    num_valid_tokens: object, reduction: str, valid: Tensor | None, device: torch.device
+) -> float | Tensor:
+    """N of "mean": ``num_valid_tokens`` when given, else the count of ``valid`` rows, a device
+    tensor (at least 1, so that an all-ignored batch gives 0 and no gradient). A tensor's value is
+    never read (that would synchronize with the device): it must be > 0."""
     if num_valid_tokens is None:
-        return float(max(valid_count, 1))
+        return 1.0 if valid is None else valid.sum().clamp_min(1)
     if reduction != "mean":
         raise ValueError(f"num_valid_tokens is the denominator of reduction='mean'; got reduction={reduction!r}")
     if isinstance(num_valid_tokens, Tensor):
@@ -110,14 +112,18 @@ def _exchange(
     return ShardExchange(local.group, layout.sequence_parallel, error)
 
 
-def _gradient_scale(options: LossOptions) -> float | None:
-    """The scale at which fp16 logit gradients are materialized for the gradient GEMMs."""
+def _gradient_scale(options: LossOptions) -> float | Tensor | None:
+    """The scale at which fp16 logit gradients are materialized for the gradient GEMMs: a number,
+    or the GradScaler's scale tensor (left on the device, never read)."""
     if options.gradient_materialization_scale is not None:
         return options.gradient_materialization_scale
     scaler = options.grad_scaler
-    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
-        return float(scaler.get_scale())  # type: ignore[attr-defined]
-    return None
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, Tensor):
+        return scale.reshape(())
+    return float(scaler.get_scale())  # type: ignore[attr-defined]  # not yet initialized: its init scale
 
 
 def _block_math(backend: str) -> BlockMath:
@@ -171,9 +177,8 @@ def _run(
     local, problem = None, None
     try:
         local = _local_inputs(options, parallel, student_hidden, weight, labels, teacher)
-        _denominator(
-            num_valid_tokens, options.reduction, 1, local.student_hidden.device
-        )  # checked before any collective
+        # checked before any collective
+        _denominator(num_valid_tokens, options.reduction, None, local.student_hidden.device)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
@@ -181,12 +186,12 @@ def _run(
     layout = agree_layout(group, local, parallel.vocab_size, problem)
     assert local is not None
     plan = build_plan(options, local.teacher, layout.vocab_size)
-    if not options.config.assume_valid_labels:
+    device = local.student_hidden.device
+    if not options.config.assume_valid_labels and options.config.runs_host_checks(local.labels.device.type == "cpu"):
         check_label_range(local.labels, layout.vocab_size, options.ignore_index)
     exchange = _exchange(plan, options, local, teacher, layout)
-    valid_rows = (local.labels != options.ignore_index).nonzero().squeeze(1)
-    device = local.student_hidden.device
-    denominator = _denominator(num_valid_tokens, options.reduction, valid_rows.numel(), device)
+    valid = local.labels != options.ignore_index
+    denominator = _denominator(num_valid_tokens, options.reduction, valid, device)
     teacher_hidden, teacher_weight, teacher_logits = local.teacher.head_inputs()
     inputs = (local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits)
     backend = select_backend(options.backend, device, statistics_dtype(*inputs))
@@ -198,7 +203,7 @@ def _run(
             problem = ChunkedProblem(
                 plan=plan,
                 labels=local.labels,
-                valid_rows=valid_rows,
+                valid=valid,
                 denominator=denominator,
                 grad_needs=_gradient_needs(plan, inputs[:4]),
                 exchange=exchange,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-__all__ = ["ChunkSize", "EntropyGate", "KernelConfig", "PROFILES", "resolve_config"]
+__all__ = ["ChunkSize", "EntropyGate", "KernelConfig", "PROFILES", "RowLayout", "resolve_config"]
 
 
 def _require(condition: bool, message: str) -> None:
@@ -31,8 +31,8 @@ class ChunkSize:
 
     - ``nrows``: a fixed row count per chunk (``None``: derived from the workspace budget).
     - ``dynamic``: when True, ``nrows`` is an upper bound that is lowered so that one chunk's
-      workspace, ``rows × local_vocab`` fp32 values per live buffer, fits
-      ``KernelConfig.workspace_mib``; when False a given ``nrows`` is used as is.
+      fp32 logits fit their share of ``KernelConfig.workspace_mib``; when False a given ``nrows``
+      is used as is.
     - ``fast``: trade memory for speed: four times the workspace budget.
     """
 
@@ -49,26 +49,54 @@ class ChunkSize:
             )
 
 
+GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
+    ``group_rows`` (a multiple of ``chunk_rows``) share one pair of gradient GEMMs."""
+
+    chunk_rows: int
+    group_rows: int
+
+
+def _power_of_two_floor(value: int) -> int:
+    return 1 << (max(value, 1).bit_length() - 1)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Execution knobs of the chunked backends.
 
     - ``chunk_size``: rows per chunk (see :class:`ChunkSize`).
-    - ``vocab_block``: columns per statistics block inside a chunk; the records of the blocks are
-      merged exactly as the records of tensor-parallel shards are.
-    - ``workspace_mib``: size of one (rows × local vocab) fp32 buffer, in MiB; it sets the rows per
-      chunk. A chunk keeps a few such buffers alive (student and teacher logits, per-block
-      temporaries), so the loss's workspace is a small multiple of it (measured: 5–10×).
-    - ``assume_valid_labels``: skip the host-synchronizing range check of ``labels``. A label
+    - ``vocab_block``: columns per statistics block of the torch backend; the records of the blocks
+      are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
+      columns themselves).
+    - ``workspace_mib``: the chunk workspace budget in MiB. A third holds one chunk's fp32 logits
+      (student and teacher), two thirds stage the logit gradients of a group of chunks for the
+      gradient GEMMs. Rows per chunk and per group are powers of two (times each other) derived
+      from the budget and the local vocabulary only, never from the number of rows of a call.
+    - ``grad_weight_accumulation``: the dtype in which a head weight's gradient is summed over
+      row groups: ``"fp32"`` (an fp32 buffer of the weight's size), ``"compute"`` (the weight's
+      own dtype: no extra memory, one rounding per group), ``"auto"`` (``"compute"`` for bf16
+      weights, ``"fp32"`` otherwise).
+    - ``assume_valid_labels``: skip the range check of ``labels`` wherever it would run. A label
       outside ``[0, V)`` then gives a NaN row (never another class).
+    - ``host_checks``: whether checks that read tensor values on the host run (the label range,
+      a cached teacher's NaN/+inf): ``None`` runs them for CPU tensors only, where reading a value
+      costs nothing; on CUDA they would synchronize with the device, so there a bad label or a
+      non-finite cache shows as NaN rows instead (the ``debug`` profile sets True).
     - ``check_finite_inputs``: raise if a hidden state or weight holds NaN/inf instead of letting
-      the affected rows come out NaN (the ``debug`` profile turns it on).
+      the affected rows come out NaN (the ``debug`` profile turns it on; it synchronizes).
     """
 
     chunk_size: ChunkSize = field(default_factory=ChunkSize)
     vocab_block: int = 8192
-    workspace_mib: int = 64
+    workspace_mib: int = 384
+    grad_weight_accumulation: str = "auto"
     assume_valid_labels: bool = False
+    host_checks: bool | None = None
     check_finite_inputs: bool = False
 
     def __post_init__(self) -> None:
@@ -77,6 +105,13 @@ class KernelConfig:
             f"KernelConfig.chunk_size must be a ChunkSize, got {type(self.chunk_size).__name__}",
         )
         _require_flags(self, "assume_valid_labels", "check_finite_inputs")
+        if self.host_checks is not None:
+            _require_flags(self, "host_checks")
+        _require(
+            self.grad_weight_accumulation in GRAD_WEIGHT_ACCUMULATIONS,
+            f"KernelConfig.grad_weight_accumulation must be one of {GRAD_WEIGHT_ACCUMULATIONS}, "
+            f"got {self.grad_weight_accumulation!r}",
+        )
         for name in ("vocab_block", "workspace_mib"):
             value = getattr(self, name)
             _require(
@@ -84,10 +119,19 @@ class KernelConfig:
                 f"KernelConfig.{name} must be a positive int, got {value!r}",
             )
 
-    def rows_per_chunk(self, total_rows: int, local_vocab: int) -> int:
-        """Rows of one chunk for a call with ``total_rows`` rows over ``local_vocab`` columns."""
-        budget_values = self.workspace_mib * (1 << 20) // 4 * (4 if self.chunk_size.fast else 1)
-        from_budget = max(1, budget_values // max(local_vocab, 1))
+    def runs_host_checks(self, on_cpu: bool) -> bool:
+        """Whether value checks that read tensors on the host run for tensors on this device."""
+        return on_cpu if self.host_checks is None else self.host_checks
+
+    def row_layout(self, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int) -> RowLayout:
+        """Rows per chunk and per gradient group for ``local_vocab`` columns.
+
+        ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
+        ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed).
+        """
+        budget = self.workspace_mib * (1 << 20) * (4 if self.chunk_size.fast else 1)
+        columns = max(local_vocab, 1)
+        from_budget = _power_of_two_floor(budget // 3 // (columns * max(logit_bytes, 1)))
         requested = self.chunk_size.nrows
         if requested is None:
             rows = from_budget
@@ -95,13 +139,17 @@ class KernelConfig:
             rows = min(requested, from_budget)
         else:
             rows = requested
-        return max(1, min(rows, max(total_rows, 1)))
+        rows = max(1, min(rows, max(total_rows, 1)))
+        chunks_per_group = 1
+        if staged_bytes > 0:
+            chunks_per_group = _power_of_two_floor(budget * 2 // 3 // (columns * staged_bytes * rows))
+        return RowLayout(chunk_rows=rows, group_rows=rows * max(1, min(chunks_per_group, -(-total_rows // rows))))
 
 
 PROFILES: dict[str, KernelConfig] = {
     "balanced": KernelConfig(),
     "fast": KernelConfig(chunk_size=ChunkSize(fast=True), vocab_block=32768),
-    "debug": KernelConfig(workspace_mib=4, vocab_block=1024, check_finite_inputs=True),
+    "debug": KernelConfig(workspace_mib=4, vocab_block=1024, host_checks=True, check_finite_inputs=True),
 }
 
 

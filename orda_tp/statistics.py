@@ -60,6 +60,14 @@ class PartitionRecord:
         return torch.cat([self.maxes, self.sumexps, self.target_logits, self.label_hits[:, None]], dim=1)
 
     @staticmethod
+    def empty(rows: int, num_families: int, like: Tensor) -> PartitionRecord:
+        """The record of no columns (a shard that holds only vocabulary padding)."""
+        zeros = like.new_zeros(rows, num_families)
+        return PartitionRecord(
+            torch.full_like(zeros, float("-inf")), zeros, like.new_zeros(rows, 2), like.new_zeros(rows)
+        )
+
+    @staticmethod
     def unpack(packed: Tensor, num_families: int) -> PartitionRecord:
         f = num_families
         return PartitionRecord(packed[:, :f], packed[:, f : 2 * f], packed[:, 2 * f : 2 * f + 2], packed[:, 2 * f + 2])

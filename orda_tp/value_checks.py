@@ -1,4 +1,4 @@
-"""Checks that read tensor values (and so synchronize with the device).
+"""Checks that read tensor values (and so synchronize with the device where it is not the CPU).
 
 On one device a failed check raises at once. On a tensor-parallel shard it becomes a
 :class:`LocalError` that the first record exchange shares, so that every rank raises it.
@@ -31,11 +31,12 @@ def _head_tensors(student_hidden: Tensor, weight: Tensor, teacher: Teacher) -> l
 def check_values(
     plan: LossPlan, config: KernelConfig, student_hidden: Tensor, weight: Tensor, teacher: Teacher, vocab_size: int
 ) -> None:
-    """Single device: raise on a modified or non-finite cache, or (with ``check_finite_inputs``)
-    a non-finite hidden state or weight. Padding columns (≥ ``vocab_size``) are not read."""
+    """Single device: raise on a modified cache, a non-finite cache (where host checks run, see
+    ``KernelConfig.host_checks``), or (with ``check_finite_inputs``) a non-finite hidden state or
+    weight. Padding columns (≥ ``vocab_size``) are not read."""
     if isinstance(teacher, PrecomputedTeacher):
         teacher.check_unmodified()
-        if plan.needs_teacher_logits:
+        if plan.needs_teacher_logits and config.runs_host_checks(student_hidden.device.type == "cpu"):
             if teacher.logits is not None:
                 check_finite("teacher.logits", teacher.logits[:, :vocab_size], allow_neg_inf=True)
             else:
@@ -59,7 +60,8 @@ def local_error(
     tensors, as a :class:`LocalError` (global column numbers), or None."""
     if isinstance(original_teacher, PrecomputedTeacher) and original_teacher.modified_tensor() is not None:
         return LocalError(2)
-    if isinstance(teacher, PrecomputedTeacher) and plan.needs_teacher_logits:
+    host_checks = config.runs_host_checks(student_hidden.device.type == "cpu")
+    if isinstance(teacher, PrecomputedTeacher) and plan.needs_teacher_logits and host_checks:
         if teacher.logits is not None:
             index = first_non_finite(teacher.logits[:, : layout.real_local_columns], allow_neg_inf=True)
             if index is not None:

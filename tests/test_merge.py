@@ -72,7 +72,7 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
         for start, stop in zip(BOUNDARIES[:-1], BOUNDARIES[1:])
     ]
     random.Random(variant).shuffle(blocks)
-    stats = chunk_row_stats(plan, blocks, labels, LocalExchange(), TorchBlockMath())
+    stats = chunk_row_stats(plan, blocks, labels, LocalExchange(), TorchBlockMath(), student)
     for actual, reference in zip((stats.student_ce, stats.teacher_ce, stats.kl), expected[1:]):
         assert relative_error(actual.sum(), reference) <= 1e-12
 

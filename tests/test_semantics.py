@@ -252,7 +252,7 @@ def test_no_gradient_work_without_grad(monkeypatch: pytest.MonkeyPatch, reductio
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("gradient work done while grad is disabled")
 
-    monkeypatch.setattr(chunked, "accumulate_chunk_gradients", fail)
+    monkeypatch.setattr(chunked, "run_gradient_gemms", fail)
     p = make_problem()
     with torch.no_grad():
         out = orda_tp.distillation_loss(
@@ -553,11 +553,18 @@ def test_auto_backend_on_cpu_is_the_chunked_backend_and_triton_is_unavailable() 
         orda_tp.distillation_loss(p.student_hidden, p.weight, p.labels, teacher, backend="triton")
 
 
-def test_workspace_is_bounded_by_the_config() -> None:
+@pytest.mark.parametrize("vocab", [32000, 128256, 256000])
+def test_workspace_is_bounded_by_the_config(vocab: int) -> None:
     config = orda_tp.KernelConfig()
-    rows = config.rows_per_chunk(total_rows=1 << 20, local_vocab=131072)
-    assert rows * 131072 * 4 <= config.workspace_mib * (1 << 20)
-    assert orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3, dynamic=False)).rows_per_chunk(100, 10**6) == 3
+    budget = config.workspace_mib * (1 << 20)
+    layout = config.row_layout(total_rows=1 << 20, local_vocab=vocab, logit_bytes=8, staged_bytes=2)
+    assert layout.chunk_rows * vocab * 8 <= budget // 3 < 2 * layout.chunk_rows * vocab * 8
+    assert layout.group_rows % layout.chunk_rows == 0
+    assert layout.group_rows * vocab * 2 <= 2 * budget // 3
+    # Sized from the vocabulary alone: any longer batch walks the same chunks and groups.
+    assert config.row_layout(1 << 22, vocab, 8, 2) == layout
+    fixed = orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3, dynamic=False))
+    assert fixed.row_layout(100, 10**6, 8, 0).chunk_rows == 3
 
 
 def test_autocast_does_not_round_the_logits() -> None:

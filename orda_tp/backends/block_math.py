@@ -22,6 +22,10 @@ __all__ = ["BlockMath", "TorchBlockMath"]
 
 
 class BlockMath(Protocol):
+    #: Whether blocks of a teacher-logits cache may arrive as stored (bf16/fp16 views) instead of
+    #: converted to the statistics dtype.
+    reads_stored_cache: bool
+
     def block_columns(self, configured: int, local_columns: int) -> int:
         """Columns per block: the configured size, or more where blocks create no temporaries."""
         ...
@@ -45,7 +49,7 @@ class BlockMath(Protocol):
         """(rows, num_sums) round-2 sums of the plan's variant over the block."""
         ...
 
-    def logit_grads(
+    def stage_logit_grads(
         self,
         plan: LossPlan,
         stats: RowStats,
@@ -54,13 +58,17 @@ class BlockMath(Protocol):
         labels: Tensor,
         col_start: int,
         row_scale: Tensor,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``(∂loss/∂s, ∂loss/∂t)`` on the block (the teacher part None when it is not trained)."""
+        out: tuple[Tensor, Tensor | None],
+    ) -> None:
+        """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out[1]`` is not None) of the block into the
+        staging views ``out``, in their dtype."""
         ...
 
 
 class TorchBlockMath:
     """Torch ops on (rows × block) tensors: runs anywhere, fp64 included."""
+
+    reads_stored_cache = False
 
     def block_columns(self, configured: int, local_columns: int) -> int:
         return configured  # each block's temporaries are (rows × block) tensors
@@ -85,7 +93,7 @@ class TorchBlockMath:
         local_labels = labels - col_start if divergence.needs_target else None
         return divergence.block_sums(kl_block_terms(plan, student, teacher, lse_u, lse_v, local_labels), plan.params)
 
-    def logit_grads(
+    def stage_logit_grads(
         self,
         plan: LossPlan,
         stats: RowStats,
@@ -94,5 +102,10 @@ class TorchBlockMath:
         labels: Tensor,
         col_start: int,
         row_scale: Tensor,
-    ) -> tuple[Tensor, Tensor | None]:
-        return block_logit_grads(plan, stats, student, teacher, labels - col_start, row_scale)
+        out: tuple[Tensor, Tensor | None],
+    ) -> None:
+        student_grad, teacher_grad = block_logit_grads(plan, stats, student, teacher, labels - col_start, row_scale)
+        out[0].copy_(student_grad)
+        if out[1] is not None:
+            assert teacher_grad is not None
+            out[1].copy_(teacher_grad)

@@ -1,19 +1,19 @@
-"""Gradients of one row chunk: logit gradients per column block, then the two GEMMs.
+"""Gradients: logit gradients per block, staged for a group of rows, then the gradient GEMMs.
 
 For a block of columns with student logits ``s`` and teacher logits ``t`` (row scale ``c`` =
-upstream gradient × 1/N for "mean"):
+upstream gradient × 1/N for "mean"; 0 on ignored rows, whose logit gradients are exactly 0):
 
 - ``∂loss/∂s = c·[w_s·(softmax(s) − onehot(y)) + w_kl·T_s·∂D/∂u]``
 - ``∂loss/∂t = c·[w_t·(softmax(t) − onehot(y)) + w_kl·T_s²/T_t·∂D/∂v]`` (only the terms that
   train the teacher under the plan's routing)
 
-then ``dh += dS·W_block``, ``dW_block += dSᵀ·h`` (and the same for the teacher's tensors).
+A group's staged ``dS`` (rows × real local columns) then feeds ``dh[rows] += dS·W`` and
+``dW += dSᵀ·h[rows]`` (and the same for the teacher's tensors): two GEMMs per side and group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,17 +21,25 @@ from torch import Tensor
 from ..plan import LossPlan
 from .chunk_stats import RowStats, kl_block_terms
 from .gemm import GemmPolicy
-from .head import HeadTensors, RowChunk
+from .head import HeadTensors
 
-if TYPE_CHECKING:
-    from .block_math import BlockMath
+__all__ = ["GradientBuffers", "GradientStaging", "block_logit_grads", "run_gradient_gemms", "weight_grad_dtype"]
 
-__all__ = ["GradientBuffers", "accumulate_chunk_gradients", "block_logit_grads"]
+
+def weight_grad_dtype(weight: Tensor, statistics: torch.dtype, accumulation: str) -> torch.dtype:
+    """The dtype a head weight's gradient is summed in (``KernelConfig.grad_weight_accumulation``)."""
+    if accumulation == "compute" or (accumulation == "auto" and weight.dtype == torch.bfloat16):
+        return weight.dtype
+    return statistics
 
 
 @dataclass
 class GradientBuffers:
-    """Accumulators (statistics dtype) for the inputs that receive a gradient, else None."""
+    """Gradients of the inputs that receive one (None for the others), summed over row groups.
+
+    Hidden gradients are in ``hidden_dtype`` (the inputs' dtype on one device, where each row is
+    written once; the statistics dtype where shards' partial sums still have to be added), head
+    weights in :func:`weight_grad_dtype`."""
 
     student_hidden: Tensor | None
     weight: Tensor | None
@@ -39,22 +47,81 @@ class GradientBuffers:
     teacher_weight: Tensor | None
 
     @staticmethod
-    def allocate(head: HeadTensors, needs: tuple[bool, bool, bool, bool], dtype: torch.dtype) -> GradientBuffers:
+    def allocate(
+        head: HeadTensors,
+        needs: tuple[bool, bool, bool, bool],
+        hidden_dtype: torch.dtype | None,
+        statistics: torch.dtype,
+        accumulation: str,
+    ) -> GradientBuffers:
+        """``hidden_dtype`` None: each hidden gradient in its input's dtype."""
         tensors = (head.student_hidden, head.weight, head.teacher_hidden, head.teacher_weight)
-        buffers = [
-            torch.zeros(t.shape, dtype=dtype, device=t.device) if need and t is not None else None
-            for t, need in zip(tensors, needs)
-        ]
+        buffers: list[Tensor | None] = []
+        for slot, (tensor, need) in enumerate(zip(tensors, needs)):
+            if not need or tensor is None:
+                buffers.append(None)
+                continue
+            if slot in (1, 3):
+                dtype = weight_grad_dtype(tensor, statistics, accumulation)
+            else:
+                dtype = tensor.dtype if hidden_dtype is None else hidden_dtype
+            buffers.append(torch.zeros(tensor.shape, dtype=dtype, device=tensor.device))
         return GradientBuffers(*buffers)
+
+    def as_list(self) -> list[Tensor | None]:
+        return [self.student_hidden, self.weight, self.teacher_hidden, self.teacher_weight]
+
+
+@dataclass(frozen=True)
+class GradientStaging:
+    """Staged logit gradients of rows ``[begin, begin + rows)`` over the real local columns:
+    ``student`` always, ``teacher`` when the teacher is trained (else None)."""
+
+    begin: int
+    student: Tensor
+    teacher: Tensor | None
+
+    @staticmethod
+    def allocate(begin: int, rows: int, columns: int, dtype: torch.dtype, device: torch.device, with_teacher: bool):
+        def buffer() -> Tensor:
+            return torch.empty(rows, columns, dtype=dtype, device=device)
+
+        return GradientStaging(begin, buffer(), buffer() if with_teacher else None)
+
+    def rows_of(self, begin: int, end: int, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+        """Views of the staging for batch rows ``[begin, end)`` and local columns ``[start, stop)``."""
+        r0, r1 = begin - self.begin, end - self.begin
+        teacher = None if self.teacher is None else self.teacher[r0:r1, start:stop]
+        return self.student[r0:r1, start:stop], teacher
+
+
+def run_gradient_gemms(
+    head: HeadTensors, staging: GradientStaging, active: Tensor, buffers: GradientBuffers, gemms: GemmPolicy
+) -> None:
+    """Add the staged group's contribution to ``buffers``; ``active`` marks the group's rows with a
+    nonzero row scale (the others' hidden rows are not read, so a non-finite ignored row stays out)."""
+    end = staging.begin + staging.student.shape[0]
+    columns = staging.student.shape[1]
+    sides = [(staging.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight)]
+    if staging.teacher is not None and head.teacher_hidden is not None:
+        teacher_weight_grad = buffers.teacher_weight if head.teacher_weight is not None else buffers.weight
+        sides.append(
+            (staging.teacher, head.teacher_hidden, head.teacher_head, buffers.teacher_hidden, teacher_weight_grad)
+        )
+    for staged, hidden, weight, hidden_grad, weight_grad in sides:
+        if hidden_grad is not None:
+            gemms.accumulate(hidden_grad[staging.begin : end], staged, weight.detach()[:columns])
+        if weight_grad is not None:
+            rows = hidden.detach()[staging.begin : end]
+            rows = torch.where(active[:, None], rows, torch.zeros_like(rows))
+            gemms.accumulate(weight_grad[:columns], staged.T, rows)
 
 
 def _cross_entropy_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, coef: Tensor) -> Tensor:
     """``coef·(softmax(logits) − onehot(label))`` on a block; labels outside the block add nothing."""
-    grad = torch.exp(logits - lse[:, None]) * coef[:, None]
-    owned = (local_labels >= 0) & (local_labels < logits.shape[1])
-    rows = owned.nonzero().squeeze(1)
-    grad[rows, local_labels[rows]] -= coef[rows]
-    return grad
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    one_hot = (columns[None, :] == local_labels[:, None]).to(logits.dtype)
+    return (torch.exp(logits - lse[:, None]) - one_hot) * coef[:, None]
 
 
 def _masked(grad: Tensor, keep: Tensor) -> Tensor:
@@ -69,7 +136,8 @@ def block_logit_grads(
     local_labels: Tensor,
     row_scale: Tensor,
 ) -> tuple[Tensor, Tensor | None]:
-    """``(∂loss/∂s, ∂loss/∂t)`` on one block; the teacher part is None when it is not trained."""
+    """``(∂loss/∂s, ∂loss/∂t)`` on one block; the teacher part is None when it is not trained.
+    Rows whose ``row_scale`` is 0 get exactly 0 (whatever their logits hold)."""
     student_grad = torch.zeros_like(student)
     teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
     if plan.student_ce_weight > 0:
@@ -96,50 +164,5 @@ def block_logit_grads(
             teacher_grad += (scale * row_scale)[:, None] * _masked(
                 divergence.teacher_grad(terms, stats.kl_consts, plan.params), stats.keep_kl_grad
             )
-    return student_grad, teacher_grad
-
-
-def accumulate_chunk_gradients(
-    plan: LossPlan,
-    head: HeadTensors,
-    chunk: RowChunk,
-    stats: RowStats,
-    blocks: list[tuple[int, int, Tensor, Tensor | None]],
-    row_scale: Tensor,
-    buffers: GradientBuffers,
-    math: BlockMath,
-    gemms: GemmPolicy,
-) -> None:
-    """Add this chunk's gradient to ``buffers``; ``blocks`` are ``(start, stop, s, t)`` in local columns."""
-    dtype = chunk.dtype
-    student_hidden_grad = (
-        torch.zeros(chunk.student_hidden.shape, dtype=dtype, device=chunk.student_hidden.device)
-        if buffers.student_hidden is not None
-        else None
-    )
-    teacher_hidden_grad = (
-        torch.zeros(chunk.teacher_hidden.shape, dtype=dtype, device=chunk.teacher_hidden.device)
-        if buffers.teacher_hidden is not None and chunk.teacher_hidden is not None
-        else None
-    )
-    for start, stop, student, teacher in blocks:
-        student_grad, teacher_grad = math.logit_grads(
-            plan, stats, student, teacher, chunk.labels, head.vocab_start + start, row_scale
-        )
-        weight_block = head.weight.detach()[start:stop]
-        if student_hidden_grad is not None:
-            gemms.accumulate(student_hidden_grad, student_grad, weight_block)
-        if buffers.weight is not None:
-            gemms.accumulate(buffers.weight[start:stop], student_grad.T, chunk.student_hidden)
-        if teacher_grad is None or chunk.teacher_hidden is None:
-            continue
-        teacher_block = head.teacher_head.detach()[start:stop]
-        if teacher_hidden_grad is not None:
-            gemms.accumulate(teacher_hidden_grad, teacher_grad, teacher_block)
-        teacher_weight_buffer = buffers.teacher_weight if head.teacher_weight is not None else buffers.weight
-        if teacher_weight_buffer is not None:
-            gemms.accumulate(teacher_weight_buffer[start:stop], teacher_grad.T, chunk.teacher_hidden)
-    if student_hidden_grad is not None and buffers.student_hidden is not None:
-        buffers.student_hidden.index_add_(0, chunk.index, student_hidden_grad)
-    if teacher_hidden_grad is not None and buffers.teacher_hidden is not None:
-        buffers.teacher_hidden.index_add_(0, chunk.index, teacher_hidden_grad)
+    active = row_scale != 0
+    return _masked(student_grad, active), None if teacher_grad is None else _masked(teacher_grad, active)

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..divergences import BlockTerms, RowTargets
 from ..exchange import RecordExchange
 from ..plan import LossPlan
-from ..statistics import LogitFamily, merge_partition_records, sum_records
+from ..statistics import LogitFamily, PartitionRecord, merge_partition_records, sum_records
 
 if TYPE_CHECKING:
     from .block_math import BlockMath
@@ -33,10 +33,13 @@ class RowStats:
     ``log_partitions``: (rows, F) LSE per family in ``plan.families`` order; ``teacher_absent``:
     rows whose teacher logits are all −inf (they contribute 0); ``keep_kl_grad``: rows whose KL
     gradient is kept (not absent, KL not +inf); ``kl_consts``: the variant's row constants;
-    ``student_ce``/``teacher_ce``/``kl``: per-row component values (kl includes T_s²).
+    ``label_owned``: rows whose label exactly one column owns (the others are ignored rows or hold
+    an invalid label, and come out NaN); ``student_ce``/``teacher_ce``/``kl``: per-row component
+    values (kl includes T_s²).
     """
 
     log_partitions: Tensor
+    label_owned: Tensor
     teacher_absent: Tensor
     keep_kl_grad: Tensor
     kl_consts: dict[str, Tensor]
@@ -77,14 +80,16 @@ def chunk_row_stats(
     labels: Tensor,
     exchange: RecordExchange,
     math: BlockMath,
+    like: Tensor,
 ) -> RowStats:
-    """Row statistics of a chunk from its column blocks ``(global_col_start, student, teacher)``."""
+    """Row statistics of a chunk from its column blocks ``(global_col_start, student, teacher)``
+    (no blocks: this device holds only vocabulary padding); ``like``: any tensor of the
+    statistics dtype and device."""
     families = plan.families
-    record = exchange.merge_partitions(
-        merge_partition_records(
-            [math.partition(student, teacher, labels, start, families) for start, student, teacher in blocks]
-        )
-    )
+    records = [math.partition(student, teacher, labels, start, families) for start, student, teacher in blocks]
+    if not records:
+        records = [PartitionRecord.empty(labels.shape[0], len(families), like)]
+    record = exchange.merge_partitions(merge_partition_records(records))
     log_partitions = record.log_partitions()
     zeros = torch.zeros_like(record.label_hits)
     teacher_absent = torch.zeros_like(zeros, dtype=torch.bool)
@@ -112,6 +117,8 @@ def chunk_row_stats(
             for start, student, teacher in blocks
             if teacher is not None
         ]
+        if not partial_sums:
+            partial_sums = [like.new_zeros(labels.shape[0], divergence.num_sums)]
         sums = exchange.sum_over_shards(sum_records(partial_sums))
         targets = RowTargets(
             logp_y=student_y / plan.student_temperature - lse_u,
@@ -127,6 +134,7 @@ def chunk_row_stats(
     nan = torch.full_like(zeros, float("nan"))
     return RowStats(
         log_partitions=log_partitions,
+        label_owned=label_owned,
         teacher_absent=teacher_absent,
         keep_kl_grad=keep_kl_grad,
         kl_consts=consts,

@@ -1,10 +1,11 @@
-"""The chunked torch backend: rows in chunks, columns in blocks, never a (BT, V) tensor.
+"""The chunked backends' loop: rows in chunks, columns in blocks, never a (BT, V) tensor.
 
-Per chunk of valid rows: compute each column block's logits (kept for the chunk:
-``rows × V_local`` values, the bounded workspace), merge the blocks' records (round 1, round 2)
-through the exchange (identity on one device, one all-gather per round across a tensor-parallel
-group), finalize the rows, and, when a gradient is wanted, form the logit gradients and run the
-gradient GEMMs while the chunk's logits are still at hand.
+Rows are walked in contiguous chunks (every row, ignored ones included, so that nothing depends on
+a count read from the device). Per chunk: form its logits (``rows × V_local`` fp32 values, the
+bounded workspace), merge the blocks' records (round 1, round 2) through the exchange (identity on
+one device, one all-gather per round across a tensor-parallel group) and finalize the rows. When a
+gradient is wanted, each chunk's logit gradients are staged while its logits are at hand, and a
+group of chunks shares one pair of gradient GEMMs per side (:mod:`.chunk_grads`).
 
 For "mean"/"sum" the gradient is formed during the forward with unit upstream gradient and
 scaled in backward (no second pass of logits GEMMs). For "none" the upstream gradient differs
@@ -14,18 +15,18 @@ way the hidden gradients are summed over the vocabulary shards once, in backward
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..config import RowLayout
 from ..exchange import RecordExchange
 from ..parallel.layout import VocabLayout
 from ..plan import LossPlan
 from .block_math import BlockMath
-from .chunk_grads import GradientBuffers, accumulate_chunk_gradients
+from .chunk_grads import GradientBuffers, GradientStaging, run_gradient_gemms
 from .chunk_stats import RowStats, chunk_row_stats
 from .gemm import GemmPolicy
 from .head import HeadTensors, RowChunk, block_logits, column_blocks, statistics_dtype
@@ -37,16 +38,16 @@ __all__ = ["ChunkedProblem", "chunked_loss"]
 class ChunkedProblem:
     """Everything of a call besides the differentiable tensors.
 
-    ``denominator``: N for "mean" (a number or a 0-d tensor), ignored otherwise;
-    ``grad_needs``: whether (student_hidden, weight, teacher_hidden, teacher_weight) receive a
-    gradient (requires_grad, grad mode and routing already applied); ``layout``: this device's
-    columns (and whether hidden rows are sequence-parallel); ``labels``/``valid_rows`` cover the
-    full batch; ``math``: how a block becomes records and gradients (torch or Triton).
+    ``valid``: (BT,) rows whose label is not ``ignore_index``; ``denominator``: N for "mean" (a
+    number or a 0-d tensor), ignored otherwise; ``grad_needs``: whether (student_hidden, weight,
+    teacher_hidden, teacher_weight) receive a gradient (requires_grad, grad mode and routing
+    already applied); ``layout``: this device's columns (and whether hidden rows are
+    sequence-parallel); ``math``: how a block becomes records and gradients (torch or Triton).
     """
 
     plan: LossPlan
     labels: Tensor
-    valid_rows: Tensor
+    valid: Tensor
     denominator: float | Tensor
     grad_needs: tuple[bool, bool, bool, bool]
     exchange: RecordExchange
@@ -61,46 +62,110 @@ class ChunkedProblem:
     def head(self, tensors: tuple[Tensor | None, ...]) -> HeadTensors:
         return HeadTensors(*tensors, vocab_start=self.layout.vocab_start, real_columns=self.layout.real_local_columns)
 
+    def allocate_gradients(self, head: HeadTensors, statistics: torch.dtype) -> GradientBuffers:
+        # One device writes each hidden row once, in its dtype; shards' partial sums stay in the
+        # statistics dtype until they are added.
+        hidden_dtype = statistics if self.layout.world_size > 1 else None
+        return GradientBuffers.allocate(
+            head, self.grad_needs, hidden_dtype, statistics, self.plan.config.grad_weight_accumulation
+        )
 
-def _chunks(problem: ChunkedProblem, head: HeadTensors, dtype: torch.dtype) -> Iterator[RowChunk]:
-    # Sized from the largest shard, so that every rank of a group walks the same chunks.
-    rows = problem.plan.config.rows_per_chunk(problem.valid_rows.numel(), problem.layout.max_local_columns)
-    with_teacher = problem.plan.needs_teacher_logits
-    for begin in range(0, problem.valid_rows.numel(), rows):
-        index = problem.valid_rows[begin : begin + rows]
-        yield RowChunk.gather(head, index, problem.labels, dtype, with_teacher)
+
+def _row_layout(problem: ChunkedProblem, head: HeadTensors, staging: torch.dtype | None) -> RowLayout:
+    """Rows per chunk and group, sized from the largest shard so that every rank of a group walks
+    the same chunks."""
+    plan = problem.plan
+    statistics = statistics_dtype(head.student_hidden, head.weight)
+    sides = 2 if plan.needs_teacher_logits else 1
+    staged_sides = 2 if plan.teacher_receives_grad else 1
+    staged_bytes = 0 if staging is None else staged_sides * staging.itemsize
+    rows = head.student_hidden.shape[0]
+    return plan.config.row_layout(rows, problem.layout.max_local_columns, sides * statistics.itemsize, staged_bytes)
 
 
 def _chunk_blocks(
     problem: ChunkedProblem, head: HeadTensors, chunk: RowChunk
 ) -> list[tuple[int, int, Tensor, Tensor | None]]:
     with_teacher = problem.plan.needs_teacher_logits
+    math = problem.math
+    width = math.block_columns(problem.plan.config.vocab_block, head.columns)
     return [
-        (start, stop, *block_logits(head, chunk, start, stop, with_teacher))
-        for start, stop in column_blocks(
-            head.local_vocab, problem.math.block_columns(problem.plan.config.vocab_block, head.local_vocab)
-        )
+        (start, stop, *block_logits(head, chunk, start, stop, with_teacher, math.reads_stored_cache))
+        for start, stop in column_blocks(head.columns, width)
     ]
 
 
-def _row_scale(problem: ChunkedProblem, upstream: Tensor, chunk: RowChunk) -> Tensor:
-    """Per-row factor of the gradient: the upstream gradient, divided by N for "mean"."""
+def _row_scale(problem: ChunkedProblem, upstream: Tensor, chunk: RowChunk, stats: RowStats) -> Tensor:
+    """Per-row factor of the gradient: the upstream gradient (÷ N for "mean"); 0 on ignored rows,
+    NaN on rows whose label no column owns (an invalid label shows in the gradient too)."""
     reduction = problem.plan.reduction
-    if reduction == "none":
-        scale = upstream.index_select(0, chunk.index)
-    else:
-        scale = upstream.expand(chunk.index.numel())
+    scale = upstream[chunk.begin : chunk.end] if reduction == "none" else upstream.expand(chunk.rows)
     if reduction == "mean":
         scale = scale / problem.denominator
-    return scale.to(chunk.dtype)
+    scale = torch.where(stats.label_owned, scale.to(chunk.dtype), float("nan"))
+    return torch.where(problem.valid[chunk.begin : chunk.end], scale, 0.0)
 
 
-def _reduce(problem: ChunkedProblem, per_row: Tensor, total_rows: int) -> Tensor:
+def _walk_rows(
+    problem: ChunkedProblem,
+    head: HeadTensors,
+    statistics: torch.dtype,
+    gradients: tuple[GradientBuffers, Tensor] | None,
+    saved: list[RowStats] | None,
+) -> list[RowStats]:
+    """One pass over the rows: each chunk's statistics (computed, or ``saved`` from the forward),
+    and with ``gradients = (buffers, upstream)`` its logit gradients staged and the gradient GEMMs
+    run per group. Returns the chunks' statistics in row order."""
+    plan = problem.plan
+    staging_dtype = None if gradients is None else problem.gemms.staging_dtype(head.weight, statistics)
+    layout = _row_layout(problem, head, staging_dtype)
+    total = head.student_hidden.shape[0]
+    device = head.student_hidden.device
+    like = torch.empty(0, dtype=statistics, device=device)
+    saved_stats = iter(saved) if saved is not None else None
+    walked: list[RowStats] = []
+    for group_begin in range(0, total, layout.group_rows):
+        group_end = min(total, group_begin + layout.group_rows)
+        staging, active = None, None
+        if gradients is not None:
+            assert staging_dtype is not None
+            staging = GradientStaging.allocate(
+                group_begin, group_end - group_begin, head.columns, staging_dtype, device, plan.teacher_receives_grad
+            )
+            active = torch.empty(group_end - group_begin, dtype=torch.bool, device=device)
+        for begin in range(group_begin, group_end, layout.chunk_rows):
+            chunk = RowChunk.slice(
+                head, begin, min(group_end, begin + layout.chunk_rows), problem.labels, statistics,
+                plan.needs_teacher_logits,
+            )  # fmt: skip
+            blocks = _chunk_blocks(problem, head, chunk)
+            if saved_stats is not None:
+                stats = next(saved_stats)
+            else:
+                starts = [(head.vocab_start + start, s, t) for start, _, s, t in blocks]
+                stats = chunk_row_stats(plan, starts, chunk.labels, problem.exchange, problem.math, like)
+            walked.append(stats)
+            if staging is None or active is None or gradients is None:
+                continue
+            scale = _row_scale(problem, gradients[1], chunk, stats)
+            active[begin - group_begin : chunk.end - group_begin] = scale != 0
+            for start, stop, student, teacher in blocks:
+                problem.math.stage_logit_grads(
+                    plan, stats, student, teacher, chunk.labels, head.vocab_start + start, scale,
+                    staging.rows_of(chunk.begin, chunk.end, start, stop),
+                )  # fmt: skip
+        if staging is not None and active is not None and gradients is not None:
+            run_gradient_gemms(head, staging, active, gradients[0], problem.gemms)
+    return walked
+
+
+def _reduce(problem: ChunkedProblem, per_row: Tensor) -> Tensor:
+    """Ignored rows read 0; "sum"/"mean" add the rows (÷ N for "mean")."""
+    values = torch.where(problem.valid, per_row, torch.zeros_like(per_row))
     reduction = problem.plan.reduction
     if reduction == "none":
-        full = torch.zeros(total_rows, dtype=per_row.dtype, device=per_row.device)
-        return full.index_copy(0, problem.valid_rows, per_row)
-    total = per_row.sum()
+        return values
+    total = values.sum()
     return total / problem.denominator if reduction == "mean" else total
 
 
@@ -129,50 +194,27 @@ class _ChunkedDistillation(torch.autograd.Function):
         inputs = (student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
         full = _full_rows(problem, inputs)
         head = problem.head(full)
-        dtype = statistics_dtype(*inputs)
+        statistics = statistics_dtype(*inputs)
         plan = problem.plan
         eager = problem.wants_grad and plan.reduction != "none"
-        buffers = GradientBuffers.allocate(head, problem.grad_needs, dtype) if eager else None
-        unit = torch.ones((), dtype=dtype, device=student_hidden.device)
-        saved_stats: list[RowStats] = []
-        components: list[list[Tensor]] = [[], [], []]
-        for chunk in _chunks(problem, head, dtype):
-            blocks = _chunk_blocks(problem, head, chunk)
-            stats = chunk_row_stats(
-                plan,
-                [(head.vocab_start + start, s, t) for start, _, s, t in blocks],
-                chunk.labels,
-                problem.exchange,
-                problem.math,
-            )
-            for parts, values in zip(components, (stats.student_ce, stats.teacher_ce, stats.kl)):
-                parts.append(values)
-            if buffers is not None:
-                accumulate_chunk_gradients(
-                    plan,
-                    head,
-                    chunk,
-                    stats,
-                    blocks,
-                    _row_scale(problem, unit, chunk),
-                    buffers,
-                    problem.math,
-                    problem.gemms,
-                )
-            elif problem.wants_grad:
-                saved_stats.append(stats)
+        unit = torch.ones((), dtype=statistics, device=student_hidden.device)
+        buffers = problem.allocate_gradients(head, statistics) if eager else None
+        walked = _walk_rows(problem, head, statistics, None if buffers is None else (buffers, unit), None)
         problem.exchange.finish(unit)
 
-        empty = torch.zeros(0, dtype=dtype, device=student_hidden.device)
-        student_ce, teacher_ce, kl = (torch.cat(parts) if parts else empty for parts in components)
+        empty = torch.zeros(0, dtype=statistics, device=student_hidden.device)
+        student_ce, teacher_ce, kl = (
+            torch.cat([getattr(stats, name) for stats in walked]) if walked else empty
+            for name in ("student_ce", "teacher_ce", "kl")
+        )
         per_row = plan.student_ce_weight * student_ce + plan.teacher_ce_weight * teacher_ce + plan.kl_weight * kl
-        total_rows = problem.labels.shape[0]
-        outputs = tuple(_reduce(problem, values, total_rows) for values in (per_row, student_ce, teacher_ce, kl))
+        outputs = tuple(_reduce(problem, values) for values in (per_row, student_ce, teacher_ce, kl))
 
         ctx.problem = problem
         ctx.eager_buffers = buffers
-        ctx.saved_stats = saved_stats
-        # Only the deferred backward (reduction "none") recomputes logits from the gathered rows.
+        ctx.saved_stats = walked if problem.wants_grad else None
+        # The deferred backward (reduction "none") recomputes logits from the gathered rows; a
+        # repeated backward of an eager call gathers them again.
         ctx.gathered_hidden = (full[0], full[2]) if problem.layout.sequence_parallel and buffers is None else None
         ctx.save_for_backward(*inputs)
         ctx.mark_non_differentiable(*outputs[1:])
@@ -191,33 +233,32 @@ class _ChunkedDistillation(torch.autograd.Function):
 def _input_gradients(
     ctx: torch.autograd.function.FunctionCtx, problem: ChunkedProblem, inputs: tuple, grad_loss: Tensor
 ) -> tuple[Tensor | None, ...]:
-    """Gradients of (student_hidden, weight, teacher_hidden, teacher_weight), in their dtypes."""
+    """Gradients of (student_hidden, weight, teacher_hidden, teacher_weight), in their dtypes.
+
+    An eager call's buffers are scaled in place and handed over by the first backward; a later
+    backward through the same call (``retain_graph=True``) recomputes them like the deferred path."""
+    statistics = statistics_dtype(*inputs)
     buffers: GradientBuffers | None = ctx.eager_buffers
-    dtype = statistics_dtype(*inputs)
     if buffers is not None:
-        grads = [None if b is None else b * grad_loss.to(b.dtype) for b in _as_list(buffers)]
+        ctx.eager_buffers = None
+        grads = buffers.as_list()
+        for grad in grads:
+            if grad is not None:
+                grad.mul_(grad_loss)  # in place: the buffers become the returned gradients
     else:
-        full = inputs
         if ctx.gathered_hidden is not None:
             full = (ctx.gathered_hidden[0], inputs[1], ctx.gathered_hidden[1], *inputs[3:])
+        else:
+            full = _full_rows(problem, inputs)
         head = problem.head(full)
-        fresh = GradientBuffers.allocate(head, problem.grad_needs, dtype)
-        for chunk, stats in zip(_chunks(problem, head, dtype), ctx.saved_stats):
-            blocks = _chunk_blocks(problem, head, chunk)
-            scale = _row_scale(problem, grad_loss.to(dtype), chunk)
-            accumulate_chunk_gradients(
-                problem.plan, head, chunk, stats, blocks, scale, fresh, problem.math, problem.gemms
-            )
-        grads = _as_list(fresh)
+        fresh = problem.allocate_gradients(head, statistics)
+        _walk_rows(problem, head, statistics, (fresh, grad_loss.to(statistics)), ctx.saved_stats)
+        grads = fresh.as_list()
     hidden_slots = [i for i in (0, 2) if grads[i] is not None]
     reduced = problem.exchange.reduce_row_gradients([grads[i] for i in hidden_slots])
     for slot, grad in zip(hidden_slots, reduced):
         grads[slot] = grad
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs[:4]))
-
-
-def _as_list(buffers: GradientBuffers) -> list[Tensor | None]:
-    return [buffers.student_hidden, buffers.weight, buffers.teacher_hidden, buffers.teacher_weight]
 
 
 def chunked_loss(

@@ -1,14 +1,17 @@
-"""The GEMMs of the chunked loop, with fp32 (or fp64) results.
+"""The GEMMs of the chunked loop: fp32 (or fp64) logits, and the gradient GEMMs on staged
+logit gradients.
 
-Logits must not be rounded to bf16/fp16 before the statistics, and gradients accumulate in the
-statistics dtype. fp16/bf16 operands on CUDA run on the tensor cores with an fp32 result
-(``torch.mm(a, b, out_dtype)``); anything else is cast to the statistics dtype first.
+Logits must not be rounded to bf16/fp16 before the statistics: fp16/bf16 operands on CUDA run on
+the tensor cores with an fp32 result (``torch.mm(a, b, out_dtype)``); anything else is cast to
+the statistics dtype first.
 
-For the gradient GEMMs the fp32 logit gradients are materialized in the operands' dtype: bf16 as
-they are, fp16 only with a ``scale`` (``gradient_materialization_scale``, or the GradScaler's
-scale) that keeps the small gradients out of fp16's subnormal range, lowered per block (on the
-device, no synchronization) where it would push the largest gradient past fp16's range; the
-result is divided by it. Without a scale fp16 gradient GEMMs run in fp32.
+Logit gradients are staged for the gradient GEMMs in :meth:`GemmPolicy.staging_dtype`: bf16 as
+they are for bf16 operands on CUDA (the kernels write them once, in bf16); otherwise in the
+statistics dtype. fp16 operands then meet an fp32 staging through a ``scale``
+(``gradient_materialization_scale``, or the GradScaler's scale, a number or a device tensor) that
+keeps the small gradients out of fp16's subnormal range, lowered on the device where it would push
+the largest gradient past fp16's range; the product is divided by it. Without a scale fp16
+gradient GEMMs run in fp32.
 """
 
 from __future__ import annotations
@@ -38,36 +41,39 @@ def logits_mm(hidden: Tensor, weight_block: Tensor, dtype: torch.dtype) -> Tenso
 
 @dataclass(frozen=True)
 class GemmPolicy:
-    """How logit gradients meet the gradient GEMMs: ``scale`` for fp16 materialization."""
+    """How staged logit gradients meet the gradient GEMMs: ``scale`` for fp16 materialization."""
 
-    scale: float | None = None
+    scale: float | Tensor | None = None
 
-    def grad_mm(self, dlogits: Tensor, operand: Tensor) -> Tensor:
-        """``dlogits · operand`` in the statistics dtype of ``dlogits``."""
-        dtype = dlogits.dtype
-        if _tensor_cores(operand, operand) and dtype == torch.float32:
-            if operand.dtype == torch.bfloat16:
-                return torch.mm(dlogits.to(torch.bfloat16), operand, torch.float32)
-            if self.scale is not None:
-                # Lowered on the device where scale·max|gradient| would leave fp16's range.
-                factor = torch.clamp(FP16_HEADROOM / dlogits.abs().amax(), max=self.scale)
-                scaled = (dlogits * factor).to(torch.float16)
-                return torch.mm(scaled, operand, torch.float32) / factor
-        return dlogits @ operand.to(dtype)
+    @staticmethod
+    def staging_dtype(operand: Tensor, statistics: torch.dtype) -> torch.dtype:
+        """The dtype logit gradients are staged in for GEMMs with ``operand``."""
+        if operand.is_cuda and operand.dtype == torch.bfloat16 and statistics == torch.float32:
+            return torch.bfloat16
+        return statistics
 
-    def accumulate(self, target: Tensor, dlogits: Tensor, operand: Tensor) -> None:
-        """``target += dlogits · operand``: for bf16 operands on CUDA one GEMM that adds into the
-        fp32 target in its epilogue (no separate pass over the target), else product then add."""
-        if (
-            _ADDMM_OUT_DTYPE[0]
-            and _tensor_cores(operand, operand)
-            and operand.dtype == torch.bfloat16
-            and target.dtype == torch.float32
-            and target.is_contiguous()
-        ):
-            try:
-                torch.addmm(target, dlogits.to(torch.bfloat16), operand, out_dtype=torch.float32, out=target)
+    def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor) -> None:
+        """``target += staged · operand`` with ``staged`` in :meth:`staging_dtype`.
+
+        bf16 on CUDA: one GEMM that adds into ``target`` in its epilogue (fp32 or bf16 target,
+        fp32 accumulation inside the GEMM). fp16 with a scale: the staged fp32 gradient is scaled
+        into fp16 for the tensor cores and the product unscaled. Otherwise in ``staged``'s dtype."""
+        if staged.dtype == torch.bfloat16:
+            if target.dtype == torch.bfloat16:
+                target.addmm_(staged, operand)
                 return
-            except (TypeError, RuntimeError):  # a torch without addmm(out_dtype=...)
-                _ADDMM_OUT_DTYPE[0] = False
-        target += self.grad_mm(dlogits, operand)
+            if _ADDMM_OUT_DTYPE[0] and target.dtype == torch.float32 and target.is_contiguous():
+                try:
+                    torch.addmm(target, staged, operand, out_dtype=torch.float32, out=target)
+                    return
+                except (TypeError, RuntimeError):  # a torch without addmm(out_dtype=...)
+                    _ADDMM_OUT_DTYPE[0] = False
+            target += torch.mm(staged, operand, torch.float32).to(target.dtype)
+            return
+        if _tensor_cores(operand, operand) and operand.dtype == torch.float16 and self.scale is not None:
+            # Lowered on the device where scale·max|gradient| would leave fp16's range.
+            factor = torch.clamp(FP16_HEADROOM / staged.abs().amax(), max=self.scale)
+            scaled = (staged * factor).to(torch.float16)
+            target += (torch.mm(scaled, operand, torch.float32) / factor).to(target.dtype)
+            return
+        target += (staged @ operand.to(staged.dtype)).to(target.dtype)

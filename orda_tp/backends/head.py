@@ -1,4 +1,4 @@
-"""Where a block of logits comes from: hidden × head-weight block, or a slice of a cache."""
+"""Where a chunk's logits come from: hidden × head-weight block, or a slice of a cache."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .gemm import logits_mm
 
-__all__ = ["HeadTensors", "column_blocks", "statistics_dtype"]
+__all__ = ["HeadTensors", "RowChunk", "block_logits", "column_blocks", "statistics_dtype"]
 
 
 def statistics_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -29,7 +29,8 @@ class HeadTensors:
     ``weight`` (V_local, H) is the student head; the teacher reads ``teacher_weight`` when set
     (separate head, or a cached hidden + head), ``weight`` when tied, or ``teacher_logits``
     (a cache, (BT, V_local)). ``vocab_start`` is the global id of local column 0; local columns
-    at or past ``real_columns`` are vocabulary padding (their logits read −inf on both sides).
+    at or past ``real_columns`` are vocabulary padding: no logits are formed there, so they hold
+    no probability mass and receive no gradient.
     """
 
     student_hidden: Tensor
@@ -45,54 +46,66 @@ class HeadTensors:
         return self.weight.shape[0]
 
     @property
+    def columns(self) -> int:
+        """Local columns that hold real vocabulary entries."""
+        return self.local_vocab if self.real_columns is None else self.real_columns
+
+    @property
     def teacher_head(self) -> Tensor:
         return self.weight if self.teacher_weight is None else self.teacher_weight
+
+    @property
+    def tied(self) -> bool:
+        """Whether teacher rows go through the student's head (one GEMM serves both sides)."""
+        return self.teacher_hidden is not None and self.teacher_weight is None and self.teacher_logits is None
 
 
 @dataclass(frozen=True)
 class RowChunk:
-    """The valid rows of one chunk: their indices into the batch, labels and hidden states (in the
-    inputs' dtype), and the statistics dtype the chunk computes in."""
+    """Rows ``[begin, end)`` of the batch: labels, hidden states (views, in the inputs' dtype), the
+    student and teacher rows stacked when one GEMM serves both, and the statistics dtype."""
 
-    index: Tensor
+    begin: int
+    end: int
     labels: Tensor
     student_hidden: Tensor
     teacher_hidden: Tensor | None
+    stacked_hidden: Tensor | None
     dtype: torch.dtype
 
     @staticmethod
-    def gather(head: HeadTensors, index: Tensor, labels: Tensor, dtype: torch.dtype, with_teacher: bool) -> RowChunk:
-        teacher_hidden = None
+    def slice(
+        head: HeadTensors, begin: int, end: int, labels: Tensor, dtype: torch.dtype, with_teacher: bool
+    ) -> RowChunk:
+        student_hidden = head.student_hidden.detach()[begin:end]
+        teacher_hidden, stacked = None, None
         if with_teacher and head.teacher_hidden is not None:
-            teacher_hidden = head.teacher_hidden.detach().index_select(0, index)
-        return RowChunk(
-            index=index,
-            labels=labels.index_select(0, index),
-            student_hidden=head.student_hidden.detach().index_select(0, index),
-            teacher_hidden=teacher_hidden,
-            dtype=dtype,
-        )
+            teacher_hidden = head.teacher_hidden.detach()[begin:end]
+            if head.tied:
+                stacked = torch.cat([student_hidden, teacher_hidden])
+        return RowChunk(begin, end, labels[begin:end], student_hidden, teacher_hidden, stacked, dtype)
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.begin
 
 
 def block_logits(
-    head: HeadTensors, chunk: RowChunk, start: int, stop: int, with_teacher: bool
+    head: HeadTensors, chunk: RowChunk, start: int, stop: int, with_teacher: bool, cache_as_stored: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Student and teacher logits of ``chunk`` on local columns ``[start, stop)``, in the
-    statistics dtype (logits are never rounded to bf16/fp16). Padding columns read −inf."""
+    statistics dtype (logits are never rounded to bf16/fp16). A cache slice is returned as
+    stored (a view) when ``cache_as_stored``, else converted to the statistics dtype."""
     dtype = chunk.dtype
-    student = _mask_padding(head, start, logits_mm(chunk.student_hidden, head.weight.detach()[start:stop], dtype))
+    weight_block = head.weight.detach()[start:stop]
     if not with_teacher:
-        return student, None
+        return logits_mm(chunk.student_hidden, weight_block, dtype), None
+    if chunk.stacked_hidden is not None:
+        both = logits_mm(chunk.stacked_hidden, weight_block, dtype)
+        return both[: chunk.rows], both[chunk.rows :]
+    student = logits_mm(chunk.student_hidden, weight_block, dtype)
     if head.teacher_logits is not None:
-        teacher = head.teacher_logits.detach()[:, start:stop].index_select(0, chunk.index).to(dtype)
-    else:
-        assert chunk.teacher_hidden is not None
-        teacher = logits_mm(chunk.teacher_hidden, head.teacher_head.detach()[start:stop], dtype)
-    return student, _mask_padding(head, start, teacher)
-
-
-def _mask_padding(head: HeadTensors, start: int, logits: Tensor) -> Tensor:
-    """Set the block's padding columns (local index ≥ ``head.real_columns``) to −inf, in place."""
-    if head.real_columns is not None and start + logits.shape[1] > head.real_columns:
-        logits[:, max(0, head.real_columns - start) :] = float("-inf")
-    return logits
+        cached = head.teacher_logits.detach()[chunk.begin : chunk.end, start:stop]
+        return student, cached if cache_as_stored else cached.to(dtype)
+    assert chunk.teacher_hidden is not None
+    return student, logits_mm(chunk.teacher_hidden, head.teacher_head.detach()[start:stop], dtype)

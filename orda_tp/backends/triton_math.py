@@ -17,6 +17,8 @@ __all__ = ["TritonBlockMath"]
 
 
 class TritonBlockMath:
+    reads_stored_cache = True
+
     def block_columns(self, configured: int, local_columns: int) -> int:
         return max(local_columns, 1)  # the kernels tile the columns themselves: one block per chunk
 
@@ -41,7 +43,7 @@ class TritonBlockMath:
             plan.divergence, plan.params, student, teacher, labels, col_start, lse_u, lse_v, temperatures
         )
 
-    def logit_grads(
+    def stage_logit_grads(
         self,
         plan: LossPlan,
         stats: RowStats,
@@ -50,9 +52,11 @@ class TritonBlockMath:
         labels: Tensor,
         col_start: int,
         row_scale: Tensor,
-    ) -> tuple[Tensor, Tensor | None]:
+        out: tuple[Tensor, Tensor | None],
+    ) -> None:
         zeros = torch.zeros_like(row_scale)
         values: dict[str, Tensor] = dict(stats.kl_consts)
+        values["active"] = (row_scale != 0).to(row_scale.dtype)
         teacher_ce = plan.teacher_receives_grad and plan.teacher_ce_weight > 0
         if plan.student_ce_weight > 0:
             values["lse_s"] = stats.lse(plan, plan.ce_student_family)
@@ -76,6 +80,6 @@ class TritonBlockMath:
             has_teacher=teacher is not None,
         )
         temperatures = (plan.student_temperature, plan.teacher_temperature)
-        return ops.logit_grads(
-            plan.divergence, plan.params, terms, student, teacher, labels, col_start, values, temperatures
+        ops.logit_grads(
+            plan.divergence, plan.params, terms, student, teacher, labels, col_start, values, temperatures, out
         )

@@ -177,7 +177,7 @@ def _grads_module(
         assert divergence is not None
         exprs.append(divergence.teacher_grad_expr(params))
     lines, results = compile_exprs(exprs, "g")
-    names = ["lse_u", "lse_v", "lse_s", "lse_t", "c_ce_s", "c_kl_s", "c_ce_t", "c_kl_t", "keep"]
+    names = ["lse_u", "lse_v", "lse_s", "lse_t", "c_ce_s", "c_kl_s", "c_ce_t", "c_kl_t", "keep", "active"]
     names += [n for n in row_names(exprs) if n not in names]
     load_rows = [
         f"row_{name} = tl.load(rowc_ptr + rows * {len(names)} + {j}, mask=row_ok, other=0.0)[:, None]"
@@ -191,14 +191,18 @@ def _grads_module(
         body.append(f"ds += row_c_ce_s * (tl.exp(s - row_lse_s) - {one_hot})")
     if student_kl:
         body.append(f"ds += row_c_kl_s * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
-    body.append("tl.store(ds_ptr + rows[:, None] * stride_ds + cols[None, :], ds, mask=ok)")
+    body.append("ds = tl.where(row_active > 0.0, ds, 0.0)")
+    body.append("tl.store(ds_ptr + rows[:, None] * stride_ds + cols[None, :], ds.to(ds_ptr.dtype.element_ty), mask=ok)")
     if teacher_ce or teacher_kl:
         body.append("dt = tl.zeros_like(s)")
         if teacher_ce:
             body.append(f"dt += row_c_ce_t * (tl.exp(t - row_lse_t) - {one_hot})")
         if teacher_kl:
             body.append(f"dt += row_c_kl_t * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
-        body.append("tl.store(dt_ptr + rows[:, None] * stride_dt + cols[None, :], dt, mask=ok)")
+        body.append("dt = tl.where(row_active > 0.0, dt, 0.0)")
+        body.append(
+            "tl.store(dt_ptr + rows[:, None] * stride_dt + cols[None, :], dt.to(dt_ptr.dtype.element_ty), mask=ok)"
+        )
     source = GRADS_TEMPLATE.format(load_rows=_indent(load_rows, 4), body=_indent(body, 8))
     return load_kernel_module(source), tuple(names)
 
@@ -213,16 +217,18 @@ def logit_grads(
     col_start: int,
     row_values: dict[str, Tensor],
     temperatures: tuple[float, float],
-) -> tuple[Tensor, Tensor | None]:
-    """``(∂loss/∂s, ∂loss/∂t or None)`` on a block; ``row_values`` holds every row constant the
-    kernel reads (names as in the generated kernel)."""
+    out: tuple[Tensor, Tensor | None],
+) -> None:
+    """Write ``∂loss/∂s`` (and ``∂loss/∂t`` when the terms train the teacher) of a block into
+    ``out`` (row-major views, any float dtype); ``row_values`` holds every row constant the kernel
+    reads (names as in the generated kernel)."""
     rows, cols = student.shape
     module, names = _grads_module(divergence, params, terms)
     zeros = torch.zeros(rows, dtype=torch.float32, device=student.device)
     rowc = torch.stack([row_values.get(name, zeros).float() for name in names], dim=1).contiguous()
-    grad_s = torch.empty_like(student, dtype=torch.float32)
+    grad_s, grad_t = out
     trains_teacher = terms.key[2] or terms.key[3]
-    grad_t = torch.empty_like(student, dtype=torch.float32) if trains_teacher else None
+    assert (grad_t is not None) == trains_teacher
     has_teacher = teacher is not None
     other = teacher if has_teacher else student
     grid, per_split = _grid(rows, cols)
@@ -248,4 +254,3 @@ def logit_grads(
         BLOCK_R=BLOCK_R,
         BLOCK_C=BLOCK_C,
     )
-    return grad_s, grad_t

@@ -5,13 +5,17 @@ Three kernels walk a (rows × local columns) block of fp32 logits in (BLOCK_R ×
 - ``partition``: round-1 record: per logit family the online (max, Σ e^{x−max}), the label's raw
   student/teacher logits and the label-owner count, in :class:`PartitionRecord`'s packed layout;
 - ``sums``: round-2 sums, the variant's ``column_terms`` over normalized ``log p``, ``log q``;
-- ``grads``: the logit gradients ``∂loss/∂s`` (and ``∂loss/∂t``) from the row constants, written in
-  the dtype of the gradient GEMMs.
+- ``grads``: the logit gradients ``∂loss/∂s`` (and ``∂loss/∂t``) from the row constants, written
+  once, in the staging dtype of the gradient GEMMs (exactly 0 on rows whose scale is 0).
+
+The row count and the first column are not specialized on, so a new sequence length (or a last,
+shorter chunk) never compiles a kernel again.
 
 Column splits (``program_id(1)``) give enough programs for short, wide blocks; their partial
 records and sums are merged by the caller with the same merge as the tensor-parallel shards.
-Every load and store is masked; columns outside the block read −inf (padding columns already
-hold −inf, see ``backends.head.block_logits``).
+Every load and store is masked; columns outside the block read −inf (vocabulary padding is never
+part of a block). Logits are read in their stored dtype (fp32 products, or a bf16/fp16 cache) and
+upcast to fp32 after the load.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ TILE_LOAD = """
 
 PARTITION_TEMPLATE = (
     """
-@triton.jit
+@triton.jit(do_not_specialize=["R", "col_start"])
 def kernel(s_ptr, t_ptr, labels_ptr, out_ptr, R, C, stride_s, stride_t, col_start, cols_per_split,
            {scale_args} HAS_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 """
@@ -104,7 +108,7 @@ NORMALIZED = """
 
 SUMS_TEMPLATE = (
     """
-@triton.jit
+@triton.jit(do_not_specialize=["R", "col_start"])
 def kernel(s_ptr, t_ptr, labels_ptr, lse_ptr, out_ptr, R, C, stride_s, stride_t, col_start,
            cols_per_split, inv_ts, inv_tt, HAS_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 """
@@ -127,7 +131,7 @@ def kernel(s_ptr, t_ptr, labels_ptr, lse_ptr, out_ptr, R, C, stride_s, stride_t,
 
 GRADS_TEMPLATE = (
     """
-@triton.jit
+@triton.jit(do_not_specialize=["R", "col_start"])
 def kernel(s_ptr, t_ptr, labels_ptr, rowc_ptr, ds_ptr, dt_ptr, R, C, stride_s, stride_t, stride_ds, stride_dt,
            col_start, cols_per_split, inv_ts, inv_tt, HAS_T: tl.constexpr, BLOCK_R: tl.constexpr,
            BLOCK_C: tl.constexpr):
