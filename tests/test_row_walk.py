@@ -1,0 +1,174 @@
+"""How the chunked backends walk rows: gradient groups, ignored rows, value checks that stay off
+the host (the CUDA default), and where a head weight's gradient is summed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import orda_tp
+from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
+from orda_tp.config import RowLayout
+
+from .cases import COTRAINED, TEACHER_MODES, call_kwargs, loss_and_grads, make_problem, relative_error, separate_problem
+
+HOST_CHECKS_OFF = KernelConfig(host_checks=False)  # what a CUDA call does by default
+
+
+@pytest.fixture
+def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 5 rows, gradient groups of 10: several groups and a short last chunk."""
+    monkeypatch.setattr(KernelConfig, "row_layout", lambda self, *args: RowLayout(chunk_rows=5, group_rows=10))
+
+
+def problem_for(mode: str, seed: int, dtype: torch.dtype = torch.float64):  # noqa: ANN201
+    base = make_problem(rows=23, vocab=203, seed=seed, dtype=dtype)
+    return separate_problem(base) if mode == "separate" else base
+
+
+@pytest.mark.usefixtures("small_groups")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("mode", TEACHER_MODES)
+@pytest.mark.parametrize("variant", ["forward", "skew_js", "dkd", "mutual"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_several_gradient_groups_match_the_reference(variant: str, mode: str, reduction: str, backend: str) -> None:
+    if variant in COTRAINED and mode == "precomputed":
+        pytest.skip("co-training variants need a trainable teacher")
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    base = problem_for(mode, hash((variant, mode)) % 101, dtype)
+    exact = base.to(torch.float64)
+    kwargs = call_kwargs(variant, mode, reduction)
+    upstream = None
+    if reduction == "none":
+        upstream = torch.rand(23, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    expected, expected_grads = loss_and_grads(exact, mode, upstream, backend="reference", **kwargs)
+    actual, actual_grads = loss_and_grads(
+        base, mode, None if upstream is None else upstream.to(dtype), backend=backend, **kwargs
+    )
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for field in ("loss", "student_ce", "teacher_ce", "kl"):
+        assert relative_error(getattr(actual, field), getattr(expected, field)) <= tolerance, field
+    for index, (grad, reference) in enumerate(zip(actual_grads, expected_grads)):
+        assert (grad is None) == (reference is None), index
+        if grad is not None:
+            assert relative_error(grad, reference) <= tolerance, index
+
+
+@contextmanager
+def no_host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every way Python code reads a tensor's value on the host raises (on CUDA each of them
+    would synchronize with the device)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a tensor value was read on the host")
+
+    with monkeypatch.context() as patch:
+        for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero", "numpy"):
+            patch.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("mode", TEACHER_MODES)
+def test_default_cuda_policy_reads_no_tensor_value(monkeypatch: pytest.MonkeyPatch, mode: str, reduction: str) -> None:
+    base = problem_for(mode, 4)
+    kwargs = {**call_kwargs("jeffreys", mode, reduction), "config": HOST_CHECKS_OFF}
+    if reduction == "mean":
+        kwargs["num_valid_tokens"] = torch.tensor(17.0, dtype=torch.float64)
+    expected, expected_grads = loss_and_grads(base, mode, None if reduction != "none" else torch.ones(23), **kwargs)
+    teacher = base.teacher(mode)
+    with no_host_reads(monkeypatch):
+        out = orda_tp.distillation_loss(base.student_hidden, base.weight, base.labels, teacher, **kwargs)
+        grads = torch.autograd.grad(out.loss.sum(), base.trainable(mode), allow_unused=True)
+    assert relative_error(out.loss.sum(), expected.loss.sum()) <= 1e-14
+    for grad, reference in zip(grads, expected_grads):
+        assert (grad is None) == (reference is None)
+        if grad is not None:
+            assert relative_error(grad, reference) <= 1e-14
+
+
+def test_host_checks_off_a_bad_label_makes_its_row_nan_in_loss_and_gradient() -> None:
+    p = make_problem(rows=12, ignored_every=0)
+    labels = p.labels.clone()
+    labels[5] = 203  # one past the vocabulary
+    out = orda_tp.distillation_loss(
+        p.student_hidden, p.weight, labels, TiedTeacher(p.teacher_hidden), kl_weight=1.0, reduction="none",
+        config=HOST_CHECKS_OFF,
+    )  # fmt: skip
+    assert torch.isnan(out.loss[5]) and torch.isfinite(out.loss[torch.arange(12) != 5]).all()
+    grad = torch.autograd.grad(out.loss.nansum(), [p.student_hidden])[0]
+    assert torch.isnan(grad[5]).all() and torch.isfinite(grad[torch.arange(12) != 5]).all()
+    with pytest.raises(ValueError, match="labels must lie in"):
+        orda_tp.distillation_loss(p.student_hidden, p.weight, labels, TiedTeacher(p.teacher_hidden))
+
+
+def test_host_checks_off_a_non_finite_cache_makes_its_row_nan() -> None:
+    p = make_problem(rows=12, ignored_every=0)
+    logits = p.teacher_logits.clone()
+    logits[3, 7] = float("nan")
+    teacher = PrecomputedTeacher(logits=logits)
+    out = orda_tp.distillation_loss(
+        p.student_hidden, p.weight, p.labels, teacher, kl_weight=1.0, reduction="none", config=HOST_CHECKS_OFF
+    )
+    assert torch.isnan(out.kl[3]) and torch.isfinite(out.kl[torch.arange(12) != 3]).all()
+    with pytest.raises(ValueError, match="teacher.logits"):
+        orda_tp.distillation_loss(p.student_hidden, p.weight, p.labels, teacher, kl_weight=1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ignored_rows_with_non_finite_hidden_states_get_no_gradient(backend: str) -> None:
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    p = make_problem(rows=12, ignored_every=4, dtype=dtype)  # rows 0, 4, 8 ignored
+    hidden = p.student_hidden.detach().clone()
+    hidden[4] = float("nan")
+    teacher_hidden = p.teacher_hidden.detach().clone()
+    teacher_hidden[8] = float("inf")
+    hidden.requires_grad_()
+    out = orda_tp.distillation_loss(
+        hidden, p.weight, p.labels, TiedTeacher(teacher_hidden), kl_weight=1.0, backend=backend
+    )
+    g_hidden, g_weight = torch.autograd.grad(out.loss, [hidden, p.weight])
+    keep = p.labels != -100
+    clean = orda_tp.distillation_loss(
+        hidden.detach()[keep].requires_grad_(), p.weight, p.labels[keep], TiedTeacher(teacher_hidden[keep]),
+        kl_weight=1.0, backend=backend,
+    )  # fmt: skip
+    expected_weight = torch.autograd.grad(clean.loss, [p.weight])[0]
+    assert torch.isfinite(out.loss) and relative_error(out.loss, clean.loss) <= 1e-6
+    assert torch.all(g_hidden[~keep] == 0) and torch.isfinite(g_hidden).all()
+    assert relative_error(g_weight, expected_weight) <= 1e-6
+
+
+@pytest.mark.usefixtures("small_groups")
+def test_weight_gradient_accumulation_in_the_weights_dtype() -> None:
+    base = make_problem(rows=23, dtype=torch.bfloat16)
+    exact = base.to(torch.float64)
+    reference = orda_tp.distillation_loss(
+        exact.student_hidden, exact.weight, exact.labels, TiedTeacher(exact.teacher_hidden.detach()), kl_weight=1.0,
+        backend="reference",
+    )  # fmt: skip
+    expected = torch.autograd.grad(reference.loss, [exact.weight])[0]
+    grads = {}
+    for accumulation in ("fp32", "compute", "auto"):
+        config = KernelConfig(grad_weight_accumulation=accumulation)
+        out = orda_tp.distillation_loss(
+            base.student_hidden, base.weight, base.labels, TiedTeacher(base.teacher_hidden.detach()), kl_weight=1.0,
+            config=config,
+        )  # fmt: skip
+        grads[accumulation] = torch.autograd.grad(out.loss, [base.weight])[0]
+        assert grads[accumulation].dtype == torch.bfloat16
+        assert relative_error(grads[accumulation], expected) <= 1e-2
+    # "auto" sums a bf16 weight's gradient in bf16; fp32 summation rounds once, at the end.
+    assert torch.equal(grads["auto"], grads["compute"])
+    assert not torch.equal(grads["fp32"], grads["compute"])
+    assert relative_error(grads["fp32"], expected) <= relative_error(grads["compute"], expected)
+
+
+def test_grad_weight_accumulation_is_validated() -> None:
+    with pytest.raises(ValueError, match="grad_weight_accumulation must be one of"):
+        KernelConfig(grad_weight_accumulation="bf16")
+    with pytest.raises(TypeError, match="host_checks must be a bool"):
+        KernelConfig(host_checks="no")  # type: ignore[arg-type]
