@@ -1,0 +1,121 @@
+"""GPU-only behaviour (skipped without CUDA): the default path never synchronizes with the host.
+
+Run on a CUDA machine with ``python -m pytest tests/test_gpu.py``. Every call runs once to warm
+up (kernel compilation may synchronize), then again under
+``torch.cuda.set_sync_debug_mode("error")``, which turns any synchronizing CUDA call into an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import orda_tp
+from orda_tp import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ROWS, HIDDEN, VOCAB = 300, 64, 5003
+
+
+def make_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(dtype)
+
+    labels = torch.randint(0, VOCAB, (ROWS,), generator=generator, device="cuda")
+    labels[::7] = -100
+    return {
+        "hidden": randn(ROWS, HIDDEN).requires_grad_(),
+        "weight": randn(VOCAB, HIDDEN, scale=2 / HIDDEN**0.5).requires_grad_(),
+        "labels": labels,
+        "teacher_hidden": randn(ROWS, HIDDEN),
+        "teacher_weight": randn(VOCAB, HIDDEN, scale=2 / HIDDEN**0.5),
+    }
+
+
+def teacher_of(mode: str, t: dict[str, torch.Tensor]) -> object:
+    if mode == "tied":
+        return TiedTeacher(t["teacher_hidden"])
+    if mode == "separate":
+        return SeparateTeacher(t["teacher_hidden"], t["teacher_weight"])
+    with torch.no_grad():
+        return PrecomputedTeacher(logits=t["teacher_hidden"] @ t["teacher_weight"].T)
+
+
+def run_without_sync(step: Callable[[], None]) -> None:
+    step()  # warm-up: compilation and first allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("mode", ["tied", "separate", "precomputed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_default_path_does_not_synchronize(dtype: torch.dtype, mode: str, reduction: str) -> None:
+    t = make_inputs(dtype)
+    teacher = teacher_of(mode, t)
+
+    def step() -> None:
+        out = orda_tp.distillation_loss(
+            t["hidden"], t["weight"], t["labels"], teacher, kl_weight=1.0, kl_divergence="jeffreys",
+            reduction=reduction,
+        )  # fmt: skip
+        torch.autograd.grad(out.loss.sum(), [t["hidden"], t["weight"]])
+
+    run_without_sync(step)
+
+
+def test_fp16_with_a_grad_scaler_does_not_synchronize() -> None:
+    t = make_inputs(torch.float16)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+    scaler.scale(torch.ones((), device="cuda"))  # the scale tensor exists from the first scale() on
+
+    def step() -> None:
+        out = orda_tp.distillation_loss(
+            t["hidden"], t["weight"], t["labels"], TiedTeacher(t["teacher_hidden"]), kl_weight=1.0,
+            grad_scaler=scaler,
+        )  # fmt: skip
+        torch.autograd.grad(scaler.scale(out.loss), [t["hidden"], t["weight"]])
+
+    run_without_sync(step)
+
+
+def test_inside_torch_compile_does_not_synchronize() -> None:
+    t = make_inputs(torch.bfloat16)
+
+    @torch.compile
+    def step_compiled(hidden: torch.Tensor) -> torch.Tensor:
+        out = orda_tp.distillation_loss(
+            hidden * 1.0, t["weight"], t["labels"], TiedTeacher(t["teacher_hidden"]), kl_weight=1.0
+        )
+        return out.loss * 2.0
+
+    def step() -> None:
+        torch.autograd.grad(step_compiled(t["hidden"]), [t["hidden"], t["weight"]])
+
+    run_without_sync(step)
+
+
+def test_the_same_result_as_the_reference_on_the_gpu() -> None:
+    t = make_inputs(torch.bfloat16)
+    teacher = TiedTeacher(t["teacher_hidden"])
+    out = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], teacher, kl_weight=1.0)
+    grads = torch.autograd.grad(out.loss, [t["hidden"], t["weight"]])
+    exact = {k: v.detach().double().requires_grad_(k in ("hidden", "weight")) for k, v in t.items() if k != "labels"}
+    reference = orda_tp.distillation_loss(
+        exact["hidden"], exact["weight"], t["labels"], TiedTeacher(exact["teacher_hidden"]), kl_weight=1.0,
+        backend="reference",
+    )  # fmt: skip
+    expected = torch.autograd.grad(reference.loss, [exact["hidden"], exact["weight"]])
+    assert abs(out.loss.item() - reference.loss.item()) <= 1e-5 * abs(reference.loss.item())
+    for grad, exact_grad in zip(grads, expected):
+        assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()
