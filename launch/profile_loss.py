@@ -30,6 +30,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--workspace-mib", type=int, default=None, help="KernelConfig.workspace_mib")
     parser.add_argument("--vocab-block", type=int, default=None, help="KernelConfig.vocab_block")
+    parser.add_argument("--profile", default="balanced", choices=("balanced", "fast"), help="the loss's profile")
+    parser.add_argument("--ce", action="store_true", help="student CE alone (no KL term)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls (the median is printed)")
     parser.add_argument("--rows", type=int, default=10, help="rows of each table")
     return parser.parse_args()
 
@@ -50,7 +53,7 @@ def main() -> None:
         config_kwargs["workspace_mib"] = args.workspace_mib
     if args.vocab_block is not None:
         config_kwargs["vocab_block"] = args.vocab_block
-    config = orda_tp.KernelConfig(**config_kwargs)
+    config = orda_tp.KernelConfig(**config_kwargs) if config_kwargs else None
 
     def step() -> None:
         out = orda_tp.distillation_loss(
@@ -59,19 +62,33 @@ def main() -> None:
             labels,
             orda_tp.TiedTeacher(teacher),
             teacher_ce_weight=0.0,
-            kl_weight=1.0,
+            kl_weight=0.0 if args.ce else 1.0,
             backend=args.backend,
+            profile=args.profile,
             config=config,
         )
-        out.loss.backward()
+        torch.autograd.grad(out.loss, [hidden, weight])
 
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    print(f"warm call: {1e3 * (time.perf_counter() - start):.1f} ms  ({args.backend}, {config})")
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    grads = (hidden.numel() + weight.numel()) * hidden.element_size() / 2**20
+    print(
+        f"BT={args.bt} H={args.hidden} V={args.vocab} {'CE' if args.ce else 'KD'} profile={args.profile}: "
+        f"median {sorted(times)[len(times) // 2]:.1f} ms of {args.repeats} (min {min(times):.1f}); "
+        f"peak above inputs {peak:.0f} MiB, less the returned gradients {peak - grads:.0f} MiB"
+    )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
