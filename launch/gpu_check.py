@@ -1,107 +1,76 @@
-"""GPU validation and benchmark of orda_tp: correctness against the fp64 reference, tensor-parallel
-TP=2 against TP=1, and speed and memory at the anchor shapes, in one command.
+"""GPU validation of orda_tp: correctness against the fp64 reference, and tensor-parallel TP=2 against
+TP=1, in one command. Speed and memory are measured by ``launch/bench.py``.
 
 Parts (each step is guarded: a failure is printed, counted as FAIL, and the script goes on):
 
-(a) correctness (default, or ``--check``): ``backend="triton"`` and ``backend="torch"`` against
-    ``backend="reference"`` run in fp64 on the SAME rounded inputs upcast, for every variant ×
+(a) correctness (the default; ``--check`` says the same): ``backend="triton"`` and ``backend="torch"``
+    against ``backend="reference"`` run in fp64 on the SAME rounded inputs upcast, for every variant ×
     teacher mode (tied, separate, precomputed logits; mutual/cojeffreys must raise with a
     precomputed teacher) × input dtype (fp32, fp16, bf16) × reduction ("mean", "none"), with
     T_s ≠ T_t where allowed, 1 row in 7 ignored, a padded vocabulary (vocab_size < V), several row
     chunks and V not a multiple of the column block. ‖a−b‖/‖b‖ of the loss, the components and every
-    gradient: fp32 1e-5 values / 1e-4 grads; fp16/bf16 1e-5 values / 1e-2 grads.
+    gradient: fp32 1e-5 values / 1e-4 grads; fp16/bf16 1e-5 values / 1e-2 grads. On a GPU, an
+    informational probe of host synchronization follows.
 (b) ``--tp`` under torchrun (NCCL on GPUs, gloo on CPU): TP=2 (head rows sharded unevenly in
     torch.chunk order, ``tp_group=WORLD``) against TP=1 (the full head on each rank), every variant ×
     mode, fp32 and bf16: loss and components bitwise equal across ranks; equal to TP=1 within 1e-6
     relative; weight-gradient slices and hidden gradients within 1e-5 (bf16: 1e-3, gradients are
     rounded to bf16 after the fp32 shard sums).
-(c) ``--bench``: fwd+bwd of the loss only at the anchor shapes of shared/ANCHORS.md (bf16; tied
-    frozen teacher with teacher_ce_weight=0; student CE + forward KL at T=1; 1 label in 7 ignored),
-    for backend="triton", backend="torch" and a naive full-logits torch loss (fp32 logits); a CE-only
-    task; every variant and the separate / precomputed teachers with backend="triton" at the first
-    shape. Median of 10 after 3 warm-ups (CUDA events), peak memory above the inputs (and above
-    inputs + returned gradients), the floor at 788 TFLOP/s. Under ``--tp``: TP=1 and TP=2 per rank.
 
 Results go to stdout (a table row per case, a summary last) and to ``--out`` (default $OUT, else
 ./gpu_check_out): ``<stem>.json`` with every number and ``<stem>.log`` with the full output.
 The exit status is 1 when any check failed.
 
-Commands (``--check-time-limit S``: start no new check case after S seconds, so the bench still runs):
-  python3 launch/gpu_check.py --out $OUT                                             # (a) on one GPU
-  python3 launch/gpu_check.py --check --bench --check-time-limit 240 --out $OUT      # (a) and (c)
-  torchrun --standalone --nproc-per-node 2 launch/gpu_check.py --tp --check --bench --out $OUT   # (b), (c)
-  TRITON_INTERPRET=1 python launch/gpu_check.py --device cpu --small --variants forward,dkd      # CPU debug
+Commands (``--check-time-limit S``: start no new case after S seconds):
+  python3 launch/gpu_check.py --check --out $OUT                                      # (a) on one GPU
+  torchrun --standalone --nproc-per-node 2 launch/gpu_check.py --tp --check --out $OUT  # (b)
+  TRITON_INTERPRET=1 python launch/gpu_check.py --device cpu --small --variants forward,dkd   # CPU debug
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import math
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-# NVLink multicast stays off on the lent multi-GPU machines (it can take the host's GPUs down).
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+import torch
+import torch.distributed as dist
+from gpu_common import (
+    IGNORE_EVERY,
+    IGNORE_INDEX,
+    VARIANT_KWARGS,
+    Reporter,
+    Runtime,
+    add_common_args,
+    column_ranges,
+    fmt,
+    guarded,
+    max_over_ranks,
+    run_script,
+    sync_device,
+)
+from torch import Tensor
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-import zlib  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from datetime import timedelta  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-# Run from a checkout without installing: the repository root holds `orda_tp`.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import orda_tp  # noqa: E402
-from orda_tp import (  # noqa: E402
+import orda_tp
+from orda_tp import (
     KL_VARIANTS,
     ChunkSize,
-    EntropyGate,
     KernelConfig,
     PrecomputedTeacher,
     SeparateTeacher,
     TiedTeacher,
 )
 
-# Copied from tests/cases.py (launch/ does not import tests/).
-VARIANT_KWARGS: dict[str, dict[str, object]] = {
-    "forward": {},
-    "reverse": {},
-    "jeffreys": {},
-    "mutual": {},
-    "cojeffreys": {},
-    "alpha_divergence": {"kl_alpha": 0.3},
-    "skew_forward": {"kl_beta": 0.3},
-    "skew_reverse": {"kl_beta": 0.7},
-    "skew_js": {"kl_beta": 0.4},
-    "entropy_adaptive": {"entropy_gate": EntropyGate(alpha_min=0.1, alpha_max=0.9, tau=0.5, scale=0.3)},
-    "renyi": {"kl_alpha": 1.5},
-    "renyi_reverse": {"kl_alpha": 0.6},
-    "dkd": {"kl_alpha": 2.0, "kl_beta": 0.5},
-    "abkd": {"kl_alpha": 0.7, "kl_beta": 1.3},
-    "triangular": {},
-}
 COTRAINED = ("mutual", "cojeffreys")
 TEACHER_MODES = ("tied", "separate", "precomputed")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 REDUCTIONS = ("mean", "sum", "none")
 CHECK_BACKENDS = ("triton", "torch")
-IGNORE_INDEX = -100
-IGNORE_EVERY = 7  # 1 row in 7 is ignored
 PAD_FILL = 30.0  # cached teacher logits on padding columns: large, so that any leak into padding shows
 FIELDS = ("loss", "student_ce", "teacher_ce", "kl")
 GRAD_NAMES = {
@@ -112,9 +81,6 @@ GRAD_NAMES = {
 # (values, gradients) relative-error limits.
 CHECK_TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-5, 1e-2), "bf16": (1e-5, 1e-2)}
 TP_TOLERANCE = {"fp32": (1e-6, 1e-5), "fp16": (1e-6, 1e-3), "bf16": (1e-6, 1e-3)}
-BENCH_SANITY_TOLERANCE = 1e-2  # orda loss vs the naive loss (bf16-rounded logits) at the bench shapes
-MATMUL_TFLOPS = 788.0  # bf16 8192³ on an H200, measured (shared/ANCHORS.md)
-WARMUP, REPEATS = 3, 10
 
 
 @dataclass(frozen=True)
@@ -131,36 +97,10 @@ class CheckShape:
         return KernelConfig(chunk_size=ChunkSize(nrows=self.chunk_rows), vocab_block=self.vocab_block)
 
 
-@dataclass(frozen=True)
-class BenchShape:
-    name: str
-    rows: int
-    hidden: int
-    vocab: int
-
-    def floor_ms(self, gemms: int, tflops: float = MATMUL_TFLOPS) -> float:
-        return gemms * 2.0 * self.rows * self.hidden * self.vocab / (tflops * 1e12) * 1e3
-
-
-ANCHOR_SHAPES = (
-    BenchShape("BT8192_H4096_V128256", 8192, 4096, 128256),
-    BenchShape("BT8192_H2304_V256000", 8192, 2304, 256000),
-)
-SMALL_BENCH_SHAPES = (BenchShape("BT64_H32_V1003", 64, 32, 1003), BenchShape("BT64_H24_V2000", 64, 24, 2000))
-# Issue 4's targets: (shape index, task) -> (ms, MiB above the inputs or None).
-BENCH_TARGETS = {(0, "KD"): (50.0, 512.0), (1, "KD"): (56.0, 1024.0), (0, "CE"): (38.0, None)}
-VARIANT_RATIO_TARGET = 1.25
-TP_RATIO_TARGET = 0.55
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cuda = torch.cuda.is_available()
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if cuda else "cpu")
-    parser.add_argument("--small", action="store_true", help="tiny shapes (BT=24, H=16, V=203) for the CPU")
-    parser.add_argument("--check", action="store_true", help="run the correctness part also with --bench")
-    parser.add_argument("--bench", action="store_true", help="time the anchor shapes (skips --check unless given)")
-    parser.add_argument("--tp", action="store_true", help="tensor-parallel checks/bench (launch with torchrun)")
+    add_common_args(parser, default_out="gpu_check_out")
+    parser.add_argument("--check", action="store_true", help="the correctness checks (the default)")
     parser.add_argument("--variants", default="all", help="comma list of KL variants (default: all 15)")
     parser.add_argument("--modes", default="all", help="comma list of teacher modes: tied,separate,precomputed")
     parser.add_argument("--dtypes", default=None, help="comma list of fp32,fp16,bf16 (default: all; CPU: fp32)")
@@ -172,25 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=None, help="real vocabulary (default V - 13; --small V - 3)")
     parser.add_argument("--chunk-rows", type=int, default=None, help="rows per chunk (default 192; --small 7)")
     parser.add_argument("--vocab-block", type=int, default=None, help="columns per block (default 8192; --small 64)")
-    parser.add_argument("--no-naive", action="store_true", help="bench: skip the naive full-logits loss")
-    parser.add_argument(
-        "--bench-extras",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="bench: also every variant and the separate/precomputed teachers (triton, first shape)",
-    )
     parser.add_argument(
         "--check-time-limit",
         type=float,
         default=0.0,
         help="seconds after which (a)/(b) start no new case; the rest are reported NOT RUN (0: no limit)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--collective-timeout", type=float, default=180.0, help="seconds per collective (--tp)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="results directory")
-    args = parser.parse_args(argv)
-    args.run_check = args.check or not args.bench
-    return args
+    return parser.parse_args(argv)
 
 
 def _choose(text: str | None, allowed: tuple[str, ...], default: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -229,104 +157,6 @@ def check_shape(args: argparse.Namespace) -> CheckShape:
         chunk_rows=args.chunk_rows or (7 if small else 192),
         vocab_block=args.vocab_block or (64 if small else 8192),
     )
-
-
-# ------------------------------------------------------------------------------------------------ output
-
-
-def _plain(value: Any) -> Any:
-    """JSON-safe: non-finite floats as strings, tuples as lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-class Reporter:
-    """Prints on rank 0, keeps a log file per rank and one JSON document (rank 0)."""
-
-    def __init__(self, out_dir: Path, stem: str, rank: int) -> None:
-        self.rank = rank
-        out_dir.mkdir(parents=True, exist_ok=True)
-        suffix = "" if rank == 0 else f"_rank{rank}"
-        self.log_path = out_dir / f"{stem}{suffix}.log"
-        self.json_path = out_dir / f"{stem}.json"
-        self.log_path.write_text("")
-        self.data: dict[str, Any] = {}
-        self.failures: list[str] = []
-
-    def line(self, text: str = "", *, every_rank: bool = False) -> None:
-        if self.rank == 0 or every_rank:
-            prefix = "" if self.rank == 0 else f"[rank {self.rank}] "
-            print(prefix + text, flush=True)
-        with self.log_path.open("a") as log:
-            log.write(text + "\n")
-
-    def log_only(self, text: str) -> None:
-        with self.log_path.open("a") as log:
-            log.write(text + "\n")
-
-    def fail(self, label: str) -> None:
-        self.failures.append(label)
-
-    def dump(self) -> None:
-        if self.rank == 0:
-            self.json_path.write_text(json.dumps(_plain(self.data), indent=1))
-
-
-def guarded(reporter: Reporter, label: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
-    """``(True, fn())``, or ``(False, message)`` after printing the error (traceback to the log)."""
-    try:
-        return True, fn()
-    except Exception as error:  # noqa: BLE001 - every failure is reported and counted, then the script goes on
-        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-        reporter.line(f"  ERROR {label}: {message}", every_rank=True)
-        reporter.log_only(traceback.format_exc())
-        _recover_device()
-        return False, message
-
-
-def _recover_device() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        except Exception:  # noqa: BLE001 - a sticky CUDA error shows up again in the next step
-            pass
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "orda_tp": orda_tp.__version__,
-        "cuda": torch.version.cuda,
-        "device": str(device),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
-        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpus=torch.cuda.device_count())
-        info["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
-    try:
-        root = Path(__file__).resolve().parents[1]
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-        info["git"] = commit.stdout.strip() or None
-    except OSError:
-        info["git"] = None
-    return info
 
 
 # ------------------------------------------------------------------------------------------------ problems
@@ -549,11 +379,6 @@ def compare(
     return result
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ------------------------------------------------------------------------------------------------ (a) checks
 
 
@@ -656,7 +481,7 @@ def check_case(
 
         def run(b: str = backend) -> Comparison:
             actual = loss_and_grads(rounded, mode, reduction, backend=b, **kwargs)
-            _sync(device)
+            sync_device(device)
             return compare(actual, expected, mode, CHECK_TOLERANCE[dtype_name], dtype)
 
         passed, comparison = guarded(reporter, f"{label} {backend}", run)
@@ -743,7 +568,7 @@ def sync_probe(reporter: Reporter, device: torch.device, shape: CheckShape) -> N
 
     try:
         call()  # warm-up (compilation may synchronize)
-        _sync(device)
+        sync_device(device)
         torch.cuda.set_sync_debug_mode("error")
         try:
             call()
@@ -752,7 +577,7 @@ def sync_probe(reporter: Reporter, device: torch.device, shape: CheckShape) -> N
             torch.cuda.set_sync_debug_mode(0)
     except Exception as error:  # noqa: BLE001
         verdict = f"synchronizes: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
-    _sync(device)
+    sync_device(device)
     reporter.line(f"INFO sync-debug probe (triton, bf16, tied, forward, assume_valid_labels): {verdict}")
     reporter.data["check"]["sync_probe"] = verdict
 
@@ -769,44 +594,12 @@ def summarize_checks(reporter: Reporter, rows: list[dict[str, Any]], elapsed: fl
         worst_g = _worst(e for r in measured for e in r["grads"].values()) if measured else None
         bad = sum(r["status"] != "PASS" for r in group)
         reporter.line(
-            f"   {backend:<7} {dtype:<5} values {_fmt(worst_v, '.2e')}  grads {_fmt(worst_g, '.2e')}  "
+            f"   {backend:<7} {dtype:<5} values {fmt(worst_v, '.2e')}  grads {fmt(worst_g, '.2e')}  "
             f"(limits {CHECK_TOLERANCE[dtype]})  {len(group) - bad}/{len(group)} pass"
         )
 
 
 # ------------------------------------------------------------------------------------------------ (b) TP
-
-
-@dataclass(frozen=True)
-class Runtime:
-    rank: int
-    world: int
-    device: torch.device
-
-
-def init_distributed(args: argparse.Namespace) -> Runtime:
-    if "RANK" not in os.environ:
-        raise SystemExit("--tp runs under torchrun: torchrun --standalone --nproc-per-node 2 launch/gpu_check.py --tp")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    timeout = timedelta(seconds=args.collective_timeout)
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
-        dist.init_process_group("gloo", timeout=timeout)
-    return Runtime(dist.get_rank(), dist.get_world_size(), device)
-
-
-def column_ranges(columns: int, world: int) -> list[tuple[int, int]]:
-    """Every rank's head rows in torch.chunk order (uneven when ``columns`` is not a multiple)."""
-    sizes = [len(part) for part in torch.arange(columns).chunk(world)]
-    if len(sizes) != world:
-        raise ValueError(f"{columns} columns do not make {world} torch.chunk shards")
-    starts = [sum(sizes[:i]) for i in range(world)]
-    return [(start, start + size) for start, size in zip(starts, sizes)]
 
 
 def _pack(out: orda_tp.DistillationLossOutput | None, capacity: int, device: torch.device) -> Tensor:
@@ -819,13 +612,6 @@ def _pack(out: orda_tp.DistillationLossOutput | None, capacity: int, device: tor
     packed[0] = values.numel()
     packed[1 : 1 + min(values.numel(), capacity)] = values[:capacity]
     return packed
-
-
-def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    finite = [v if math.isfinite(v) else 1e300 for v in values]
-    tensor = torch.tensor(finite, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [math.inf if v >= 1e300 else v for v in tensor.tolist()]
 
 
 TP_HEADER = (
@@ -856,7 +642,7 @@ def run_tp_checks(args: argparse.Namespace, reporter: Reporter, runtime: Runtime
                     for backend in chosen["backends"]:
                         # Every rank stops at the same case: rank 0's clock decides.
                         late = float(runtime.rank == 0 and _out_of_time(args, started))
-                        if _max_over_ranks([late], runtime.device)[0]:
+                        if max_over_ranks([late], runtime.device)[0]:
                             not_run += 1
                             continue
                         rows.append(
@@ -934,7 +720,7 @@ def tp_case(
     loss_err = comparison.values.get("loss", math.inf) if comparison else (0.0 if expect_error else math.inf)
     worst_v = comparison.worst_value if comparison else (0.0 if expect_error else math.inf)
     worst_g = comparison.worst_grad if comparison else (0.0 if expect_error else math.inf)
-    loss_err, worst_v, worst_g, failing = _max_over_ranks([loss_err, worst_v, worst_g, float(bool(problems))], device)
+    loss_err, worst_v, worst_g, failing = max_over_ranks([loss_err, worst_v, worst_g, float(bool(problems))], device)
     failed_ranks = [r for r, flag in enumerate(_gather_flags(bool(problems), runtime)) if flag]
     status = "FAIL" if failing else "PASS"
     if problems:
@@ -970,444 +756,19 @@ def _gather_flags(flag: bool, runtime: Runtime) -> list[bool]:
     return [bool(t.item()) for t in gathered]
 
 
-# ------------------------------------------------------------------------------------------------ (c) bench
-
-
-def naive_loss(hidden: Tensor, weight: Tensor, labels: Tensor, teacher_hidden: Tensor | None, with_kl: bool) -> Tensor:
-    """Full-logits torch: student CE + forward KL(q‖p) at T=1 (teacher frozen), fp32 logits, mean
-    over the non-ignored rows (orda_tp's reduction="mean")."""
-    logits = (hidden @ weight.T).float()
-    ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
-    if not with_kl:
-        return ce
-    assert teacher_hidden is not None
-    with torch.no_grad():
-        log_q = (teacher_hidden @ weight.T).float().log_softmax(-1)
-    log_p = logits.log_softmax(-1)
-    valid = (labels != IGNORE_INDEX).float()
-    kl_rows = (log_q.exp() * (log_q - log_p)).sum(-1)
-    return ce + (kl_rows * valid).sum() / valid.sum().clamp(min=1)
-
-
-@dataclass
-class BenchInputs:
-    hidden: Tensor
-    weight: Tensor  # this rank's head (the whole head unless TP)
-    labels: Tensor
-    teacher_hidden: Tensor
-    extra: dict[str, Tensor]  # separate teacher's hidden/head, cached logits (made on demand)
-
-
-def make_bench_inputs(
-    shape: BenchShape, device: torch.device, dtype: torch.dtype, columns: tuple[int, int] | None, seed: int
-) -> BenchInputs:
-    """Random (never zero) inputs; logits of standard deviation ≈ 2; 1 label in 7 ignored."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*size: int, scale: float = 1.0) -> Tensor:
-        return (torch.randn(*size, generator=generator, device=device, dtype=torch.float32) * scale).to(dtype)
-
-    weight = randn(shape.vocab, shape.hidden, scale=2.0 / shape.hidden**0.5)
-    if columns is not None:
-        weight = weight[columns[0] : columns[1]].clone()
-    labels = torch.randint(0, shape.vocab, (shape.rows,), generator=generator, device=device)
-    labels[3::IGNORE_EVERY] = IGNORE_INDEX
-    return BenchInputs(
-        hidden=randn(shape.rows, shape.hidden).requires_grad_(),
-        weight=weight.requires_grad_(),
-        labels=labels,
-        teacher_hidden=randn(shape.rows, shape.hidden),
-        extra={},
-    )
-
-
-Step = Callable[[], tuple[Tensor, tuple[Tensor, ...]]]
-
-
-def orda_step(
-    inputs: BenchInputs, task: str, backend: str, variant: str = "forward", mode: str = "tied", tp: bool = False
-) -> Step:
-    """fwd+bwd of orda_tp's loss: student CE (+ the KL variant at T=1 unless task == "CE")."""
-    if mode == "tied":
-        teacher: Any = TiedTeacher(inputs.teacher_hidden)
-    elif mode == "separate":
-        teacher = SeparateTeacher(inputs.extra["separate_hidden"], inputs.extra["teacher_weight"])
-    else:
-        teacher = PrecomputedTeacher(logits=inputs.extra["teacher_logits"])
-    kwargs: dict[str, Any] = dict(
-        student_ce_weight=1.0,
-        teacher_ce_weight=0.0,
-        kl_weight=0.0 if task == "CE" else 1.0,
-        kl_temperature=1.0,
-        kl_divergence=variant,
-        backend=backend,
-        **VARIANT_KWARGS[variant],
-    )
-    if tp:
-        kwargs["tp_group"] = dist.group.WORLD
-    params = (inputs.hidden, inputs.weight)
-
-    def step() -> tuple[Tensor, tuple[Tensor, ...]]:
-        out = orda_tp.distillation_loss(inputs.hidden, inputs.weight, inputs.labels, teacher, **kwargs)
-        return out.loss.detach(), torch.autograd.grad(out.loss, params)
-
-    return step
-
-
-def naive_step(inputs: BenchInputs, task: str) -> Step:
-    params = (inputs.hidden, inputs.weight)
-
-    def step() -> tuple[Tensor, tuple[Tensor, ...]]:
-        loss = naive_loss(inputs.hidden, inputs.weight, inputs.labels, inputs.teacher_hidden, task != "CE")
-        return loss.detach(), torch.autograd.grad(loss, params)
-
-    return step
-
-
-@dataclass
-class Timing:
-    ms: float
-    spread_ms: float  # max − min of the timed repeats
-    peak_mib: float | None  # peak above the inputs
-    workspace_mib: float | None  # peak above the inputs and the returned gradients
-    loss: float
-
-
-def measure(step: Step, device: torch.device, barrier: bool = False) -> Timing:
-    """3 warm-ups, one run for memory, then the median of 10 timed runs (1 and 3 on the CPU, where
-    the interpreter is slow and the numbers only show that the code runs)."""
-    warmup, repeats = (WARMUP, REPEATS) if device.type == "cuda" else (1, 3)
-    for _ in range(warmup):
-        result = step()
-        del result
-    _sync(device)
-    gc.collect()
-    peak = workspace = None
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    loss, grads = step()
-    _sync(device)
-    if device.type == "cuda":
-        peak_bytes = torch.cuda.max_memory_allocated(device) - base
-        grad_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
-        peak, workspace = peak_bytes / 2**20, (peak_bytes - grad_bytes) / 2**20
-    loss_value = float(loss) if loss.numel() == 1 else math.nan
-    del loss, grads
-    if barrier:
-        dist.barrier()
-    _sync(device)
-    times: list[float] = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, stop in events:
-            start.record()
-            result = step()
-            stop.record()
-            del result
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(stop) for start, stop in events]
-    else:
-        for _ in range(repeats):
-            started = time.perf_counter()
-            result = step()
-            times.append((time.perf_counter() - started) * 1e3)
-            del result
-    return Timing(statistics.median(times), max(times) - min(times), peak, workspace, loss_value)
-
-
-def matmul_rate(device: torch.device) -> float | None:
-    """Measured bf16 TFLOP/s of an 8192³ product on random data (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    timing = measure(lambda: (torch.mm(a, b), ()), device)
-    return 2 * 8192**3 / (timing.ms * 1e-3) / 1e12
-
-
-BENCH_HEADER = (
-    f"{'shape':<21} {'task':<13} {'impl':<7} {'ms':>8} {'spread':>7} {'floor':>6} {'x floor':>7} "
-    f"{'peak MiB':>9} {'wkspc MiB':>9} {'target':>14}  note"
-)
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def bench_row(
-    reporter: Reporter,
-    rows: list[dict[str, Any]],
-    shape: BenchShape,
-    task: str,
-    impl: str,
-    gemms: int,
-    step_factory: Callable[[], Step],
-    device: torch.device,
-    target: tuple[float, float | None] | None = None,
-    barrier: bool = False,
-    floor_share: float = 1.0,
-) -> dict[str, Any] | None:
-    label = f"bench {shape.name} {task} {impl}"
-    ok, timing = guarded(reporter, label, lambda: measure(step_factory(), device, barrier))
-    floor = shape.floor_ms(gemms) * floor_share
-    if not ok:
-        reporter.fail(f"{label}: {timing}")
-        reporter.line(f"{shape.name:<21} {task:<13} {impl:<7} {'ERROR':>8}  {timing}")
-        rows.append({"shape": shape.name, "task": task, "impl": impl, "error": timing, "floor_ms": floor})
-        return None
-    target_text, note = "", ""
-    if target is not None:
-        ms_target, mib_target = target
-        target_text = f"<={ms_target:g}ms" + (f",{mib_target:g}MiB" if mib_target else "")
-        met = timing.ms <= ms_target and (mib_target is None or (timing.peak_mib or 0.0) <= mib_target)
-        note = "meets target" if met else "misses target"
-    reporter.line(
-        f"{shape.name:<21} {task:<13} {impl:<7} {timing.ms:>8.2f} {timing.spread_ms:>7.2f} {floor:>6.1f} "
-        f"{timing.ms / floor:>7.2f} {_fmt(timing.peak_mib, '9.0f'):>9} {_fmt(timing.workspace_mib, '9.0f'):>9} "
-        f"{target_text:>14}  {note}".rstrip()
-    )
-    row = {
-        "shape": shape.name,
-        "rows": shape.rows,
-        "hidden": shape.hidden,
-        "vocab": shape.vocab,
-        "task": task,
-        "impl": impl,
-        "ms": timing.ms,
-        "spread_ms": timing.spread_ms,
-        "floor_ms": floor,
-        "gemms": gemms,
-        "peak_above_inputs_mib": timing.peak_mib,
-        "workspace_mib": timing.workspace_mib,
-        "loss": timing.loss,
-        "target": target,
-        "note": note,
-    }
-    rows.append(row)
-    return row
-
-
-def run_bench(args: argparse.Namespace, reporter: Reporter, device: torch.device) -> None:
-    """(c) on one device: anchor shapes × {KD, CE} × {triton, torch, naive}, then the extras."""
-    chosen = selections(args)
-    shapes = SMALL_BENCH_SHAPES if args.small else ANCHOR_SHAPES
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    rate = matmul_rate(device)
-    reps = f"{REPEATS} after {WARMUP} warm-ups" if device.type == "cuda" else "3 after 1 warm-up"
-    reporter.line(
-        f"== (c) bench: fwd+bwd of the loss, {str(dtype).replace('torch.', '')}, tied frozen teacher, student CE + "
-        f"forward KL (T=1), 1 label in {IGNORE_EVERY} ignored; median of {reps}; floor = "
-        f"GEMMs × 2·BT·H·V at {MATMUL_TFLOPS:g} TFLOP/s (measured here: {_fmt(rate, '.0f')} TFLOP/s)"
-    )
-    reporter.line("   peak = max allocated above the inputs; wkspc = the same less the returned gradients")
-    reporter.line(BENCH_HEADER)
-    rows: list[dict[str, Any]] = []
-    reporter.data["bench"] = {"matmul_tflops": rate, "rows": rows, "dtype": str(dtype)}
-    impls = [b for b in chosen["backends"]] + ([] if args.no_naive else ["naive"])
-    for index, shape in enumerate(shapes):
-        ok, inputs = guarded(
-            reporter, f"bench inputs {shape.name}", lambda s=shape: make_bench_inputs(s, device, dtype, None, args.seed)
-        )
-        if not ok:
-            reporter.fail(f"bench inputs {shape.name}: {inputs}")
-            continue
-        bench_row(
-            reporter, rows, shape, "logits GEMM", "torch.mm", 1,
-            lambda i=inputs: (lambda: (torch.mm(i.hidden.detach(), i.weight.detach().T), ())), device,
-        )  # fmt: skip
-        for task, gemms in (("KD", 4), ("CE", 3)):
-            losses: dict[str, float] = {}
-            for impl in impls:
-
-                def factory(i: BenchInputs = inputs, t: str = task, m: str = impl) -> Step:
-                    return naive_step(i, t) if m == "naive" else orda_step(i, t, m)
-
-                target = None if args.small else BENCH_TARGETS.get((index, task))
-                row = bench_row(reporter, rows, shape, task, impl, gemms, factory, device, target)
-                if row is not None:
-                    losses[impl] = row["loss"]
-                _recover_device()
-            _sanity(reporter, shape, task, losses)
-        if args.bench_extras and index == 0:
-            bench_extras(reporter, rows, shape, inputs, chosen, device)
-        del inputs
-        _recover_device()
-        reporter.dump()
-
-
-def _sanity(reporter: Reporter, shape: BenchShape, task: str, losses: dict[str, float]) -> None:
-    """Each orda loss against the naive one (whose logits are rounded to bf16 by the GEMM)."""
-    if "naive" not in losses:
-        return
-    for impl, value in losses.items():
-        if impl == "naive":
-            continue
-        diff = abs(value - losses["naive"]) / max(abs(losses["naive"]), 1e-30)
-        ok = math.isfinite(diff) and diff <= BENCH_SANITY_TOLERANCE
-        reporter.line(f"   sanity {shape.name} {task}: {impl} loss {value:.6f} vs naive {losses['naive']:.6f} "
-                      f"(rel {diff:.1e}) {'ok' if ok else 'FAIL'}")  # fmt: skip
-        if not ok:
-            reporter.fail(f"bench sanity {shape.name} {task} {impl}: rel diff {diff:.2e}")
-
-
-def bench_extras(
-    reporter: Reporter,
-    rows: list[dict[str, Any]],
-    shape: BenchShape,
-    inputs: BenchInputs,
-    chosen: dict[str, tuple[str, ...]],
-    device: torch.device,
-) -> None:
-    """Every variant (triton, KD) against forward KL's time; the separate and precomputed teachers."""
-    if "triton" not in chosen["backends"]:
-        return
-    times: dict[str, float] = {}
-    for variant in chosen["variants"]:
-        row = bench_row(
-            reporter, rows, shape, f"KD {variant}"[:13], "triton", 4,
-            lambda v=variant: orda_step(inputs, "KD", "triton", variant=v), device,
-        )  # fmt: skip
-        if row is not None:
-            row["variant"] = variant
-            times[variant] = row["ms"]
-        _recover_device()
-    if "forward" in times:
-        slow = {v: t / times["forward"] for v, t in times.items() if t / times["forward"] > VARIANT_RATIO_TARGET}
-        reporter.line(f"   variants over {VARIANT_RATIO_TARGET}x forward KL's time: {slow or 'none'}")
-        reporter.data["bench"]["variant_ratios"] = {v: t / times["forward"] for v, t in times.items()}
-    dtype = inputs.hidden.dtype
-    if "separate" in chosen["modes"]:
-        generator = torch.Generator(device=device).manual_seed(5)
-        inputs.extra["separate_hidden"] = torch.randn(shape.rows, shape.hidden, generator=generator, device=device).to(
-            dtype
-        )
-        inputs.extra["teacher_weight"] = (
-            torch.randn(shape.vocab, shape.hidden, generator=generator, device=device) * (2.0 / shape.hidden**0.5)
-        ).to(dtype)
-        bench_row(
-            reporter, rows, shape, "KD separate", "triton", 4,
-            lambda: orda_step(inputs, "KD", "triton", mode="separate"), device,
-        )  # fmt: skip
-        inputs.extra.clear()
-        _recover_device()
-    if "precomputed" in chosen["modes"]:
-        with torch.no_grad():
-            inputs.extra["teacher_logits"] = inputs.teacher_hidden @ inputs.weight.detach().T
-        bench_row(
-            reporter, rows, shape, "KD precomp", "triton", 3,
-            lambda: orda_step(inputs, "KD", "triton", mode="precomputed"), device,
-        )  # fmt: skip
-        inputs.extra.clear()
-        _recover_device()
-
-
-def run_tp_bench(args: argparse.Namespace, reporter: Reporter, runtime: Runtime) -> None:
-    """(c) under --tp: TP=1 (the full head on each rank alone) and TP=world per rank, same global shape."""
-    chosen = selections(args)
-    device = runtime.device
-    shapes = SMALL_BENCH_SHAPES if args.small else ANCHOR_SHAPES
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    reporter.line(
-        f"== (c) TP bench: KD (student CE + forward KL, tied frozen teacher), per rank, TP=1 vs TP={runtime.world}; "
-        f"ms = max over ranks of each rank's median"
-    )
-    reporter.line(
-        f"{'shape':<21} {'backend':<7} {'TP':>3} {'ms':>8} {'floor':>6} {'peak MiB':>9} {'wkspc MiB':>9}  note"
-    )
-    rows: list[dict[str, Any]] = []
-    reporter.data["tp_bench"] = {"rows": rows, "world": runtime.world}
-    ranges = None
-    for shape in shapes:
-        ranges = column_ranges(shape.vocab, runtime.world)
-        for backend in chosen["backends"]:
-            per_tp: dict[int, float] = {}
-            for tp in (1, runtime.world):
-                columns = None if tp == 1 else ranges[runtime.rank]
-                label = f"tp bench {shape.name} {backend} TP={tp}"
-
-                def run(
-                    s: BenchShape = shape, c: tuple[int, int] | None = columns, b: str = backend, t: int = tp
-                ) -> Timing:
-                    inputs = make_bench_inputs(s, device, dtype, c, args.seed)
-                    try:
-                        return measure(orda_step(inputs, "KD", b, tp=t > 1), device, barrier=True)
-                    finally:
-                        del inputs
-
-                ok, timing = guarded(reporter, label, run)
-                dist.barrier()
-                values = [timing.ms, timing.peak_mib or 0.0, timing.workspace_mib or 0.0] if ok else [math.inf] * 3
-                ms, peak, workspace = _max_over_ranks(values, device)
-                floor = shape.floor_ms(4) / tp
-                note = ""
-                if tp > 1 and 1 in per_tp and math.isfinite(ms):
-                    ratio = ms / per_tp[1]
-                    note = f"TP{tp}/TP1 = {ratio:.3f} (target <= {TP_RATIO_TARGET})"
-                if not math.isfinite(ms):
-                    reporter.fail(f"{label}: failed on some rank")
-                    note = "FAILED on some rank"
-                else:
-                    per_tp[tp] = ms
-                reporter.line(
-                    f"{shape.name:<21} {backend:<7} {tp:>3} {ms:>8.2f} {floor:>6.1f} "
-                    f"{_fmt(peak if device.type == 'cuda' else None, '9.0f'):>9} "
-                    f"{_fmt(workspace if device.type == 'cuda' else None, '9.0f'):>9}  {note}".rstrip()
-                )
-                rows.append({"shape": shape.name, "backend": backend, "tp": tp, "ms": ms, "floor_ms": floor,
-                             "peak_above_inputs_mib": peak, "workspace_mib": workspace, "note": note})  # fmt: skip
-                _recover_device()
-        reporter.dump()
-
-
 # ------------------------------------------------------------------------------------------------ main
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels are generated lazily, after this
-    elif not torch.cuda.is_available():
-        raise SystemExit("--device cuda but no CUDA device is visible (use --device cpu --small to debug here)")
-    runtime = init_distributed(args) if args.tp else Runtime(0, 1, torch.device(args.device))
-    parts = ["tp"] if args.tp else ["single"]
-    parts += (["check"] if args.run_check else []) + (["bench"] if args.bench else [])
-    reporter = Reporter(Path(args.out), "gpu_check_" + "_".join(parts), runtime.rank)
-    reporter.data["env"] = environment(runtime.device)
-    reporter.data["args"] = vars(args)
-    reporter.line(f"orda_tp gpu_check: {json.dumps(_plain(reporter.data['env']))}")
-    started = time.perf_counter()
-    try:
-        if args.run_check:
-            if args.tp:
-                run_tp_checks(args, reporter, runtime)
-            else:
-                run_checks(args, reporter, runtime.device)
-        if args.bench:
-            if args.tp:
-                run_tp_bench(args, reporter, runtime)
-            else:
-                run_bench(args, reporter, runtime.device)
-    except Exception:  # noqa: BLE001 - an unexpected error in the harness itself still ends in a summary
-        reporter.line(traceback.format_exc(), every_rank=True)
-        reporter.fail("harness error (see the log)")
-    failures = len(reporter.failures)
-    if args.tp:
-        failures = int(_max_over_ranks([float(failures)], runtime.device)[0]) if dist.is_initialized() else failures
-    reporter.data["failures"] = reporter.failures
-    reporter.data["seconds"] = time.perf_counter() - started
-    reporter.dump()
-    for failure in reporter.failures[:30]:
-        reporter.line(f"FAIL {failure}"[:400])
-    if len(reporter.failures) > 30:
-        reporter.line(f"... {len(reporter.failures) - 30} more failures in {reporter.json_path}")
-    verdict = "PASS" if failures == 0 else f"FAIL ({failures} failures on the worst rank)"
-    reporter.line(f"== {verdict} in {time.perf_counter() - started:.1f} s; results in {reporter.json_path}")
-    if args.tp and dist.is_initialized():
-        dist.destroy_process_group()
-    return 0 if failures == 0 else 1
+
+    def body(reporter: Reporter, runtime: Runtime) -> None:
+        if args.tp:
+            run_tp_checks(args, reporter, runtime)
+        else:
+            run_checks(args, reporter, runtime.device)
+
+    return run_script(args, "gpu_check_" + ("tp" if args.tp else "single") + "_check", body)
 
 
 if __name__ == "__main__":

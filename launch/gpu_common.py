@@ -1,0 +1,272 @@
+"""What the GPU correctness checker (``gpu_check.py``) and the benchmark (``bench.py``) share: the
+command-line options both take, the run's output (printed, logged, one JSON document), guarded steps,
+the environment record and the tensor-parallel runtime (torchrun, NCCL on GPUs, gloo on the CPU).
+
+Import it before ``torch.distributed`` is set up: it turns NVLink multicast off for NCCL, PyTorch and
+NVSHMEM, and puts the repository root on ``sys.path`` so that ``orda_tp`` imports from a checkout.
+"""
+
+from __future__ import annotations
+
+import os
+
+# NVLink multicast stays off on the lent multi-GPU machines (it can take the host's GPUs down).
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# Run from a checkout without installing: the repository root holds `orda_tp`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Without a GPU, Triton's kernels run in its interpreter, which must be chosen before they are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import orda_tp  # noqa: E402
+from orda_tp import EntropyGate  # noqa: E402
+
+# Copied from tests/cases.py (launch/ does not import tests/).
+VARIANT_KWARGS: dict[str, dict[str, object]] = {
+    "forward": {},
+    "reverse": {},
+    "jeffreys": {},
+    "mutual": {},
+    "cojeffreys": {},
+    "alpha_divergence": {"kl_alpha": 0.3},
+    "skew_forward": {"kl_beta": 0.3},
+    "skew_reverse": {"kl_beta": 0.7},
+    "skew_js": {"kl_beta": 0.4},
+    "entropy_adaptive": {"entropy_gate": EntropyGate(alpha_min=0.1, alpha_max=0.9, tau=0.5, scale=0.3)},
+    "renyi": {"kl_alpha": 1.5},
+    "renyi_reverse": {"kl_alpha": 0.6},
+    "dkd": {"kl_alpha": 2.0, "kl_beta": 0.5},
+    "abkd": {"kl_alpha": 0.7, "kl_beta": 1.3},
+    "triangular": {},
+}
+IGNORE_INDEX = -100
+IGNORE_EVERY = 7  # 1 row in 7 is ignored
+
+
+def add_common_args(parser: argparse.ArgumentParser, default_out: str) -> None:
+    """The options both scripts take: device, tiny shapes, TP under torchrun, seed, output folder."""
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="tiny shapes, for the CPU")
+    parser.add_argument("--tp", action="store_true", help="tensor parallel (launch with torchrun)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--collective-timeout", type=float, default=180.0, help="seconds per collective (--tp)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or default_out, help="results directory")
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def plain(value: Any) -> Any:
+    """JSON-safe: non-finite floats as strings, tuples as lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` in ``spec``, or "-" when there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+class Reporter:
+    """Prints on rank 0, keeps a log file per rank and one JSON document (rank 0)."""
+
+    def __init__(self, out_dir: Path, stem: str, rank: int) -> None:
+        self.rank = rank
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        suffix = "" if rank == 0 else f"_rank{rank}"
+        self.log_path = out_dir / f"{stem}{suffix}.log"
+        self.json_path = out_dir / f"{stem}.json"
+        self.log_path.write_text("")
+        self.data: dict[str, Any] = {}
+        self.failures: list[str] = []
+
+    def line(self, text: str = "", *, every_rank: bool = False) -> None:
+        if self.rank == 0 or every_rank:
+            prefix = "" if self.rank == 0 else f"[rank {self.rank}] "
+            print(prefix + text, flush=True)
+        with self.log_path.open("a") as log:
+            log.write(text + "\n")
+
+    def log_only(self, text: str) -> None:
+        with self.log_path.open("a") as log:
+            log.write(text + "\n")
+
+    def fail(self, label: str) -> None:
+        self.failures.append(label)
+
+    def dump(self) -> None:
+        if self.rank == 0:
+            self.json_path.write_text(json.dumps(plain(self.data), indent=1))
+
+
+def guarded(reporter: Reporter, label: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, fn())``, or ``(False, message)`` after printing the error (traceback to the log)."""
+    try:
+        return True, fn()
+    except Exception as error:  # noqa: BLE001 - every failure is reported and counted, then the script goes on
+        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        reporter.line(f"  ERROR {label}: {message}", every_rank=True)
+        reporter.log_only(traceback.format_exc())
+        recover_device()
+        return False, message
+
+
+def recover_device() -> None:
+    """Free what a step left behind (after an error, an out-of-memory error too)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - a sticky CUDA error shows up again in the next step
+            pass
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions, the device and the git commit of the checkout, for the JSON record."""
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "orda_tp": orda_tp.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpus=torch.cuda.device_count())
+        info["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+    try:
+        root = Path(__file__).resolve().parents[1]
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        info["git"] = commit.stdout.strip() or None
+    except OSError:
+        info["git"] = None
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ TP runtime
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world: int
+    device: torch.device
+
+
+def init_distributed(args: argparse.Namespace) -> Runtime:
+    """The process group of a torchrun launch: NCCL with one GPU per rank, or gloo on the CPU."""
+    if "RANK" not in os.environ:
+        script = Path(sys.argv[0]).name
+        raise SystemExit(f"--tp runs under torchrun: torchrun --standalone --nproc-per-node 2 launch/{script} --tp")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = timedelta(seconds=args.collective_timeout)
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
+        dist.init_process_group("gloo", timeout=timeout)
+    return Runtime(dist.get_rank(), dist.get_world_size(), device)
+
+
+def column_ranges(columns: int, world: int) -> list[tuple[int, int]]:
+    """Every rank's head rows in torch.chunk order (uneven when ``columns`` is not a multiple)."""
+    sizes = [len(part) for part in torch.arange(columns).chunk(world)]
+    if len(sizes) != world:
+        raise ValueError(f"{columns} columns do not make {world} torch.chunk shards")
+    starts = [sum(sizes[:i]) for i in range(world)]
+    return [(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum over the ranks (infinities survive the round trip)."""
+    finite = [v if math.isfinite(v) else 1e300 for v in values]
+    tensor = torch.tensor(finite, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [math.inf if v >= 1e300 else v for v in tensor.tolist()]
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def run_script(args: argparse.Namespace, stem: str, body: Callable[[Reporter, Runtime], None]) -> int:
+    """Set up the device (and the process group under ``--tp``), run ``body``, print the summary.
+
+    Returns the exit status: 1 when ``body`` recorded a failure on any rank, else 0."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA device is visible (use --device cpu --small to debug here)")
+    runtime = init_distributed(args) if args.tp else Runtime(0, 1, torch.device(args.device))
+    reporter = Reporter(Path(args.out), stem, runtime.rank)
+    reporter.data["env"] = environment(runtime.device)
+    reporter.data["args"] = vars(args)
+    reporter.line(f"orda_tp {Path(sys.argv[0]).stem}: {json.dumps(plain(reporter.data['env']))}")
+    started = time.perf_counter()
+    try:
+        body(reporter, runtime)
+    except Exception:  # noqa: BLE001 - an unexpected error in the harness itself still ends in a summary
+        reporter.line(traceback.format_exc(), every_rank=True)
+        reporter.fail("harness error (see the log)")
+    return _summarize(args, reporter, runtime, started)
+
+
+def _summarize(args: argparse.Namespace, reporter: Reporter, runtime: Runtime, started: float) -> int:
+    """The failures (the first 30), the verdict and the JSON record; ends the process group."""
+    failures = len(reporter.failures)
+    if args.tp and dist.is_initialized():
+        failures = int(max_over_ranks([float(failures)], runtime.device)[0])
+    reporter.data["failures"] = reporter.failures
+    reporter.data["seconds"] = time.perf_counter() - started
+    reporter.dump()
+    for failure in reporter.failures[:30]:
+        reporter.line(f"FAIL {failure}"[:400])
+    if len(reporter.failures) > 30:
+        reporter.line(f"... {len(reporter.failures) - 30} more failures in {reporter.json_path}")
+    verdict = "PASS" if failures == 0 else f"FAIL ({failures} failures on the worst rank)"
+    reporter.line(f"== {verdict} in {time.perf_counter() - started:.1f} s; results in {reporter.json_path}")
+    if args.tp and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0 if failures == 0 else 1
