@@ -25,15 +25,20 @@ def _require_flags(owner: object, *names: str) -> None:
             raise TypeError(f"{type(owner).__name__}.{name} must be a bool, got {value!r}")
 
 
+DEFAULT_CHUNK_ROWS = 256
+FAST_CHUNK_ROWS = 1024
+CHUNKS_PER_GROUP = 3
+GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
+
+
 @dataclass(frozen=True)
 class ChunkSize:
     """How many rows (tokens) one chunk of the loss processes at a time.
 
-    - ``nrows``: a fixed row count per chunk (``None``: derived from the workspace budget).
-    - ``dynamic``: when True, ``nrows`` is an upper bound that is lowered so that one chunk's
-      fp32 logits fit their share of ``KernelConfig.workspace_mib``; when False a given ``nrows``
-      is used as is.
-    - ``fast``: trade memory for speed: four times the workspace budget.
+    - ``nrows``: a fixed row count per chunk (``None``: 256, or 1024 with ``fast``).
+    - ``dynamic``: when True, the row count is lowered where one chunk's workspace would exceed
+      ``KernelConfig.workspace_mib``; when False a given ``nrows`` is used as is.
+    - ``fast``: trade memory for speed: four times the rows (fewer, larger GEMMs and launches).
     """
 
     nrows: int | None = None
@@ -49,9 +54,6 @@ class ChunkSize:
             )
 
 
-GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
-
-
 @dataclass(frozen=True)
 class RowLayout:
     """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
@@ -61,22 +63,19 @@ class RowLayout:
     group_rows: int
 
 
-def _power_of_two_floor(value: int) -> int:
-    return 1 << (max(value, 1).bit_length() - 1)
-
-
 @dataclass(frozen=True)
 class KernelConfig:
     """Execution knobs of the chunked backends.
 
-    - ``chunk_size``: rows per chunk (see :class:`ChunkSize`).
+    - ``chunk_size``: rows per chunk (see :class:`ChunkSize`). A chunk keeps its fp32 logits
+      (student and teacher); when a gradient is formed, the logit gradients of 3 chunks are staged
+      for one pair of gradient GEMMs. Workspace per local vocabulary column: ``rows × (8 + 3 × 2)``
+      bytes for bf16 inputs (3.5 KiB at 256 rows: 438 MiB at V = 128256), fp32 staging 4 bytes.
+      Rows per chunk never depend on the number of rows of a call.
     - ``vocab_block``: columns per statistics block of the torch backend; the records of the blocks
       are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
       columns themselves).
-    - ``workspace_mib``: the chunk workspace budget in MiB. A third holds one chunk's fp32 logits
-      (student and teacher), two thirds stage the logit gradients of a group of chunks for the
-      gradient GEMMs. Rows per chunk and per group are powers of two (times each other) derived
-      from the budget and the local vocabulary only, never from the number of rows of a call.
+    - ``workspace_mib``: an optional cap on that workspace, in MiB (rows are lowered to fit it).
     - ``grad_weight_accumulation``: the dtype in which a head weight's gradient is summed over
       row groups: ``"fp32"`` (an fp32 buffer of the weight's size), ``"compute"`` (the weight's
       own dtype: no extra memory, one rounding per group), ``"auto"`` (``"compute"`` for bf16
@@ -93,7 +92,7 @@ class KernelConfig:
 
     chunk_size: ChunkSize = field(default_factory=ChunkSize)
     vocab_block: int = 8192
-    workspace_mib: int = 384
+    workspace_mib: int | None = None
     grad_weight_accumulation: str = "auto"
     assume_valid_labels: bool = False
     host_checks: bool | None = None
@@ -114,9 +113,12 @@ class KernelConfig:
         )
         for name in ("vocab_block", "workspace_mib"):
             value = getattr(self, name)
+            if name == "workspace_mib" and value is None:
+                continue
             _require(
                 isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f"KernelConfig.{name} must be a positive int, got {value!r}",
+                f"KernelConfig.{name} must be a positive int{' or None' if name == 'workspace_mib' else ''}, "
+                f"got {value!r}",
             )
 
     def runs_host_checks(self, on_cpu: bool) -> bool:
@@ -129,21 +131,15 @@ class KernelConfig:
         ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
         ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed).
         """
-        budget = self.workspace_mib * (1 << 20) * (4 if self.chunk_size.fast else 1)
-        columns = max(local_vocab, 1)
-        from_budget = _power_of_two_floor(budget // 3 // (columns * max(logit_bytes, 1)))
-        requested = self.chunk_size.nrows
-        if requested is None:
-            rows = from_budget
-        elif self.chunk_size.dynamic:
-            rows = min(requested, from_budget)
-        else:
-            rows = requested
+        size = self.chunk_size
+        rows = size.nrows if size.nrows is not None else (FAST_CHUNK_ROWS if size.fast else DEFAULT_CHUNK_ROWS)
+        if size.dynamic and self.workspace_mib is not None:
+            per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
+            fitting = self.workspace_mib * (1 << 20) // per_row
+            rows = min(rows, max(1, fitting - fitting % 16 if fitting >= 16 else fitting))
         rows = max(1, min(rows, max(total_rows, 1)))
-        chunks_per_group = 1
-        if staged_bytes > 0:
-            chunks_per_group = _power_of_two_floor(budget * 2 // 3 // (columns * staged_bytes * rows))
-        return RowLayout(chunk_rows=rows, group_rows=rows * max(1, min(chunks_per_group, -(-total_rows // rows))))
+        chunks = min(CHUNKS_PER_GROUP, -(-total_rows // rows)) if staged_bytes > 0 else 1
+        return RowLayout(chunk_rows=rows, group_rows=rows * max(1, chunks))
 
 
 PROFILES: dict[str, KernelConfig] = {

@@ -554,16 +554,20 @@ def test_auto_backend_on_cpu_is_the_chunked_backend_and_triton_is_unavailable() 
 
 
 @pytest.mark.parametrize("vocab", [32000, 128256, 256000])
-def test_workspace_is_bounded_by_the_config(vocab: int) -> None:
+def test_rows_per_chunk_depend_on_the_config_not_on_the_batch(vocab: int) -> None:
     config = orda_tp.KernelConfig()
-    budget = config.workspace_mib * (1 << 20)
     layout = config.row_layout(total_rows=1 << 20, local_vocab=vocab, logit_bytes=8, staged_bytes=2)
-    assert layout.chunk_rows * vocab * 8 <= budget // 3 < 2 * layout.chunk_rows * vocab * 8
-    assert layout.group_rows % layout.chunk_rows == 0
-    assert layout.group_rows * vocab * 2 <= 2 * budget // 3
-    # Sized from the vocabulary alone: any longer batch walks the same chunks and groups.
+    assert (layout.chunk_rows, layout.group_rows) == (256, 768)
+    # Any longer batch walks the same chunks and groups; a short one, one chunk.
     assert config.row_layout(1 << 22, vocab, 8, 2) == layout
-    fixed = orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3, dynamic=False))
+    assert config.row_layout(100, vocab, 8, 2) == orda_tp.config.RowLayout(100, 100)
+    fast = orda_tp.PROFILES["fast"].row_layout(1 << 20, vocab, 8, 2)
+    assert (fast.chunk_rows, fast.group_rows) == (1024, 3072)
+    # A workspace cap lowers the rows so that logits and staged gradients fit it.
+    capped = orda_tp.KernelConfig(workspace_mib=64).row_layout(1 << 20, vocab, 8, 2)
+    assert capped.chunk_rows * vocab * (8 + 3 * 2) <= 64 << 20
+    assert capped.group_rows == 3 * capped.chunk_rows
+    fixed = orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3, dynamic=False), workspace_mib=1)
     assert fixed.row_layout(100, 10**6, 8, 0).chunk_rows == 3
 
 

@@ -145,17 +145,18 @@ def _walk_rows(
                 starts = [(head.vocab_start + start, s, t) for start, _, s, t in blocks]
                 stats = chunk_row_stats(plan, starts, chunk.labels, problem.exchange, problem.math, like)
             walked.append(stats)
-            if staging is None or active is None or gradients is None:
-                continue
-            scale = _row_scale(problem, gradients[1], chunk, stats)
-            active[begin - group_begin : chunk.end - group_begin] = scale != 0
-            for start, stop, student, teacher in blocks:
-                problem.math.stage_logit_grads(
-                    plan, stats, student, teacher, chunk.labels, head.vocab_start + start, scale,
-                    staging.rows_of(chunk.begin, chunk.end, start, stop),
-                )  # fmt: skip
+            if staging is not None and active is not None and gradients is not None:
+                scale = _row_scale(problem, gradients[1], chunk, stats)
+                active[begin - group_begin : chunk.end - group_begin] = scale != 0
+                for start, stop, student, teacher in blocks:
+                    problem.math.stage_logit_grads(
+                        plan, stats, student, teacher, chunk.labels, head.vocab_start + start, scale,
+                        staging.rows_of(chunk.begin, chunk.end, start, stop),
+                    )  # fmt: skip
+            del blocks  # this chunk's logits go before the next chunk's are formed
         if staging is not None and active is not None and gradients is not None:
             run_gradient_gemms(head, staging, active, gradients[0], problem.gemms)
+        del staging, active  # likewise the group's staged gradients
     return walked
 
 
@@ -242,9 +243,8 @@ def _input_gradients(
     if buffers is not None:
         ctx.eager_buffers = None
         grads = buffers.as_list()
-        for grad in grads:
-            if grad is not None:
-                grad.mul_(grad_loss)  # in place: the buffers become the returned gradients
+        # In place (the buffers become the returned gradients), reading the scale on the device.
+        torch._foreach_mul_([grad for grad in grads if grad is not None], grad_loss)
     else:
         if ctx.gathered_hidden is not None:
             full = (ctx.gathered_hidden[0], inputs[1], ctx.gathered_hidden[1], *inputs[3:])

@@ -16,10 +16,11 @@ import triton
 from torch import Tensor
 
 from ..divergences import Divergence, DivergenceParams
-from ..statistics import LogitFamily, PartitionRecord, merge_stacked_partition_records
+from ..statistics import LogitFamily, PartitionRecord
 from .codegen import compile_exprs, row_names
 from .templates import (
     GRADS_TEMPLATE,
+    MERGE_TEMPLATE,
     PARTITION_INIT,
     PARTITION_STORE,
     PARTITION_TEMPLATE,
@@ -27,23 +28,19 @@ from .templates import (
     SUMS_TEMPLATE,
     load_kernel_module,
 )
+from .tiles import grid, tiles_for
 
 __all__ = ["partition_record", "variant_sums", "logit_grads", "GradTerms"]
 
-BLOCK_R = 16
-BLOCK_C = 128
+MERGE_BLOCK_R = 128
 
 
 def _indent(lines: Sequence[str], depth: int) -> str:
     return "\n".join(" " * depth + line for line in lines)
 
 
-def _grid(rows: int, cols: int) -> tuple[tuple[int, int], int]:
-    """Row tiles × column splits, and the columns of one split (a multiple of BLOCK_C)."""
-    row_tiles = triton.cdiv(max(rows, 1), BLOCK_R)
-    wanted_splits = max(1, min(triton.cdiv(cols, BLOCK_C), triton.cdiv(256, row_tiles)))
-    per_split = triton.cdiv(triton.cdiv(cols, wanted_splits), BLOCK_C) * BLOCK_C
-    return (row_tiles, triton.cdiv(max(cols, 1), per_split)), per_split
+def _packed(source: str, families: int) -> str:
+    return source.replace("WIDTH", str(2 * families + 3)).replace("FAMILIES", str(families))
 
 
 @cache
@@ -57,8 +54,12 @@ def _partition_module(sides: tuple[str, ...]) -> ModuleType:
         ),
         store="\n".join(PARTITION_STORE.format(f=f) for f in range(families)),
     )
-    width = 2 * families + 3
-    return load_kernel_module(source.replace("WIDTH", str(width)).replace("FAMILIES", str(families)))
+    return load_kernel_module(_packed(source, families))
+
+
+@cache
+def _merge_module(families: int) -> ModuleType:
+    return load_kernel_module(_packed(MERGE_TEMPLATE, families))
 
 
 def partition_record(
@@ -71,16 +72,17 @@ def partition_record(
         from ..statistics import block_partition_record
 
         return block_partition_record(student, teacher, labels, col_start, families)
-    module = _partition_module(tuple(f.side for f in families))
-    grid, per_split = _grid(rows, cols)
-    out = torch.empty(grid[1], rows, 2 * count + 3, dtype=torch.float32, device=student.device)
+    tiles = tiles_for("partition", cols)
+    launch, per_split = grid(tiles, rows, cols)
+    width = 2 * count + 3
+    partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
     has_teacher = teacher is not None
     other = teacher if has_teacher else student
-    module.kernel[grid](
+    _partition_module(tuple(f.side for f in families)).kernel[launch](
         student,
         other,
         labels,
-        out,
+        partial,
         rows,
         cols,
         student.stride(0),
@@ -89,10 +91,17 @@ def partition_record(
         per_split,
         *[1.0 / f.temperature for f in families],
         HAS_T=has_teacher,
-        BLOCK_R=BLOCK_R,
-        BLOCK_C=BLOCK_C,
+        BLOCK_R=tiles.block_r,
+        BLOCK_C=tiles.block_c,
+        num_warps=tiles.num_warps,
     )
-    return merge_stacked_partition_records(out, count)
+    if launch[1] == 1:
+        return PartitionRecord.unpack(partial[0], count)
+    merged = torch.empty(rows, width, dtype=torch.float32, device=student.device)
+    _merge_module(count).kernel[(triton.cdiv(max(rows, 1), MERGE_BLOCK_R),)](
+        partial, merged, rows, launch[1], BLOCK_R=MERGE_BLOCK_R
+    )
+    return PartitionRecord.unpack(merged, count)
 
 
 @cache
@@ -101,12 +110,10 @@ def _sums_module(divergence: Divergence, params: DivergenceParams) -> ModuleType
     lines, results = compile_exprs(exprs, "v")
     count = len(exprs)
     source = SUMS_TEMPLATE.format(
-        init=_indent([f"acc{k} = tl.zeros([BLOCK_R], dtype=tl.float32)" for k in range(count)], 4),
+        init=_indent([f"acc{k} = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)" for k in range(count)], 4),
         body=_indent(lines, 8),
-        accumulate=_indent(
-            [f"acc{k} += tl.sum(tl.where(ok, {r} + tl.zeros_like(p), 0.0), axis=1)" for k, r in enumerate(results)], 8
-        ),
-        store=_indent([f"tl.store(base + {k}, acc{k}, mask=row_ok)" for k in range(count)], 4),
+        accumulate=_indent([f"acc{k} += tl.where(ok, {r} + tl.zeros_like(p), 0.0)" for k, r in enumerate(results)], 8),
+        store=_indent([f"tl.store(base + {k}, tl.sum(acc{k}, axis=1), mask=row_ok)" for k in range(count)], 4),
     )
     return load_kernel_module(source.replace("NUM_SUMS", str(count)))
 
@@ -122,31 +129,35 @@ def variant_sums(
     lse_v: Tensor,
     temperatures: tuple[float, float],
 ) -> Tensor:
-    """(rows, num_sums) round-2 sums of a block (see ``Divergence.block_sums``)."""
+    """(rows, num_sums) round-2 sums of a block (see ``Divergence.block_sums``); ``lse_u``,
+    ``lse_v``: fp32 (rows,), any stride."""
     rows, cols = student.shape
-    module = _sums_module(divergence, params)
-    grid, per_split = _grid(rows, cols)
-    out = torch.empty(grid[1], rows, divergence.num_sums, dtype=torch.float32, device=student.device)
-    lse = torch.stack([lse_u, lse_v], dim=1).float().contiguous()
-    module.kernel[grid](
+    tiles = tiles_for("sums", cols)
+    launch, per_split = grid(tiles, rows, cols)
+    out = torch.empty(launch[1], rows, divergence.num_sums, dtype=torch.float32, device=student.device)
+    _sums_module(divergence, params).kernel[launch](
         student,
         teacher,
         labels,
-        lse,
+        lse_u,
+        lse_v,
         out,
         rows,
         cols,
         student.stride(0),
         teacher.stride(0),
+        lse_u.stride(0),
+        lse_v.stride(0),
         col_start,
         per_split,
         1.0 / temperatures[0],
         1.0 / temperatures[1],
         HAS_T=True,
-        BLOCK_R=BLOCK_R,
-        BLOCK_C=BLOCK_C,
+        BLOCK_R=tiles.block_r,
+        BLOCK_C=tiles.block_c,
+        num_warps=tiles.num_warps,
     )
-    return out.sum(dim=0)
+    return out[0] if launch[1] == 1 else out.sum(dim=0)
 
 
 class GradTerms:
@@ -231,9 +242,10 @@ def logit_grads(
     assert (grad_t is not None) == trains_teacher
     has_teacher = teacher is not None
     other = teacher if has_teacher else student
-    grid, per_split = _grid(rows, cols)
+    tiles = tiles_for("grads", cols)
+    launch, per_split = grid(tiles, rows, cols)
     out_t = grad_t if grad_t is not None else grad_s
-    module.kernel[grid](
+    module.kernel[launch](
         student,
         other,
         labels,
@@ -251,6 +263,7 @@ def logit_grads(
         1.0 / temperatures[0],
         1.0 / temperatures[1],
         HAS_T=has_teacher,
-        BLOCK_R=BLOCK_R,
-        BLOCK_C=BLOCK_C,
+        BLOCK_R=tiles.block_r,
+        BLOCK_C=tiles.block_c,
+        num_warps=tiles.num_warps,
     )
