@@ -225,6 +225,9 @@ def _resolve_keywords(keywords: dict[str, object]) -> tuple[LossOptions, Paralle
     return resolve_options(**keywords), resolve_parallel_options(**parallel)  # type: ignore[arg-type]
 
 
+# Inside torch.compile'd code the call runs eagerly behind one graph break (its keyword handling
+# reads ``locals()``, which a traced frame does not keep as written).
+@torch.compiler.disable
 def distillation_loss(
     student_hidden: Tensor,
     weight: Tensor,

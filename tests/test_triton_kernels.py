@@ -100,3 +100,17 @@ def test_triton_backend_on_two_gloo_ranks() -> None:
     reports = run_distributed(2, triton_workers.triton_tp_worker, variants, timeout=300)
     problems = [problem for report in reports for problem in report]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_in_place_scaling_kernel(dtype: torch.dtype) -> None:
+    from orda_tp.kernels.ops import SCALE_BLOCK, scale_in_place
+
+    values = torch.randn(SCALE_BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    matrix = torch.randn(5, 7, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = [(t.float() * 0.375).to(dtype) for t in (values, matrix)]
+    scale_in_place([values, matrix], torch.tensor(0.375))
+    # The interpreter's fp32 -> bf16 conversion may round differently: within one bf16 step there.
+    rtol = 2.0**-7 if dtype == torch.bfloat16 and not torch.cuda.is_available() else 0.0
+    for actual, wanted in zip((values, matrix), expected):
+        torch.testing.assert_close(actual, wanted, rtol=rtol, atol=0.0)

@@ -106,6 +106,35 @@ def _row_scale(problem: ChunkedProblem, upstream: Tensor, chunk: RowChunk, stats
     return torch.where(problem.valid[chunk.begin : chunk.end], scale, 0.0)
 
 
+def _walk_chunk(
+    problem: ChunkedProblem,
+    head: HeadTensors,
+    chunk: RowChunk,
+    saved: RowStats | None,
+    staged: tuple[GradientStaging, Tensor, Tensor] | None,
+    like: Tensor,
+) -> RowStats:
+    """One chunk: its logits, its statistics (computed, or ``saved``), and with ``staged =
+    (staging, active rows of the group, upstream)`` its logit gradients staged. The logits live
+    only as long as this call."""
+    plan = problem.plan
+    blocks = _chunk_blocks(problem, head, chunk)
+    stats = saved
+    if stats is None:
+        starts = [(head.vocab_start + start, s, t) for start, _, s, t in blocks]
+        stats = chunk_row_stats(plan, starts, chunk.labels, problem.exchange, problem.math, like)
+    if staged is not None:
+        staging, active, upstream = staged
+        scale = _row_scale(problem, upstream, chunk, stats)
+        active[chunk.begin - staging.begin : chunk.end - staging.begin] = scale != 0
+        for start, stop, student, teacher in blocks:
+            problem.math.stage_logit_grads(
+                plan, stats, student, teacher, chunk.labels, head.vocab_start + start, scale,
+                staging.rows_of(chunk.begin, chunk.end, start, stop),
+            )  # fmt: skip
+    return stats
+
+
 def _walk_rows(
     problem: ChunkedProblem,
     head: HeadTensors,
@@ -126,37 +155,24 @@ def _walk_rows(
     walked: list[RowStats] = []
     for group_begin in range(0, total, layout.group_rows):
         group_end = min(total, group_begin + layout.group_rows)
-        staging, active = None, None
-        if gradients is not None:
-            assert staging_dtype is not None
-            staging = GradientStaging.allocate(
-                group_begin, group_end - group_begin, head.columns, staging_dtype, device, plan.teacher_receives_grad
+        staged = None
+        if gradients is not None and staging_dtype is not None:
+            rows = group_end - group_begin
+            staged = (
+                GradientStaging.allocate(
+                    group_begin, rows, head.columns, staging_dtype, device, plan.teacher_receives_grad
+                ),
+                torch.empty(rows, dtype=torch.bool, device=device),
+                gradients[1],
             )
-            active = torch.empty(group_end - group_begin, dtype=torch.bool, device=device)
         for begin in range(group_begin, group_end, layout.chunk_rows):
-            chunk = RowChunk.slice(
-                head, begin, min(group_end, begin + layout.chunk_rows), problem.labels, statistics,
-                plan.needs_teacher_logits,
-            )  # fmt: skip
-            blocks = _chunk_blocks(problem, head, chunk)
-            if saved_stats is not None:
-                stats = next(saved_stats)
-            else:
-                starts = [(head.vocab_start + start, s, t) for start, _, s, t in blocks]
-                stats = chunk_row_stats(plan, starts, chunk.labels, problem.exchange, problem.math, like)
-            walked.append(stats)
-            if staging is not None and active is not None and gradients is not None:
-                scale = _row_scale(problem, gradients[1], chunk, stats)
-                active[begin - group_begin : chunk.end - group_begin] = scale != 0
-                for start, stop, student, teacher in blocks:
-                    problem.math.stage_logit_grads(
-                        plan, stats, student, teacher, chunk.labels, head.vocab_start + start, scale,
-                        staging.rows_of(chunk.begin, chunk.end, start, stop),
-                    )  # fmt: skip
-            del blocks  # this chunk's logits go before the next chunk's are formed
-        if staging is not None and active is not None and gradients is not None:
-            run_gradient_gemms(head, staging, active, gradients[0], problem.gemms)
-        del staging, active  # likewise the group's staged gradients
+            end = min(group_end, begin + layout.chunk_rows)
+            chunk = RowChunk.slice(head, begin, end, problem.labels, statistics, plan.needs_teacher_logits)
+            saved_chunk = next(saved_stats) if saved_stats is not None else None
+            walked.append(_walk_chunk(problem, head, chunk, saved_chunk, staged, like))
+        if staged is not None and gradients is not None:
+            run_gradient_gemms(head, staged[0], staged[1], gradients[0], problem.gemms)
+        del staged  # the group's staged gradients go before the next group's are allocated
     return walked
 
 
@@ -243,8 +259,7 @@ def _input_gradients(
     if buffers is not None:
         ctx.eager_buffers = None
         grads = buffers.as_list()
-        # In place (the buffers become the returned gradients), reading the scale on the device.
-        torch._foreach_mul_([grad for grad in grads if grad is not None], grad_loss)
+        _scale_in_place([grad for grad in grads if grad is not None], grad_loss)
     else:
         if ctx.gathered_hidden is not None:
             full = (ctx.gathered_hidden[0], inputs[1], ctx.gathered_hidden[1], *inputs[3:])
@@ -259,6 +274,17 @@ def _input_gradients(
     for slot, grad in zip(hidden_slots, reduced):
         grads[slot] = grad
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs[:4]))
+
+
+def _scale_in_place(tensors: list[Tensor], scale: Tensor) -> None:
+    """``t *= scale`` in place (the buffers become the returned gradients), ``scale`` never read
+    on the host; on CUDA one Triton launch per tensor reading the scale on the device."""
+    if tensors and tensors[0].is_cuda and all(t.is_contiguous() for t in tensors):
+        from ..kernels.ops import scale_in_place
+
+        scale_in_place(tensors, scale)
+    else:
+        torch._foreach_mul_(tensors, scale)
 
 
 def chunked_loss(

@@ -25,14 +25,16 @@ from .templates import (
     PARTITION_STORE,
     PARTITION_TEMPLATE,
     PARTITION_UPDATE,
+    SCALE_TEMPLATE,
     SUMS_TEMPLATE,
     load_kernel_module,
 )
 from .tiles import grid, tiles_for
 
-__all__ = ["partition_record", "variant_sums", "logit_grads", "GradTerms"]
+__all__ = ["partition_record", "variant_sums", "logit_grads", "GradTerms", "scale_in_place"]
 
 MERGE_BLOCK_R = 128
+SCALE_BLOCK = 4096
 
 
 def _indent(lines: Sequence[str], depth: int) -> str:
@@ -267,3 +269,13 @@ def logit_grads(
         BLOCK_C=tiles.block_c,
         num_warps=tiles.num_warps,
     )
+
+
+def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:
+    """``t *= scale`` for contiguous CUDA tensors, ``scale`` a 0-d fp32 tensor read on the device."""
+    module = load_kernel_module(SCALE_TEMPLATE)
+    factor = scale.float().reshape(1)
+    for tensor in tensors:
+        count = tensor.numel()
+        if count:
+            module.kernel[(triton.cdiv(count, SCALE_BLOCK),)](tensor, factor, count, BLOCK=SCALE_BLOCK)
