@@ -25,8 +25,9 @@ def _require_flags(owner: object, *names: str) -> None:
             raise TypeError(f"{type(owner).__name__}.{name} must be a bool, got {value!r}")
 
 
-DEFAULT_CHUNK_ROWS = 256
-FAST_CHUNK_ROWS = 1024
+MIN_CHUNK_ROWS = 256
+DEFAULT_WORKSPACE_MIB = 448
+FAST_FACTOR = 4
 CHUNKS_PER_GROUP = 3
 GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
 
@@ -35,10 +36,12 @@ GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
 class ChunkSize:
     """How many rows (tokens) one chunk of the loss processes at a time.
 
-    - ``nrows``: a fixed row count per chunk (``None``: 256, or 1024 with ``fast``).
-    - ``dynamic``: when True, the row count is lowered where one chunk's workspace would exceed
-      ``KernelConfig.workspace_mib``; when False a given ``nrows`` is used as is.
-    - ``fast``: trade memory for speed: four times the rows (fewer, larger GEMMs and launches).
+    - ``nrows``: a fixed row count per chunk (``None``: from the workspace, see
+      :class:`KernelConfig`).
+    - ``dynamic``: when True, a given ``nrows`` is lowered where one chunk's workspace would exceed
+      an explicit ``KernelConfig.workspace_mib``; when False it is used as is.
+    - ``fast``: trade memory for speed: four times the workspace and the minimum rows (fewer,
+      larger GEMMs and launches).
     """
 
     nrows: int | None = None
@@ -69,13 +72,16 @@ class KernelConfig:
 
     - ``chunk_size``: rows per chunk (see :class:`ChunkSize`). A chunk keeps its fp32 logits
       (student and teacher); when a gradient is formed, the logit gradients of 3 chunks are staged
-      for one pair of gradient GEMMs. Workspace per local vocabulary column: ``rows × (8 + 3 × 2)``
-      bytes for bf16 inputs (3.5 KiB at 256 rows: 438 MiB at V = 128256), fp32 staging 4 bytes.
-      Rows per chunk never depend on the number of rows of a call.
+      for one pair of gradient GEMMs. Workspace per row and local vocabulary column: 8 + 3 × 2
+      bytes for bf16 inputs (fp32 staging: 4 bytes), e.g. 438 MiB for 256 rows at V = 128256.
+      Rows per chunk depend on the vocabulary and the dtypes, never on the number of rows of a
+      call (no re-tuning or recompiling for a new sequence length).
     - ``vocab_block``: columns per statistics block of the torch backend; the records of the blocks
       are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
       columns themselves).
-    - ``workspace_mib``: an optional cap on that workspace, in MiB (rows are lowered to fit it).
+    - ``workspace_mib``: ``None`` (default): as many rows (a multiple of 64) as fit 448 MiB, and
+      at least 256, below which launches cost more than memory saves (so 438 MiB at V = 128256,
+      875 MiB at V = 256000, 1024 rows at V = 32768); an int: a hard cap, in MiB.
     - ``grad_weight_accumulation``: the dtype in which a head weight's gradient is summed over
       row groups: ``"fp32"`` (an fp32 buffer of the weight's size), ``"compute"`` (the weight's
       own dtype: no extra memory, one rounding per group), ``"auto"`` (``"compute"`` for bf16
@@ -132,11 +138,17 @@ class KernelConfig:
         ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed).
         """
         size = self.chunk_size
-        rows = size.nrows if size.nrows is not None else (FAST_CHUNK_ROWS if size.fast else DEFAULT_CHUNK_ROWS)
-        if size.dynamic and self.workspace_mib is not None:
-            per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
-            fitting = self.workspace_mib * (1 << 20) // per_row
-            rows = min(rows, max(1, fitting - fitting % 16 if fitting >= 16 else fitting))
+        factor = FAST_FACTOR if size.fast else 1
+        per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
+        if self.workspace_mib is None:
+            fitting = DEFAULT_WORKSPACE_MIB * factor * (1 << 20) // per_row
+            rows = max(MIN_CHUNK_ROWS * factor, fitting - fitting % 64)
+            if size.nrows is not None:
+                rows = size.nrows
+        else:
+            fitting = self.workspace_mib * factor * (1 << 20) // per_row
+            fitting = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
+            rows = fitting if size.nrows is None else (min(size.nrows, fitting) if size.dynamic else size.nrows)
         rows = max(1, min(rows, max(total_rows, 1)))
         chunks = min(CHUNKS_PER_GROUP, -(-total_rows // rows)) if staged_bytes > 0 else 1
         return RowLayout(chunk_rows=rows, group_rows=rows * max(1, chunks))

@@ -553,17 +553,17 @@ def test_auto_backend_on_cpu_is_the_chunked_backend_and_triton_is_unavailable() 
         orda_tp.distillation_loss(p.student_hidden, p.weight, p.labels, teacher, backend="triton")
 
 
-@pytest.mark.parametrize("vocab", [32000, 128256, 256000])
-def test_rows_per_chunk_depend_on_the_config_not_on_the_batch(vocab: int) -> None:
+@pytest.mark.parametrize(("vocab", "rows"), [(32768, 1024), (65536, 512), (128256, 256), (256000, 256)])
+def test_rows_per_chunk_depend_on_the_vocabulary_not_on_the_batch(vocab: int, rows: int) -> None:
     config = orda_tp.KernelConfig()
     layout = config.row_layout(total_rows=1 << 20, local_vocab=vocab, logit_bytes=8, staged_bytes=2)
-    assert (layout.chunk_rows, layout.group_rows) == (256, 768)
+    assert (layout.chunk_rows, layout.group_rows) == (rows, 3 * rows)
     # Any longer batch walks the same chunks and groups; a short one, one chunk.
     assert config.row_layout(1 << 22, vocab, 8, 2) == layout
     assert config.row_layout(100, vocab, 8, 2) == orda_tp.config.RowLayout(100, 100)
     fast = orda_tp.PROFILES["fast"].row_layout(1 << 20, vocab, 8, 2)
-    assert (fast.chunk_rows, fast.group_rows) == (1024, 3072)
-    # A workspace cap lowers the rows so that logits and staged gradients fit it.
+    assert fast.chunk_rows == 4 * rows
+    # An explicit workspace is a cap: logits and staged gradients fit it.
     capped = orda_tp.KernelConfig(workspace_mib=64).row_layout(1 << 20, vocab, 8, 2)
     assert capped.chunk_rows * vocab * (8 + 3 * 2) <= 64 << 20
     assert capped.group_rows == 3 * capped.chunk_rows
