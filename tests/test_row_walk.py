@@ -172,3 +172,12 @@ def test_grad_weight_accumulation_is_validated() -> None:
         KernelConfig(grad_weight_accumulation="bf16")
     with pytest.raises(TypeError, match="host_checks must be a bool"):
         KernelConfig(host_checks="no")  # type: ignore[arg-type]
+
+
+def test_gradient_gemms_leave_the_reduction_flags_as_they_were() -> None:
+    flags = torch.backends.cuda.matmul
+    before = (flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction)
+    p = make_problem()
+    out = orda_tp.distillation_loss(p.student_hidden, p.weight, p.labels, TiedTeacher(p.teacher_hidden), kl_weight=1.0)
+    torch.autograd.grad(out.loss, [p.student_hidden, p.weight])
+    assert (flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction) == before

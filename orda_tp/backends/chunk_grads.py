@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..plan import LossPlan
 from .chunk_stats import RowStats, kl_block_terms
-from .gemm import GemmPolicy
+from .gemm import GemmPolicy, full_precision_reductions
 from .head import HeadTensors
 
 __all__ = ["GradientBuffers", "GradientStaging", "block_logit_grads", "run_gradient_gemms", "weight_grad_dtype"]
@@ -108,13 +108,14 @@ def run_gradient_gemms(
         sides.append(
             (staging.teacher, head.teacher_hidden, head.teacher_head, buffers.teacher_hidden, teacher_weight_grad)
         )
-    for staged, hidden, weight, hidden_grad, weight_grad in sides:
-        if hidden_grad is not None:
-            gemms.accumulate(hidden_grad[staging.begin : end], staged, weight.detach()[:columns])
-        if weight_grad is not None:
-            rows = hidden.detach()[staging.begin : end]
-            rows = torch.where(active[:, None], rows, torch.zeros_like(rows))
-            gemms.accumulate(weight_grad[:columns], staged.T, rows)
+    with full_precision_reductions():
+        for staged, hidden, weight, hidden_grad, weight_grad in sides:
+            if hidden_grad is not None:
+                gemms.accumulate(hidden_grad[staging.begin : end], staged, weight.detach()[:columns])
+            if weight_grad is not None:
+                rows = hidden.detach()[staging.begin : end]
+                rows = torch.where(active[:, None], rows, torch.zeros_like(rows))
+                gemms.accumulate(weight_grad[:columns], staged.T, rows)
 
 
 def _cross_entropy_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, coef: Tensor) -> Tensor:

@@ -16,16 +16,33 @@ gradient GEMMs run in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["GemmPolicy", "logits_mm"]
+__all__ = ["GemmPolicy", "full_precision_reductions", "logits_mm"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FP16_HEADROOM = 6.0e4  # below fp16's largest finite value, 65504
 _ADDMM_OUT_DTYPE = [True]  # cleared once if this torch has no addmm(..., out_dtype=...)
+
+
+@contextmanager
+def full_precision_reductions() -> Iterator[None]:
+    """Within it, cuBLAS may not reduce split-K partial sums in bf16/fp16 (torch allows that by
+    default for bf16/fp16 outputs): a gradient GEMM then rounds once, to its output, as its fp32-output
+    counterpart on a vocabulary shard does."""
+    flags = torch.backends.cuda.matmul
+    saved = (flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction)
+    flags.allow_bf16_reduced_precision_reduction = False
+    flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 
 def _tensor_cores(a: Tensor, b: Tensor) -> bool:
