@@ -19,15 +19,16 @@ class DecoupledKD(Divergence):
     """``D = λ_t·KL(b^q‖b^p) + λ_n·KL(q̂‖p̂)``: ``b^x = (x_y, 1 − x_y)`` is the binary
     target/non-target split and ``x̂`` the distribution renormalized over the classes ≠ y.
 
-    With ``P_n = Σ_{i≠y} p_i``, ``Q_n = Σ_{i≠y} q_i`` and ``K = Σ_{i≠y} q_i(log q_i − log p_i)``:
-    ``KL(q̂‖p̂) = K/Q_n − log Q_n + log P_n`` (0 when Q_n = 0). Gradient: at y,
+    With ``P_n = Σ_{i≠y} p_i = −expm1(log p_y)``, ``Q_n = −expm1(log q_y)`` (exact to rounding,
+    where a sum over the vocabulary would carry V roundings into the logs below) and
+    ``K = Σ_{i≠y} q_i(log q_i − log p_i)``: ``KL(q̂‖p̂) = K/Q_n − log Q_n + log P_n`` (0 when
+    Q_n = 0). Gradient: at y,
     ``λ_t(p_y − q_y)``; elsewhere ``λ_t(q_y − p_y)·p̂_i + λ_n(p̂_i − q̂_i)``.
     """
 
     name = "dkd"
     parameters = ("kl_alpha", "kl_beta")
     needs_target = True
-    num_sums = 3
 
     def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
         target_weight = 1.0 if kl_alpha is None else kl_alpha
@@ -37,16 +38,13 @@ class DecoupledKD(Divergence):
         return DivergenceParams(alpha=float(target_weight), beta=float(nontarget_weight))
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
-        return (
-            where(IS_TARGET, 0.0, P),
-            where(IS_TARGET, 0.0, Q),
-            where(IS_TARGET, 0.0, xlogratio(Q, LOGQ, LOGP)),
-        )
+        return (where(IS_TARGET, 0.0, xlogratio(Q, LOGQ, LOGP)),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         target_weight, nontarget_weight = params.alpha, params.beta
         assert target_weight is not None and nontarget_weight is not None
-        p_rest, q_rest, kl_rest = sums[:, 0], sums[:, 1], sums[:, 2]
+        kl_rest = sums[:, 0]
+        p_rest, q_rest = -torch.expm1(targets.logp_y), -torch.expm1(targets.logq_y)
         log_p_rest, log_q_rest = torch.log(p_rest), torch.log(q_rest)
         q_y = torch.exp(targets.logq_y)
         binary = _xlogratio_rows(q_y, targets.logq_y, targets.logp_y) + _xlogratio_rows(q_rest, log_q_rest, log_p_rest)
