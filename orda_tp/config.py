@@ -131,18 +131,23 @@ class KernelConfig:
         """Whether value checks that read tensors on the host run for tensors on this device."""
         return on_cpu if self.host_checks is None else self.host_checks
 
-    def row_layout(self, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int) -> RowLayout:
+    def row_layout(
+        self, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int, shards: int = 1
+    ) -> RowLayout:
         """Rows per chunk and per gradient group for ``local_vocab`` columns.
 
         ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
-        ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed).
+        ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
+        ``shards``: the tensor-parallel group's size. The default's minimum rows grow with it, so
+        that a shard's chunk does a single device's work per record exchange (two collectives
+        per chunk) in no more memory than a single device's chunk.
         """
         size = self.chunk_size
         factor = FAST_FACTOR if size.fast else 1
         per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
         if self.workspace_mib is None:
             fitting = DEFAULT_WORKSPACE_MIB * factor * (1 << 20) // per_row
-            rows = max(MIN_CHUNK_ROWS * factor, fitting - fitting % 64)
+            rows = max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
             if size.nrows is not None:
                 rows = size.nrows
         else:

@@ -567,6 +567,10 @@ def test_rows_per_chunk_depend_on_the_vocabulary_not_on_the_batch(vocab: int, ro
     capped = orda_tp.KernelConfig(workspace_mib=64).row_layout(1 << 20, vocab, 8, 2)
     assert capped.chunk_rows * vocab * (8 + 3 * 2) <= 64 << 20
     assert capped.group_rows == 3 * capped.chunk_rows
+    # A shard of a 2-rank group takes at least twice the rows, in a single device's memory.
+    sharded = config.row_layout(1 << 20, vocab // 2, 8, 2, shards=2)
+    assert sharded.chunk_rows == 2 * rows
+    assert sharded.chunk_rows * (vocab // 2) == rows * vocab
     fixed = orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3, dynamic=False), workspace_mib=1)
     assert fixed.row_layout(100, 10**6, 8, 0).chunk_rows == 3
 

@@ -80,7 +80,9 @@ def _row_layout(problem: ChunkedProblem, head: HeadTensors, staging: torch.dtype
     staged_sides = 2 if plan.teacher_receives_grad else 1
     staged_bytes = 0 if staging is None else staged_sides * staging.itemsize
     rows = head.student_hidden.shape[0]
-    return plan.config.row_layout(rows, problem.layout.max_local_columns, sides * statistics.itemsize, staged_bytes)
+    return plan.config.row_layout(
+        rows, problem.layout.max_local_columns, sides * statistics.itemsize, staged_bytes, problem.layout.world_size
+    )
 
 
 def _chunk_blocks(
