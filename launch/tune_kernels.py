@@ -90,8 +90,8 @@ def main() -> None:
                     results.append((ms, candidate))
                 results.sort(key=lambda item: item[0])
                 for ms, candidate in results[:3]:
-                    rate = moved / ms / 1e9
-                    print(f"{kind:<9} rows={rows:<5} cols={cols:<7} {ms * 1e3:8.1f} us {rate:6.0f} GB/s {candidate}")
+                    rate = moved / ms / 1e9  # bytes per millisecond / 1e9 = TB/s
+                    print(f"{kind:<9} rows={rows:<5} cols={cols:<7} {ms * 1e3:8.1f} us {rate:5.2f} TB/s {candidate}")
                 slowest = results[-1]
                 print(f"{kind:<9} rows={rows:<5} cols={cols:<7} slowest {slowest[0] * 1e3:8.1f} us {slowest[1]}")
                 for ms, candidate in results:

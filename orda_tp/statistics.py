@@ -74,14 +74,14 @@ class PartitionRecord:
 
     def log_partitions(self) -> Tensor:
         """(rows, F) ``LSE = m + log z`` of the merged record (−inf for an all −inf row)."""
-        finite_max = torch.where(self.maxes == float("-inf"), torch.zeros_like(self.maxes), self.maxes)
+        finite_max = torch.where(self.maxes == float("-inf"), 0.0, self.maxes)
         return finite_max + torch.log(self.sumexps)
 
 
 def _rescaled(sumexp: Tensor, local_max: Tensor, new_max: Tensor) -> Tensor:
     """``z·e^{m − M}``, with an empty partial (m = −inf) contributing 0 (NaN still propagates)."""
     empty = local_max == float("-inf")
-    return torch.where(empty, torch.zeros_like(sumexp), sumexp * torch.exp(local_max - new_max))
+    return torch.where(empty, 0.0, sumexp * torch.exp(local_max - new_max))
 
 
 def merge_partition_records(records: Sequence[PartitionRecord]) -> PartitionRecord:
@@ -118,15 +118,15 @@ def sum_records(records: Sequence[Tensor]) -> Tensor:
 def partial_log_partition(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(max x, Σ e^{x − max})`` over the columns of x; an all −inf row gives (−inf, 0)."""
     row_max = x.amax(dim=1)
-    shift = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
     return row_max, torch.exp(x - shift[:, None]).sum(dim=1)
 
 
 def gather_label_column(logits: Tensor, local_labels: Tensor, owned: Tensor) -> Tensor:
     """Logit at the label column for rows whose label lies in this block, else 0."""
-    index = torch.where(owned, local_labels, torch.zeros_like(local_labels))
+    index = torch.where(owned, local_labels, 0)
     picked = logits.gather(1, index[:, None]).squeeze(1)
-    return torch.where(owned, picked, torch.zeros_like(picked))
+    return torch.where(owned, picked, 0.0)
 
 
 def block_partition_record(

@@ -114,7 +114,7 @@ def run_gradient_gemms(
                 gemms.accumulate(hidden_grad[staging.begin : end], staged, weight.detach()[:columns])
             if weight_grad is not None:
                 rows = hidden.detach()[staging.begin : end]
-                rows = torch.where(active[:, None], rows, torch.zeros_like(rows))
+                rows = torch.where(active[:, None], rows, 0.0)
                 gemms.accumulate(weight_grad[:columns], staged.T, rows)
 
 
@@ -126,7 +126,7 @@ def _cross_entropy_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, coef:
 
 
 def _masked(grad: Tensor, keep: Tensor) -> Tensor:
-    return torch.where(keep[:, None], grad, torch.zeros_like(grad))
+    return torch.where(keep[:, None], grad, 0.0)
 
 
 def block_logit_grads(
@@ -146,15 +146,16 @@ def block_logit_grads(
             student, stats.lse(plan, plan.ce_student_family), local_labels, plan.student_ce_weight * row_scale
         )
     if teacher_grad is not None and plan.teacher_ce_weight > 0:
-        assert teacher is not None
+        assert teacher is not None and stats.teacher_absent is not None
         keep = ~stats.teacher_absent
-        coef = torch.where(keep, plan.teacher_ce_weight * row_scale, torch.zeros_like(row_scale))
-        lse_t = torch.where(keep, stats.lse(plan, plan.ce_teacher_family), torch.zeros_like(row_scale))
+        coef = torch.where(keep, plan.teacher_ce_weight * row_scale, 0.0)
+        lse_t = torch.where(keep, stats.lse(plan, plan.ce_teacher_family), 0.0)
         teacher_grad += _cross_entropy_grad(teacher, lse_t, local_labels, coef)
     if plan.computes_kl:
         divergence = plan.divergence
         assert divergence is not None and teacher is not None
-        lse_u, lse_v = stats.kl_log_partitions(plan)
+        assert stats.kl_log_partitions is not None and stats.keep_kl_grad is not None
+        lse_u, lse_v = stats.kl_log_partitions
         terms = kl_block_terms(plan, student, teacher, lse_u, lse_v, local_labels if divergence.needs_target else None)
         temperature = plan.student_temperature
         student_grad += (plan.kl_weight * temperature * row_scale)[:, None] * _masked(

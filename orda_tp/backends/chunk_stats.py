@@ -30,18 +30,20 @@ NEG_INF = float("-inf")
 class RowStats:
     """Finalized per-row statistics of a chunk: everything the gradient needs besides logits.
 
-    ``log_partitions``: (rows, F) LSE per family in ``plan.families`` order; ``teacher_absent``:
-    rows whose teacher logits are all −inf (they contribute 0); ``keep_kl_grad``: rows whose KL
-    gradient is kept (not absent, KL not +inf); ``kl_consts``: the variant's row constants;
-    ``label_owned``: rows whose label exactly one column owns (the others are ignored rows or hold
-    an invalid label, and come out NaN); ``student_ce``/``teacher_ce``/``kl``: per-row component
-    values (kl includes T_s²).
+    ``log_partitions``: (rows, F) LSE per family in ``plan.families`` order; ``label_owned``: rows
+    whose label exactly one column owns (the others are ignored rows or hold an invalid label, and
+    come out NaN); ``teacher_absent``: rows whose teacher logits are all −inf (they contribute 0;
+    None without teacher logits); with a KL term, ``kl_log_partitions``: ``LSE(u)`` and ``LSE(v)``
+    (0 on absent rows, whose ``log q`` is −inf), ``keep_kl_grad``: rows whose KL gradient is kept
+    (teacher present, KL not +inf), ``kl_consts``: the variant's row constants;
+    ``student_ce``/``teacher_ce``/``kl``: per-row component values (kl includes T_s²).
     """
 
     log_partitions: Tensor
     label_owned: Tensor
-    teacher_absent: Tensor
-    keep_kl_grad: Tensor
+    teacher_absent: Tensor | None
+    kl_log_partitions: tuple[Tensor, Tensor] | None
+    keep_kl_grad: Tensor | None
     kl_consts: dict[str, Tensor]
     student_ce: Tensor
     teacher_ce: Tensor
@@ -50,10 +52,9 @@ class RowStats:
     def lse(self, plan: LossPlan, family: LogitFamily) -> Tensor:
         return self.log_partitions[:, plan.families.index(family)]
 
-    def kl_log_partitions(self, plan: LossPlan) -> tuple[Tensor, Tensor]:
-        """``LSE(u)`` and ``LSE(v)``, the latter set to 0 on absent rows (their ``log q`` is −inf)."""
-        lse_v = self.lse(plan, plan.kl_teacher_family)
-        return self.lse(plan, plan.kl_student_family), torch.where(self.teacher_absent, torch.zeros_like(lse_v), lse_v)
+
+def _untempered(logits: Tensor, temperature: float) -> Tensor:
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def kl_block_terms(
@@ -91,27 +92,30 @@ def chunk_row_stats(
         records = [PartitionRecord.empty(labels.shape[0], len(families), like)]
     record = exchange.merge_partitions(merge_partition_records(records))
     log_partitions = record.log_partitions()
-    zeros = torch.zeros_like(record.label_hits)
-    teacher_absent = torch.zeros_like(zeros, dtype=torch.bool)
-    teacher_families = [i for i, family in enumerate(families) if family.side == "teacher"]
-    if teacher_families:
-        teacher_absent = record.maxes[:, teacher_families[0]] == NEG_INF
+    teacher_index = next((i for i, family in enumerate(families) if family.side == "teacher"), None)
+    teacher_absent = None if teacher_index is None else record.maxes[:, teacher_index] == NEG_INF
     student_y, teacher_y = record.target_logits[:, 0], record.target_logits[:, 1]
+    label_owned = record.label_hits == 1
+    # 0 on rows whose label one column owns, NaN on the others: added to every component.
+    nan_elsewhere = torch.where(label_owned, 0.0, float("nan")).to(like.dtype)
 
     def lse(family: LogitFamily) -> Tensor:
         return log_partitions[:, families.index(family)]
 
-    student_ce = lse(plan.ce_student_family) - student_y if plan.student_ce_weight > 0 else zeros
-    teacher_ce = zeros
+    student_ce = teacher_ce = kl = nan_elsewhere  # a term whose weight is 0 reads 0 (NaN elsewhere)
+    if plan.student_ce_weight > 0:
+        student_ce = lse(plan.ce_student_family) - student_y + nan_elsewhere
     if plan.teacher_ce_weight > 0:
-        teacher_ce = torch.where(teacher_absent, zeros, lse(plan.ce_teacher_family) - teacher_y)
+        assert teacher_absent is not None
+        teacher_ce = torch.where(teacher_absent, 0.0, lse(plan.ce_teacher_family) - teacher_y) + nan_elsewhere
 
-    kl, keep_kl_grad, consts = zeros, torch.zeros_like(teacher_absent), {}
+    kl_log_partitions, keep_kl_grad, consts = None, None, {}
     if plan.computes_kl:
         divergence = plan.divergence
-        assert divergence is not None
+        assert divergence is not None and teacher_absent is not None
         lse_u = lse(plan.kl_student_family)
-        lse_v = torch.where(teacher_absent, zeros, lse(plan.kl_teacher_family))
+        lse_v = torch.where(teacher_absent, 0.0, lse(plan.kl_teacher_family))
+        kl_log_partitions = (lse_u, lse_v)
         partial_sums = [
             math.kl_sums(plan, student, teacher, labels, start, lse_u, lse_v)
             for start, student, teacher in blocks
@@ -121,24 +125,23 @@ def chunk_row_stats(
             partial_sums = [like.new_zeros(labels.shape[0], divergence.num_sums)]
         sums = exchange.sum_over_shards(sum_records(partial_sums))
         targets = RowTargets(
-            logp_y=student_y / plan.student_temperature - lse_u,
-            logq_y=teacher_y / plan.teacher_temperature - lse_v,
+            logp_y=_untempered(student_y, plan.student_temperature) - lse_u,
+            logq_y=_untempered(teacher_y, plan.teacher_temperature) - lse_v,
         )
         finalized = divergence.finalize(sums, targets, plan.params)
-        value = torch.where(teacher_absent, zeros, finalized.value.clamp_min(0.0))
-        kl = plan.student_temperature**2 * value
-        keep_kl_grad = ~teacher_absent & ~torch.isposinf(value)
+        value = torch.where(teacher_absent, 0.0, finalized.value.clamp_min(0.0))
+        kl = (value if plan.student_temperature == 1.0 else plan.student_temperature**2 * value) + nan_elsewhere
+        keep_kl_grad = ~(teacher_absent | torch.isposinf(value))
         consts = finalized.consts
 
-    label_owned = record.label_hits == 1
-    nan = torch.full_like(zeros, float("nan"))
     return RowStats(
         log_partitions=log_partitions,
         label_owned=label_owned,
         teacher_absent=teacher_absent,
+        kl_log_partitions=kl_log_partitions,
         keep_kl_grad=keep_kl_grad,
         kl_consts=consts,
-        student_ce=torch.where(label_owned, student_ce, nan),
-        teacher_ce=torch.where(label_owned, teacher_ce, nan),
-        kl=torch.where(label_owned, kl, nan),
+        student_ce=student_ce,
+        teacher_ce=teacher_ce,
+        kl=kl,
     )

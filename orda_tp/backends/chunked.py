@@ -97,14 +97,18 @@ def _chunk_blocks(
     ]
 
 
-def _row_scale(problem: ChunkedProblem, upstream: Tensor, chunk: RowChunk, stats: RowStats) -> Tensor:
-    """Per-row factor of the gradient: the upstream gradient (÷ N for "mean"); 0 on ignored rows,
-    NaN on rows whose label no column owns (an invalid label shows in the gradient too)."""
-    reduction = problem.plan.reduction
-    scale = upstream[chunk.begin : chunk.end] if reduction == "none" else upstream.expand(chunk.rows)
-    if reduction == "mean":
-        scale = scale / problem.denominator
-    scale = torch.where(stats.label_owned, scale.to(chunk.dtype), float("nan"))
+def _upstream_scale(problem: ChunkedProblem, upstream: Tensor, statistics: torch.dtype) -> Tensor:
+    """The upstream gradient (÷ N for "mean") in the statistics dtype, once per pass: 0-d, or
+    (BT,) for "none"."""
+    scale = upstream / problem.denominator if problem.plan.reduction == "mean" else upstream
+    return scale.to(statistics)
+
+
+def _row_scale(problem: ChunkedProblem, upstream_scale: Tensor, chunk: RowChunk, stats: RowStats) -> Tensor:
+    """Per-row factor of the gradient: the upstream scale; 0 on ignored rows, NaN on rows whose
+    label no column owns (an invalid label shows in the gradient too)."""
+    scale = upstream_scale[chunk.begin : chunk.end] if upstream_scale.dim() else upstream_scale
+    scale = torch.where(stats.label_owned, scale, float("nan"))
     return torch.where(problem.valid[chunk.begin : chunk.end], scale, 0.0)
 
 
@@ -117,8 +121,8 @@ def _walk_chunk(
     like: Tensor,
 ) -> RowStats:
     """One chunk: its logits, its statistics (computed, or ``saved``), and with ``staged =
-    (staging, active rows of the group, upstream)`` its logit gradients staged. The logits live
-    only as long as this call."""
+    (staging, active rows of the group, upstream scale)`` its logit gradients staged. The logits
+    live only as long as this call."""
     plan = problem.plan
     blocks = _chunk_blocks(problem, head, chunk)
     stats = saved
@@ -126,8 +130,8 @@ def _walk_chunk(
         starts = [(head.vocab_start + start, s, t) for start, _, s, t in blocks]
         stats = chunk_row_stats(plan, starts, chunk.labels, problem.exchange, problem.math, like)
     if staged is not None:
-        staging, active, upstream = staged
-        scale = _row_scale(problem, upstream, chunk, stats)
+        staging, active, upstream_scale = staged
+        scale = _row_scale(problem, upstream_scale, chunk, stats)
         active[chunk.begin - staging.begin : chunk.end - staging.begin] = scale != 0
         for start, stop, student, teacher in blocks:
             problem.math.stage_logit_grads(
@@ -154,18 +158,19 @@ def _walk_rows(
     device = head.student_hidden.device
     like = torch.empty(0, dtype=statistics, device=device)
     saved_stats = iter(saved) if saved is not None else None
+    upstream_scale = None if gradients is None else _upstream_scale(problem, gradients[1], statistics)
     walked: list[RowStats] = []
     for group_begin in range(0, total, layout.group_rows):
         group_end = min(total, group_begin + layout.group_rows)
         staged = None
-        if gradients is not None and staging_dtype is not None:
+        if gradients is not None and staging_dtype is not None and upstream_scale is not None:
             rows = group_end - group_begin
             staged = (
                 GradientStaging.allocate(
                     group_begin, rows, head.columns, staging_dtype, device, plan.teacher_receives_grad
                 ),
                 torch.empty(rows, dtype=torch.bool, device=device),
-                gradients[1],
+                upstream_scale,
             )
         for begin in range(group_begin, group_end, layout.chunk_rows):
             end = min(group_end, begin + layout.chunk_rows)
@@ -180,7 +185,7 @@ def _walk_rows(
 
 def _reduce(problem: ChunkedProblem, per_row: Tensor) -> Tensor:
     """Ignored rows read 0; "sum"/"mean" add the rows (÷ N for "mean")."""
-    values = torch.where(problem.valid, per_row, torch.zeros_like(per_row))
+    values = torch.where(problem.valid, per_row, 0.0)
     reduction = problem.plan.reduction
     if reduction == "none":
         return values

@@ -54,24 +54,19 @@ class TritonBlockMath:
         row_scale: Tensor,
         out: tuple[Tensor, Tensor | None],
     ) -> None:
-        zeros = torch.zeros_like(row_scale)
-        values: dict[str, Tensor] = dict(stats.kl_consts)
-        values["active"] = (row_scale != 0).to(row_scale.dtype)
+        values: dict[str, Tensor] = {"scale": row_scale, **stats.kl_consts}
         teacher_ce = plan.teacher_receives_grad and plan.teacher_ce_weight > 0
         if plan.student_ce_weight > 0:
             values["lse_s"] = stats.lse(plan, plan.ce_student_family)
-            values["c_ce_s"] = plan.student_ce_weight * row_scale
         if teacher_ce:
-            keep = ~stats.teacher_absent
-            values["lse_t"] = torch.where(keep, stats.lse(plan, plan.ce_teacher_family), zeros)
-            values["c_ce_t"] = torch.where(keep, plan.teacher_ce_weight * row_scale, zeros)
+            absent = stats.teacher_absent
+            assert absent is not None
+            values["lse_t"] = torch.where(absent, 0.0, stats.lse(plan, plan.ce_teacher_family))
+            values["c_ce_t"] = torch.where(absent, 0.0, plan.teacher_ce_weight * row_scale)
         if plan.computes_kl:
-            values["lse_u"], values["lse_v"] = stats.kl_log_partitions(plan)
-            values["c_kl_s"] = plan.kl_weight * plan.student_temperature * row_scale
+            assert stats.kl_log_partitions is not None and stats.keep_kl_grad is not None
+            values["lse_u"], values["lse_v"] = stats.kl_log_partitions
             values["keep"] = stats.keep_kl_grad.to(row_scale.dtype)
-            if plan.kl_trains_teacher:
-                scale = plan.kl_weight * plan.student_temperature**2 / plan.teacher_temperature
-                values["c_kl_t"] = scale * row_scale
         terms = ops.GradTerms(
             student_ce=plan.student_ce_weight > 0,
             student_kl=plan.computes_kl,
@@ -80,6 +75,11 @@ class TritonBlockMath:
             has_teacher=teacher is not None,
         )
         temperatures = (plan.student_temperature, plan.teacher_temperature)
+        weights = (
+            plan.student_ce_weight,
+            plan.kl_weight * plan.student_temperature,
+            plan.kl_weight * plan.student_temperature**2 / plan.teacher_temperature,
+        )
         ops.logit_grads(
-            plan.divergence, plan.params, terms, student, teacher, labels, col_start, values, temperatures, out
+            plan.divergence, plan.params, terms, student, teacher, labels, col_start, values, temperatures, weights, out
         )

@@ -181,6 +181,12 @@ class GradTerms:
 def _grads_module(
     divergence: Divergence | None, params: DivergenceParams, terms: GradTerms
 ) -> tuple[ModuleType, tuple[str, ...]]:
+    """The gradient kernel of these terms, and the row constants it reads, in ``rowc``'s order.
+
+    ``scale`` is the row's factor (0 on ignored rows, whose gradients come out exactly 0); the
+    terms' weights arrive as runtime arguments (``w_ce_s``, ``w_kl_s``, ``w_kl_t``), so a change of
+    ``kl_weight`` between calls compiles nothing. The teacher's CE coefficient ``c_ce_t`` carries
+    its own masking of absent teacher rows."""
     student_ce, student_kl, teacher_ce, teacher_kl, _ = terms.key
     exprs = []
     if student_kl:
@@ -190,32 +196,39 @@ def _grads_module(
         assert divergence is not None
         exprs.append(divergence.teacher_grad_expr(params))
     lines, results = compile_exprs(exprs, "g")
-    names = ["lse_u", "lse_v", "lse_s", "lse_t", "c_ce_s", "c_kl_s", "c_ce_t", "c_kl_t", "keep", "active"]
-    names += [n for n in row_names(exprs) if n not in names]
+    names = ["scale"]
+    if student_ce:
+        names.append("lse_s")
+    if teacher_ce:
+        names += ["lse_t", "c_ce_t"]
+    if exprs:
+        names += ["lse_u", "lse_v", "keep"]
+        names += [n for n in row_names(exprs) if n not in names]
     load_rows = [
         f"row_{name} = tl.load(rowc_ptr + rows * {len(names)} + {j}, mask=row_ok, other=0.0)[:, None]"
         for j, name in enumerate(names)
-    ] + ["lse_u = row_lse_u", "lse_v = row_lse_v"]
+    ]
+    load_rows += ["lse_u = row_lse_u", "lse_v = row_lse_v"] if exprs else ["lse_u = 0.0", "lse_v = 0.0"]
     body = list(lines)
     one_hot = "tl.where(is_target, 1.0, 0.0)"
     results_iter = iter(results)
+    store = "tl.store({0}_ptr + rows[:, None] * stride_{0} + cols[None, :], {0}.to({0}_ptr.dtype.element_ty), mask=ok)"
     body.append("ds = tl.zeros_like(s)")
     if student_ce:
-        body.append(f"ds += row_c_ce_s * (tl.exp(s - row_lse_s) - {one_hot})")
+        body.append(f"ds += w_ce_s * (tl.exp(s - row_lse_s) - {one_hot})")
     if student_kl:
-        body.append(f"ds += row_c_kl_s * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
-    body.append("ds = tl.where(row_active > 0.0, ds, 0.0)")
-    body.append("tl.store(ds_ptr + rows[:, None] * stride_ds + cols[None, :], ds.to(ds_ptr.dtype.element_ty), mask=ok)")
+        body.append(f"ds += w_kl_s * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
+    body.append("ds = tl.where(row_scale != 0.0, ds * row_scale, 0.0)")
+    body.append(store.format("ds"))
     if teacher_ce or teacher_kl:
         body.append("dt = tl.zeros_like(s)")
+        if teacher_kl:
+            body.append(f"dt += w_kl_t * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
+        body.append("dt = dt * row_scale")
         if teacher_ce:
             body.append(f"dt += row_c_ce_t * (tl.exp(t - row_lse_t) - {one_hot})")
-        if teacher_kl:
-            body.append(f"dt += row_c_kl_t * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
-        body.append("dt = tl.where(row_active > 0.0, dt, 0.0)")
-        body.append(
-            "tl.store(dt_ptr + rows[:, None] * stride_dt + cols[None, :], dt.to(dt_ptr.dtype.element_ty), mask=ok)"
-        )
+        body.append("dt = tl.where(row_scale != 0.0, dt, 0.0)")
+        body.append(store.format("dt"))
     source = GRADS_TEMPLATE.format(load_rows=_indent(load_rows, 4), body=_indent(body, 8))
     return load_kernel_module(source), tuple(names)
 
@@ -230,15 +243,16 @@ def logit_grads(
     col_start: int,
     row_values: dict[str, Tensor],
     temperatures: tuple[float, float],
+    weights: tuple[float, float, float],
     out: tuple[Tensor, Tensor | None],
 ) -> None:
     """Write ``∂loss/∂s`` (and ``∂loss/∂t`` when the terms train the teacher) of a block into
-    ``out`` (row-major views, any float dtype); ``row_values`` holds every row constant the kernel
-    reads (names as in the generated kernel)."""
+    ``out`` (row-major views, any float dtype); ``row_values`` holds the row constants the kernel
+    reads (fp32 (rows,), names as in :func:`_grads_module`), ``weights`` the coefficients
+    ``(w_ce_s, w_kl_s, w_kl_t)`` of the student's CE, its KL and the teacher's KL term."""
     rows, cols = student.shape
     module, names = _grads_module(divergence, params, terms)
-    zeros = torch.zeros(rows, dtype=torch.float32, device=student.device)
-    rowc = torch.stack([row_values.get(name, zeros).float() for name in names], dim=1).contiguous()
+    rowc = torch.stack([row_values[name] for name in names], dim=1)
     grad_s, grad_t = out
     trains_teacher = terms.key[2] or terms.key[3]
     assert (grad_t is not None) == trains_teacher
@@ -264,6 +278,7 @@ def logit_grads(
         per_split,
         1.0 / temperatures[0],
         1.0 / temperatures[1],
+        *weights,
         HAS_T=has_teacher,
         BLOCK_R=tiles.block_r,
         BLOCK_C=tiles.block_c,

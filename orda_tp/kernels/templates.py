@@ -187,8 +187,8 @@ GRADS_TEMPLATE = (
     SPECIALIZE
     + """
 def kernel(s_ptr, t_ptr, labels_ptr, rowc_ptr, ds_ptr, dt_ptr, R, C, stride_s, stride_t, stride_ds, stride_dt,
-           col_start, cols_per_split, inv_ts, inv_tt, HAS_T: tl.constexpr, BLOCK_R: tl.constexpr,
-           BLOCK_C: tl.constexpr):
+           col_start, cols_per_split, inv_ts, inv_tt, w_ce_s, w_kl_s, w_kl_t, HAS_T: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 """
     + TILE_SETUP
     + """
