@@ -119,3 +119,23 @@ def test_the_same_result_as_the_reference_on_the_gpu() -> None:
     assert abs(out.loss.item() - reference.loss.item()) <= 1e-5 * abs(reference.loss.item())
     for grad, exact_grad in zip(grads, expected):
         assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_mixed_dtypes_fp32_hidden_states_with_a_bf16_head(backend: str) -> None:
+    t = make_inputs(torch.bfloat16)
+    hidden = t["hidden"].detach().float().requires_grad_()
+    teacher = TiedTeacher(t["teacher_hidden"].float())
+    out = orda_tp.distillation_loss(hidden, t["weight"], t["labels"], teacher, kl_weight=1.0, backend=backend)
+    grads = torch.autograd.grad(out.loss, [hidden, t["weight"]])
+    exact_hidden = hidden.detach().double().requires_grad_()
+    exact_weight = t["weight"].detach().double().requires_grad_()
+    reference = orda_tp.distillation_loss(
+        exact_hidden, exact_weight, t["labels"], TiedTeacher(t["teacher_hidden"].double()), kl_weight=1.0,
+        backend="reference",
+    )  # fmt: skip
+    expected = torch.autograd.grad(reference.loss, [exact_hidden, exact_weight])
+    assert grads[0].dtype == torch.float32 and grads[1].dtype == torch.bfloat16
+    assert abs(out.loss.item() - reference.loss.item()) <= 1e-5 * abs(reference.loss.item())
+    for grad, exact_grad in zip(grads, expected):
+        assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()

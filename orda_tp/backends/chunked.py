@@ -152,7 +152,8 @@ def _walk_rows(
     and with ``gradients = (buffers, upstream)`` its logit gradients staged and the gradient GEMMs
     run per group. Returns the chunks' statistics in row order."""
     plan = problem.plan
-    staging_dtype = None if gradients is None else problem.gemms.staging_dtype(head.weight, statistics)
+    operands = head.gemm_operands(plan.teacher_receives_grad)
+    staging_dtype = None if gradients is None else problem.gemms.staging_dtype(operands, statistics)
     layout = _row_layout(problem, head, staging_dtype)
     total = head.student_hidden.shape[0]
     device = head.student_hidden.device

@@ -16,7 +16,7 @@ gradient GEMMs run in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -63,9 +63,11 @@ class GemmPolicy:
     scale: float | Tensor | None = None
 
     @staticmethod
-    def staging_dtype(operand: Tensor, statistics: torch.dtype) -> torch.dtype:
-        """The dtype logit gradients are staged in for GEMMs with ``operand``."""
-        if operand.is_cuda and operand.dtype == torch.bfloat16 and statistics == torch.float32:
+    def staging_dtype(operands: Sequence[Tensor], statistics: torch.dtype) -> torch.dtype:
+        """The dtype logit gradients are staged in for the gradient GEMMs with ``operands`` (the
+        head weights and hidden states they meet): bf16 when every operand is a bf16 CUDA tensor,
+        else the statistics dtype."""
+        if statistics == torch.float32 and all(t.is_cuda and t.dtype == torch.bfloat16 for t in operands):
             return torch.bfloat16
         return statistics
 
@@ -83,7 +85,7 @@ class GemmPolicy:
                 try:
                     torch.addmm(target, staged, operand, out_dtype=torch.float32, out=target)
                     return
-                except (TypeError, RuntimeError):  # a torch without addmm(out_dtype=...)
+                except TypeError:  # a torch without addmm(out_dtype=...)
                     _ADDMM_OUT_DTYPE[0] = False
             target += torch.mm(staged, operand, torch.float32).to(target.dtype)
             return

@@ -54,6 +54,13 @@ class HeadTensors:
     def teacher_head(self) -> Tensor:
         return self.weight if self.teacher_weight is None else self.teacher_weight
 
+    def gemm_operands(self, teacher_trained: bool) -> list[Tensor]:
+        """The tensors the gradient GEMMs multiply staged logit gradients with."""
+        tensors = [self.student_hidden, self.weight]
+        if teacher_trained:
+            tensors += [self.teacher_hidden, self.teacher_head]
+        return [t for t in tensors if t is not None]
+
     @property
     def tied(self) -> bool:
         """Whether teacher rows go through the student's head (one GEMM serves both sides)."""
