@@ -170,7 +170,8 @@ def _run(
     if key in memo:
         return memo[key]
     if node.op == "const":
-        result = torch.tensor(node.value, dtype=reference.dtype, device=reference.device)
+        # A 0-d CPU tensor acts as a scalar beside device tensors: no host-to-device copy.
+        result = torch.tensor(node.value, dtype=reference.dtype)
     elif node.op == "column":
         value = columns[str(node.value)]
         assert value is not None, f"the block has no {node.value}"
@@ -196,4 +197,5 @@ def evaluate(exprs: Sequence[Expr], columns: Mapping[str, Tensor | None], rows: 
     reference = columns["logp"]
     assert reference is not None
     memo: dict[int, Tensor] = {}
-    return [_run(e, memo, columns, rows, reference).expand_as(reference) for e in exprs]
+    results = [_run(e, memo, columns, rows, reference) for e in exprs]
+    return [result.to(reference.device).expand_as(reference) for result in results]
