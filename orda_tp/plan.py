@@ -59,6 +59,17 @@ class LossPlan:
         return self.teacher_role == "cotrained" and self.teacher_receives_grad
 
     @property
+    def teacher_ce_trains_teacher(self) -> bool:
+        return self.teacher_receives_grad and self.teacher_ce_weight > 0
+
+    @property
+    def logit_grad_weights(self) -> tuple[float, float, float]:
+        """``(w_s, w_kl·T_s, w_kl·T_s²/T_t)``: the factors of the student's CE gradient, of
+        ``∂D/∂u`` in ``∂loss/∂s`` and of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale)."""
+        kl_student = self.kl_weight * self.student_temperature
+        return self.student_ce_weight, kl_student, kl_student * self.student_temperature / self.teacher_temperature
+
+    @property
     def student_receives_grad(self) -> bool:
         return self.student_ce_weight > 0 or self.computes_kl
 

@@ -105,18 +105,26 @@ def test_inside_torch_compile_does_not_synchronize() -> None:
     run_without_sync(step)
 
 
+def reference_of(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, teacher_hidden: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The fp64 reference loss (tied teacher, forward KL) of the same values, and its gradients
+    with respect to the hidden states and the head."""
+    exact_hidden = hidden.detach().double().requires_grad_()
+    exact_weight = weight.detach().double().requires_grad_()
+    reference = orda_tp.distillation_loss(
+        exact_hidden, exact_weight, labels, TiedTeacher(teacher_hidden.double()), kl_weight=1.0, backend="reference"
+    )
+    return reference.loss, torch.autograd.grad(reference.loss, [exact_hidden, exact_weight])
+
+
 def test_the_same_result_as_the_reference_on_the_gpu() -> None:
     t = make_inputs(torch.bfloat16)
     teacher = TiedTeacher(t["teacher_hidden"])
     out = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], teacher, kl_weight=1.0)
     grads = torch.autograd.grad(out.loss, [t["hidden"], t["weight"]])
-    exact = {k: v.detach().double().requires_grad_(k in ("hidden", "weight")) for k, v in t.items() if k != "labels"}
-    reference = orda_tp.distillation_loss(
-        exact["hidden"], exact["weight"], t["labels"], TiedTeacher(exact["teacher_hidden"]), kl_weight=1.0,
-        backend="reference",
-    )  # fmt: skip
-    expected = torch.autograd.grad(reference.loss, [exact["hidden"], exact["weight"]])
-    assert abs(out.loss.item() - reference.loss.item()) <= 1e-5 * abs(reference.loss.item())
+    reference, expected = reference_of(t["hidden"], t["weight"], t["labels"], t["teacher_hidden"])
+    assert abs(out.loss.item() - reference.item()) <= 1e-5 * abs(reference.item())
     for grad, exact_grad in zip(grads, expected):
         assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()
 
@@ -128,15 +136,9 @@ def test_mixed_dtypes_fp32_hidden_states_with_a_bf16_head(backend: str) -> None:
     teacher = TiedTeacher(t["teacher_hidden"].float())
     out = orda_tp.distillation_loss(hidden, t["weight"], t["labels"], teacher, kl_weight=1.0, backend=backend)
     grads = torch.autograd.grad(out.loss, [hidden, t["weight"]])
-    exact_hidden = hidden.detach().double().requires_grad_()
-    exact_weight = t["weight"].detach().double().requires_grad_()
-    reference = orda_tp.distillation_loss(
-        exact_hidden, exact_weight, t["labels"], TiedTeacher(t["teacher_hidden"].double()), kl_weight=1.0,
-        backend="reference",
-    )  # fmt: skip
-    expected = torch.autograd.grad(reference.loss, [exact_hidden, exact_weight])
+    reference, expected = reference_of(hidden, t["weight"], t["labels"], t["teacher_hidden"])
     assert grads[0].dtype == torch.float32 and grads[1].dtype == torch.bfloat16
-    assert abs(out.loss.item() - reference.loss.item()) <= 1e-5 * abs(reference.loss.item())
+    assert abs(out.loss.item() - reference.item()) <= 1e-5 * abs(reference.item())
     for grad, exact_grad in zip(grads, expected):
         assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()
 
@@ -156,13 +158,7 @@ def test_fp16_gradients_through_the_scaled_tensor_core_path(scaling: str) -> Non
     teacher = TiedTeacher(t["teacher_hidden"])
     out = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], teacher, kl_weight=1.0, **kwargs)
     grads = torch.autograd.grad(out.loss, [t["hidden"], t["weight"]])
-    exact_hidden = t["hidden"].detach().double().requires_grad_()
-    exact_weight = t["weight"].detach().double().requires_grad_()
-    reference = orda_tp.distillation_loss(
-        exact_hidden, exact_weight, t["labels"], TiedTeacher(t["teacher_hidden"].double()), kl_weight=1.0,
-        backend="reference",
-    )  # fmt: skip
-    expected = torch.autograd.grad(reference.loss, [exact_hidden, exact_weight])
+    _, expected = reference_of(t["hidden"], t["weight"], t["labels"], t["teacher_hidden"])
     for grad, exact_grad in zip(grads, expected):
         assert grad.dtype == torch.float16 and torch.isfinite(grad).all()
         assert (grad.double() - exact_grad).norm() <= 2e-3 * exact_grad.norm()

@@ -96,10 +96,10 @@ class GradientStaging:
 
 
 def run_gradient_gemms(
-    head: HeadTensors, staging: GradientStaging, active: Tensor, buffers: GradientBuffers, gemms: GemmPolicy
+    head: HeadTensors, staging: GradientStaging, valid: Tensor, buffers: GradientBuffers, gemms: GemmPolicy
 ) -> None:
-    """Add the staged group's contribution to ``buffers``; ``active`` marks the group's rows with a
-    nonzero row scale (the others' hidden rows are not read, so a non-finite ignored row stays out)."""
+    """Add the staged group's contribution to ``buffers``; ``valid`` marks the group's rows that are
+    not ignored (the others' hidden rows are not read, so a non-finite ignored row stays out)."""
     end = staging.begin + staging.student.shape[0]
     columns = staging.student.shape[1]
     sides = [(staging.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight)]
@@ -114,7 +114,7 @@ def run_gradient_gemms(
                 gemms.accumulate(hidden_grad[staging.begin : end], staged, weight.detach()[:columns])
             if weight_grad is not None:
                 rows = hidden.detach()[staging.begin : end]
-                rows = torch.where(active[:, None], rows, 0.0)
+                rows = torch.where(valid[:, None], rows, 0.0)
                 gemms.accumulate(weight_grad[:columns], staged.T, rows)
 
 
@@ -141,15 +141,14 @@ def block_logit_grads(
     Rows whose ``row_scale`` is 0 get exactly 0 (whatever their logits hold)."""
     student_grad = torch.zeros_like(student)
     teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
+    w_ce_s, w_kl_s, w_kl_t = plan.logit_grad_weights
     if plan.student_ce_weight > 0:
         student_grad += _cross_entropy_grad(
-            student, stats.lse(plan, plan.ce_student_family), local_labels, plan.student_ce_weight * row_scale
+            student, stats.lse(plan, plan.ce_student_family), local_labels, w_ce_s * row_scale
         )
-    if teacher_grad is not None and plan.teacher_ce_weight > 0:
-        assert teacher is not None and stats.teacher_absent is not None
-        keep = ~stats.teacher_absent
-        coef = torch.where(keep, plan.teacher_ce_weight * row_scale, 0.0)
-        lse_t = torch.where(keep, stats.lse(plan, plan.ce_teacher_family), 0.0)
+    if teacher_grad is not None and plan.teacher_ce_trains_teacher:
+        assert teacher is not None
+        lse_t, coef = stats.teacher_ce_terms(plan, row_scale)
         teacher_grad += _cross_entropy_grad(teacher, lse_t, local_labels, coef)
     if plan.computes_kl:
         divergence = plan.divergence
@@ -157,13 +156,11 @@ def block_logit_grads(
         assert stats.kl_log_partitions is not None and stats.keep_kl_grad is not None
         lse_u, lse_v = stats.kl_log_partitions
         terms = kl_block_terms(plan, student, teacher, lse_u, lse_v, local_labels if divergence.needs_target else None)
-        temperature = plan.student_temperature
-        student_grad += (plan.kl_weight * temperature * row_scale)[:, None] * _masked(
+        student_grad += (w_kl_s * row_scale)[:, None] * _masked(
             divergence.student_grad(terms, stats.kl_consts, plan.params), stats.keep_kl_grad
         )
         if teacher_grad is not None and plan.kl_trains_teacher:
-            scale = plan.kl_weight * temperature**2 / plan.teacher_temperature
-            teacher_grad += (scale * row_scale)[:, None] * _masked(
+            teacher_grad += (w_kl_t * row_scale)[:, None] * _masked(
                 divergence.teacher_grad(terms, stats.kl_consts, plan.params), stats.keep_kl_grad
             )
     active = row_scale != 0

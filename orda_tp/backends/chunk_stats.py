@@ -52,6 +52,13 @@ class RowStats:
     def lse(self, plan: LossPlan, family: LogitFamily) -> Tensor:
         return self.log_partitions[:, plan.families.index(family)]
 
+    def teacher_ce_terms(self, plan: LossPlan, row_scale: Tensor) -> tuple[Tensor, Tensor]:
+        """``(LSE(t), w_t·scale)`` of the teacher's CE gradient, both 0 on absent teacher rows
+        (whose softmax would read −inf − (−inf))."""
+        assert self.teacher_absent is not None
+        lse_t = torch.where(self.teacher_absent, 0.0, self.lse(plan, plan.ce_teacher_family))
+        return lse_t, torch.where(self.teacher_absent, 0.0, plan.teacher_ce_weight * row_scale)
+
 
 def _untempered(logits: Tensor, temperature: float) -> Tensor:
     return logits if temperature == 1.0 else logits / temperature

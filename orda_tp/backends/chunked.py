@@ -71,11 +71,12 @@ class ChunkedProblem:
         )
 
 
-def _row_layout(problem: ChunkedProblem, head: HeadTensors, staging: torch.dtype | None) -> RowLayout:
+def _row_layout(
+    problem: ChunkedProblem, head: HeadTensors, statistics: torch.dtype, staging: torch.dtype | None
+) -> RowLayout:
     """Rows per chunk and group, sized from the largest shard so that every rank of a group walks
     the same chunks."""
     plan = problem.plan
-    statistics = statistics_dtype(head.student_hidden, head.weight)
     sides = 2 if plan.needs_teacher_logits else 1
     staged_sides = 2 if plan.teacher_receives_grad else 1
     staged_bytes = 0 if staging is None else staged_sides * staging.itemsize
@@ -117,12 +118,12 @@ def _walk_chunk(
     head: HeadTensors,
     chunk: RowChunk,
     saved: RowStats | None,
-    staged: tuple[GradientStaging, Tensor, Tensor] | None,
+    staged: tuple[GradientStaging, Tensor] | None,
     like: Tensor,
 ) -> RowStats:
     """One chunk: its logits, its statistics (computed, or ``saved``), and with ``staged =
-    (staging, active rows of the group, upstream scale)`` its logit gradients staged. The logits
-    live only as long as this call."""
+    (staging, upstream scale)`` its logit gradients staged. The logits live only as long as this
+    call."""
     plan = problem.plan
     blocks = _chunk_blocks(problem, head, chunk)
     stats = saved
@@ -130,9 +131,8 @@ def _walk_chunk(
         starts = [(head.vocab_start + start, s, t) for start, _, s, t in blocks]
         stats = chunk_row_stats(plan, starts, chunk.labels, problem.exchange, problem.math, like)
     if staged is not None:
-        staging, active, upstream_scale = staged
+        staging, upstream_scale = staged
         scale = _row_scale(problem, upstream_scale, chunk, stats)
-        active[chunk.begin - staging.begin : chunk.end - staging.begin] = scale != 0
         for start, stop, student, teacher in blocks:
             problem.math.stage_logit_grads(
                 plan, stats, student, teacher, chunk.labels, head.vocab_start + start, scale,
@@ -152,35 +152,32 @@ def _walk_rows(
     and with ``gradients = (buffers, upstream)`` its logit gradients staged and the gradient GEMMs
     run per group. Returns the chunks' statistics in row order."""
     plan = problem.plan
-    operands = head.gemm_operands(plan.teacher_receives_grad)
-    staging_dtype = None if gradients is None else problem.gemms.staging_dtype(operands, statistics)
-    layout = _row_layout(problem, head, staging_dtype)
+    staging_dtype, upstream_scale = None, None
+    if gradients is not None:
+        staging_dtype = problem.gemms.staging_dtype(head.gemm_operands(plan.teacher_receives_grad), statistics)
+        upstream_scale = _upstream_scale(problem, gradients[1], statistics)
+    layout = _row_layout(problem, head, statistics, staging_dtype)
     total = head.student_hidden.shape[0]
     device = head.student_hidden.device
     like = torch.empty(0, dtype=statistics, device=device)
     saved_stats = iter(saved) if saved is not None else None
-    upstream_scale = None if gradients is None else _upstream_scale(problem, gradients[1], statistics)
     walked: list[RowStats] = []
     for group_begin in range(0, total, layout.group_rows):
         group_end = min(total, group_begin + layout.group_rows)
-        staged = None
-        if gradients is not None and staging_dtype is not None and upstream_scale is not None:
-            rows = group_end - group_begin
-            staged = (
-                GradientStaging.allocate(
-                    group_begin, rows, head.columns, staging_dtype, device, plan.teacher_receives_grad
-                ),
-                torch.empty(rows, dtype=torch.bool, device=device),
-                upstream_scale,
+        staging = None
+        if staging_dtype is not None:
+            staging = GradientStaging.allocate(
+                group_begin, group_end - group_begin, head.columns, staging_dtype, device, plan.teacher_receives_grad
             )
+        staged = None if staging is None or upstream_scale is None else (staging, upstream_scale)
         for begin in range(group_begin, group_end, layout.chunk_rows):
             end = min(group_end, begin + layout.chunk_rows)
             chunk = RowChunk.slice(head, begin, end, problem.labels, statistics, plan.needs_teacher_logits)
             saved_chunk = next(saved_stats) if saved_stats is not None else None
             walked.append(_walk_chunk(problem, head, chunk, saved_chunk, staged, like))
-        if staged is not None and gradients is not None:
-            run_gradient_gemms(head, staged[0], staged[1], gradients[0], problem.gemms)
-        del staged  # the group's staged gradients go before the next group's are allocated
+        if staging is not None and gradients is not None:
+            run_gradient_gemms(head, staging, problem.valid[group_begin:group_end], gradients[0], problem.gemms)
+        del staging, staged  # the group's staged gradients go before the next group's are allocated
     return walked
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from ..kernels import ops
@@ -55,14 +54,10 @@ class TritonBlockMath:
         out: tuple[Tensor, Tensor | None],
     ) -> None:
         values: dict[str, Tensor] = {"scale": row_scale, **stats.kl_consts}
-        teacher_ce = plan.teacher_receives_grad and plan.teacher_ce_weight > 0
         if plan.student_ce_weight > 0:
             values["lse_s"] = stats.lse(plan, plan.ce_student_family)
-        if teacher_ce:
-            absent = stats.teacher_absent
-            assert absent is not None
-            values["lse_t"] = torch.where(absent, 0.0, stats.lse(plan, plan.ce_teacher_family))
-            values["c_ce_t"] = torch.where(absent, 0.0, plan.teacher_ce_weight * row_scale)
+        if plan.teacher_ce_trains_teacher:
+            values["lse_t"], values["c_ce_t"] = stats.teacher_ce_terms(plan, row_scale)
         if plan.computes_kl:
             assert stats.kl_log_partitions is not None and stats.keep_kl_grad is not None
             values["lse_u"], values["lse_v"] = stats.kl_log_partitions
@@ -70,16 +65,21 @@ class TritonBlockMath:
         terms = ops.GradTerms(
             student_ce=plan.student_ce_weight > 0,
             student_kl=plan.computes_kl,
-            teacher_ce=teacher_ce,
+            teacher_ce=plan.teacher_ce_trains_teacher,
             teacher_kl=plan.kl_trains_teacher,
             has_teacher=teacher is not None,
         )
         temperatures = (plan.student_temperature, plan.teacher_temperature)
-        weights = (
-            plan.student_ce_weight,
-            plan.kl_weight * plan.student_temperature,
-            plan.kl_weight * plan.student_temperature**2 / plan.teacher_temperature,
-        )
         ops.logit_grads(
-            plan.divergence, plan.params, terms, student, teacher, labels, col_start, values, temperatures, weights, out
+            plan.divergence,
+            plan.params,
+            terms,
+            student,
+            teacher,
+            labels,
+            col_start,
+            values,
+            temperatures,
+            plan.logit_grad_weights,
+            out,
         )

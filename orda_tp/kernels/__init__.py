@@ -17,16 +17,20 @@ __all__ = ["is_available", "unavailable_reason"]
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def interpreted() -> bool:
+    """Whether Triton kernels run under its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def unavailable_reason(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str | None:
     """Why the Triton kernels cannot run for inputs on ``device`` with ``dtype``, or None."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install 'orda-tp[gpu]')"
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         return f"the Triton kernels take float16, bfloat16 or float32 inputs, not {dtype} (use backend='torch')"
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if device is None:
-        return None if torch.cuda.is_available() or interpreted else "no CUDA device"
-    if device.type == "cuda" or (device.type == "cpu" and interpreted):
+        return None if torch.cuda.is_available() or interpreted() else "no CUDA device"
+    if device.type == "cuda" or (device.type == "cpu" and interpreted()):
         return None
     return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1), got {device.type} tensors"
 

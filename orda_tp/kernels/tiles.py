@@ -10,10 +10,11 @@ an H200 (see docs/benchmarks.md); the interpreter's small tiles keep CPU tests q
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import triton
+
+from . import interpreted
 
 __all__ = ["Tiles", "grid", "tiles_for"]
 
@@ -43,7 +44,7 @@ CUDA_TILES: dict[tuple[str, bool], Tiles] = {
 
 def tiles_for(kind: str, columns: int) -> Tiles:
     """Tiles of kernel ``kind`` ("partition", "sums" or "grads") for a block of ``columns``."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return INTERPRETED
     return CUDA_TILES[(kind, columns >= 1 << 15)]
 

@@ -1,6 +1,6 @@
 """The few collectives of a tensor-parallel loss call, each issued once per use.
 
-- :func:`all_gather_rows`: gather a (rows, K) tensor from every rank, in rank order.
+- :func:`all_gather_rows`: gather a (rows, K) tensor from every rank, stacked in rank order.
 - :func:`gather_sequence_rows`: sequence parallelism's row gather of several hidden tensors in one
   collective.
 - :func:`reduce_row_gradients`: sum the hidden gradients over the shards in one collective
@@ -16,11 +16,14 @@ from torch import Tensor
 __all__ = ["all_gather_rows", "gather_sequence_rows", "reduce_row_gradients"]
 
 
-def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> list[Tensor]:
-    """Every rank's ``local`` (same shape on all ranks), in rank order."""
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local.contiguous(), group=group)
-    return gathered
+def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's (rows, K) ``local`` (same shape on all ranks) stacked in rank order as
+    (world, rows, K), gathered straight into one tensor."""
+    local = local.contiguous()
+    world = dist.get_world_size(group)
+    gathered = local.new_empty(world * local.shape[0], *local.shape[1:])  # concatenated along rows
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    return gathered.view(world, *local.shape)
 
 
 def _pack_columns(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
@@ -33,7 +36,7 @@ def _pack_columns(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
 def gather_sequence_rows(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
     """Full-batch rows of each (local_rows, width_i) tensor: the ranks' rows in rank order."""
     packed, widths = _pack_columns([t.detach() for t in tensors])
-    full = torch.cat(all_gather_rows(packed, group), dim=0)
+    full = all_gather_rows(packed, group).flatten(0, 1)
     return [part.to(t.dtype) for part, t in zip(full.split(widths, dim=1), tensors)]
 
 

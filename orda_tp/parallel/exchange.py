@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..statistics import PartitionRecord, merge_stacked_partition_records, sum_records
+from ..statistics import PartitionRecord, merge_stacked_partition_records
 from .collectives import all_gather_rows, gather_sequence_rows, reduce_row_gradients
 
 __all__ = ["LocalError", "ShardExchange"]
@@ -58,12 +58,12 @@ class ShardExchange:
         values = torch.tensor([error.code, error.row, error.column], dtype=like.dtype, device=like.device)
         return values.expand(rows, 3)
 
-    def _raise_gathered_errors(self, headers: list[Tensor]) -> None:
+    def _raise_gathered_errors(self, headers: Tensor) -> None:
+        """``headers``: (world, rows, 3) error columns, one host read."""
         self.errors_exchanged = True
-        for rank, header in enumerate(headers):
-            code, row, column = (int(v) for v in header[0].tolist())
+        for rank, (code, row, column) in enumerate(headers[:, 0].tolist()):
             if code:
-                raise ValueError(ERROR_MESSAGES[code].format(rank=rank, row=row, column=column))
+                raise ValueError(ERROR_MESSAGES[int(code)].format(rank=rank, row=int(row), column=int(column)))
 
     def merge_partitions(self, local: PartitionRecord) -> PartitionRecord:
         packed = local.pack()
@@ -72,11 +72,11 @@ class ShardExchange:
             packed = torch.cat([packed, self._header(packed.shape[0], packed)], dim=1)
         gathered = all_gather_rows(packed, self.group)
         if packed.shape[1] > width:
-            self._raise_gathered_errors([g[:, width:] for g in gathered])
-        return merge_stacked_partition_records(torch.stack(gathered)[..., :width], local.maxes.shape[1])
+            self._raise_gathered_errors(gathered[..., width:])
+        return merge_stacked_partition_records(gathered[..., :width], local.maxes.shape[1])
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
-        return sum_records(all_gather_rows(local, self.group))
+        return all_gather_rows(local, self.group).sum(dim=0)
 
     def finish(self, like: Tensor) -> None:
         """Exchange the errors if no round did (a call with no rows to process)."""
