@@ -8,6 +8,7 @@ hidden gradients; the loss code is the same in both cases.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from torch import Tensor
@@ -18,8 +19,11 @@ __all__ = ["RecordExchange", "LocalExchange"]
 
 
 class RecordExchange(Protocol):
-    def merge_partitions(self, local: PartitionRecord) -> PartitionRecord:
-        """Round 1: the record of all shards' columns, identical on every shard."""
+    def merge_partitions(
+        self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
+    ) -> PartitionRecord:
+        """Round 1: the record of all shards' columns, identical on every shard; ``merge_stacked``
+        merges (shards, rows, 2F+3) packed records (the backend's merge)."""
         ...
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
@@ -34,6 +38,11 @@ class RecordExchange(Protocol):
         """The full batch's rows of each hidden tensor (sequence parallelism), else the inputs."""
         ...
 
+    def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
+        """Rows ``[begin, end)`` of the hidden gradients ``grads`` are complete on this device:
+        their sum over the shards may start now, overlapping the rows still to come."""
+        ...
+
     def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
         """Hidden gradients summed over the shards (this rank's rows under sequence parallelism)."""
         ...
@@ -42,7 +51,9 @@ class RecordExchange(Protocol):
 class LocalExchange:
     """Single device: this device holds every column and every row."""
 
-    def merge_partitions(self, local: PartitionRecord) -> PartitionRecord:
+    def merge_partitions(
+        self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
+    ) -> PartitionRecord:
         return local
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
@@ -53,6 +64,9 @@ class LocalExchange:
 
     def gather_rows(self, tensors: list[Tensor]) -> list[Tensor]:
         return tensors
+
+    def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
+        return None
 
     def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
         return grads

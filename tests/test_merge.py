@@ -16,7 +16,7 @@ import torch
 from orda_tp import KL_VARIANTS, TiedTeacher
 from orda_tp.backends.block_math import TorchBlockMath
 from orda_tp.backends.chunk_grads import block_logit_grads
-from orda_tp.backends.chunk_stats import chunk_row_stats
+from orda_tp.backends.chunk_stats import chunk_row_stats, grad_row_constants
 from orda_tp.backends.reference import reference_loss
 from orda_tp.exchange import LocalExchange
 from orda_tp.statistics import (
@@ -78,9 +78,12 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
 
     student_grad = torch.zeros_like(student)
     teacher_grad = torch.zeros_like(teacher)
-    ones = torch.ones(rows, dtype=torch.float64)
+    math = TorchBlockMath()
+    upstream, valid = torch.ones((), dtype=torch.float64), torch.ones(rows, dtype=torch.bool)
+    row_constants, names = grad_row_constants(plan, stats, upstream, valid, math, student)
+    constants = {name: row_constants[:, j] for j, name in enumerate(names)}
     for start, student_block, teacher_block in blocks:
-        grad_s, grad_t = block_logit_grads(plan, stats, student_block, teacher_block, labels - start, ones)
+        grad_s, grad_t = block_logit_grads(plan, constants, student_block, teacher_block, labels - start)
         student_grad[:, start : start + student_block.shape[1]] = grad_s
         assert grad_t is not None
         teacher_grad[:, start : start + teacher_block.shape[1]] = grad_t

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 import orda_tp
 from orda_tp import KL_VARIANTS, ChunkSize, KernelConfig
+from orda_tp.config import CHUNKS_PER_GROUP
 
 from . import cases
 from .cases import COTRAINED, TEACHER_MODES, Problem, loss_and_grads, make_problem, relative_error
@@ -744,9 +745,15 @@ def counting_worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
 
         with counter.patched():
             calls = [counter.count(call) for _ in range(3)] + [counter.count(no_grad_call)]
+        row_chunks = -(-batch // TP_CHUNKS.chunk_size.nrows)  # chunks cover every row, ignored ones too
+        _, grads = loss_and_grads(case.local, case.mode, None, **kwargs)
+        hidden = (case.local.student_hidden, case.local.teacher_hidden)
+        trainable = case.local.trainable(case.mode)
         report[name] = {
             "sequence_parallel": sequence_parallel,
-            "row_chunks": -(-batch // TP_CHUNKS.chunk_size.nrows),  # chunks cover every row, ignored ones too
+            "row_chunks": row_chunks,
+            "row_groups": -(-row_chunks // CHUNKS_PER_GROUP),
+            "hidden_grads": sum(g is not None and any(t is h for h in hidden) for t, g in zip(trainable, grads)),
             "calls": calls,
         }
     return report

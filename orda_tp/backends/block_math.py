@@ -8,15 +8,18 @@ and logit gradients: torch ops (:class:`TorchBlockMath`) or generated Triton ker
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
+from ..divergences.expr import evaluate_rows
 from ..plan import LossPlan
-from ..statistics import LogitFamily, PartitionRecord, block_partition_record
+from ..statistics import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
 from .chunk_grads import block_logit_grads
-from .chunk_stats import RowStats, kl_block_terms
+from .chunk_stats import kl_block_terms
+from .row_formulas import RowProgram
 
 __all__ = ["BlockMath", "TorchBlockMath"]
 
@@ -36,6 +39,10 @@ class BlockMath(Protocol):
         """Round-1 record of a block whose first column is global column ``col_start``."""
         ...
 
+    def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
+        """Merge (S, rows, 2F+3) contiguous packed records (the shards' gathered records)."""
+        ...
+
     def kl_sums(
         self,
         plan: LossPlan,
@@ -49,19 +56,27 @@ class BlockMath(Protocol):
         """(rows, num_sums) round-2 sums of the plan's variant over the block."""
         ...
 
+    def rows(
+        self, program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
+    ) -> Tensor:
+        """Run a row program: ``values`` maps its inputs to (rows,) tensors (any stride),
+        ``scalars`` its scalars to floats; (rows, outputs) in ``like``'s dtype."""
+        ...
+
     def stage_logit_grads(
         self,
         plan: LossPlan,
-        stats: RowStats,
+        row_constants: Tensor,
+        names: tuple[str, ...],
         student: Tensor,
         teacher: Tensor | None,
         labels: Tensor,
         col_start: int,
-        row_scale: Tensor,
         out: tuple[Tensor, Tensor | None],
     ) -> None:
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out[1]`` is not None) of the block into the
-        staging views ``out``, in their dtype."""
+        staging views ``out``, in their dtype; ``row_constants`` (rows, len(names)) from
+        :func:`orda_tp.backends.chunk_stats.grad_row_constants`."""
         ...
 
 
@@ -78,6 +93,9 @@ class TorchBlockMath:
     ) -> PartitionRecord:
         return block_partition_record(student, teacher, labels, col_start, families)
 
+    def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
+        return merge_stacked_partition_records(stacked, num_families)
+
     def kl_sums(
         self,
         plan: LossPlan,
@@ -93,18 +111,25 @@ class TorchBlockMath:
         local_labels = labels - col_start if divergence.needs_target else None
         return divergence.block_sums(kl_block_terms(plan, student, teacher, lse_u, lse_v, local_labels), plan.params)
 
+    def rows(
+        self, program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
+    ) -> Tensor:
+        constants = {name: torch.tensor(value, dtype=like.dtype) for name, value in scalars.items()}
+        return evaluate_rows(program.exprs, {**values, **constants}, like)
+
     def stage_logit_grads(
         self,
         plan: LossPlan,
-        stats: RowStats,
+        row_constants: Tensor,
+        names: tuple[str, ...],
         student: Tensor,
         teacher: Tensor | None,
         labels: Tensor,
         col_start: int,
-        row_scale: Tensor,
         out: tuple[Tensor, Tensor | None],
     ) -> None:
-        student_grad, teacher_grad = block_logit_grads(plan, stats, student, teacher, labels - col_start, row_scale)
+        constants = {name: row_constants[:, j] for j, name in enumerate(names)}
+        student_grad, teacher_grad = block_logit_grads(plan, constants, student, teacher, labels - col_start)
         out[0].copy_(student_grad)
         if out[1] is not None:
             assert teacher_grad is not None

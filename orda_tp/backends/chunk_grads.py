@@ -13,13 +13,14 @@ A group's staged ``dS`` (rows × real local columns) then feeds ``dh[rows] += dS
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..plan import LossPlan
-from .chunk_stats import RowStats, kl_block_terms
+from .chunk_stats import kl_block_terms
 from .gemm import GemmPolicy, full_precision_reductions
 from .head import HeadTensors
 
@@ -131,37 +132,34 @@ def _masked(grad: Tensor, keep: Tensor) -> Tensor:
 
 def block_logit_grads(
     plan: LossPlan,
-    stats: RowStats,
+    constants: Mapping[str, Tensor],
     student: Tensor,
     teacher: Tensor | None,
     local_labels: Tensor,
-    row_scale: Tensor,
 ) -> tuple[Tensor, Tensor | None]:
     """``(∂loss/∂s, ∂loss/∂t)`` on one block; the teacher part is None when it is not trained.
-    Rows whose ``row_scale`` is 0 get exactly 0 (whatever their logits hold)."""
+    ``constants``: the row constants of :func:`orda_tp.backends.row_formulas.grad_step` by name.
+    Rows whose ``scale`` is 0 get exactly 0 (whatever their logits hold)."""
+    row_scale = constants["scale"]
     student_grad = torch.zeros_like(student)
     teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
     w_ce_s, w_kl_s, w_kl_t = plan.logit_grad_weights
     if plan.student_ce_weight > 0:
-        student_grad += _cross_entropy_grad(
-            student, stats.lse(plan, plan.ce_student_family), local_labels, w_ce_s * row_scale
-        )
+        student_grad += _cross_entropy_grad(student, constants["lse_s"], local_labels, w_ce_s * row_scale)
     if teacher_grad is not None and plan.teacher_ce_trains_teacher:
         assert teacher is not None
-        lse_t, coef = stats.teacher_ce_terms(plan, row_scale)
-        teacher_grad += _cross_entropy_grad(teacher, lse_t, local_labels, coef)
+        teacher_grad += _cross_entropy_grad(teacher, constants["lse_t"], local_labels, constants["c_ce_t"])
     if plan.computes_kl:
         divergence = plan.divergence
         assert divergence is not None and teacher is not None
-        assert stats.kl_log_partitions is not None and stats.keep_kl_grad is not None
-        lse_u, lse_v = stats.kl_log_partitions
+        lse_u, lse_v, keep = constants["lse_u"], constants["lse_v"], constants["keep"] > 0
         terms = kl_block_terms(plan, student, teacher, lse_u, lse_v, local_labels if divergence.needs_target else None)
         student_grad += (w_kl_s * row_scale)[:, None] * _masked(
-            divergence.student_grad(terms, stats.kl_consts, plan.params), stats.keep_kl_grad
+            divergence.student_grad(terms, dict(constants), plan.params), keep
         )
         if teacher_grad is not None and plan.kl_trains_teacher:
             teacher_grad += (w_kl_t * row_scale)[:, None] * _masked(
-                divergence.teacher_grad(terms, stats.kl_consts, plan.params), stats.keep_kl_grad
+                divergence.teacher_grad(terms, dict(constants), plan.params), keep
             )
     active = row_scale != 0
     return _masked(student_grad, active), None if teacher_grad is None else _masked(teacher_grad, active)

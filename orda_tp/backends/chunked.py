@@ -27,7 +27,7 @@ from ..parallel.layout import VocabLayout
 from ..plan import LossPlan
 from .block_math import BlockMath
 from .chunk_grads import GradientBuffers, GradientStaging, run_gradient_gemms
-from .chunk_stats import RowStats, chunk_row_stats
+from .chunk_stats import RowStats, chunk_row_stats, grad_row_constants
 from .gemm import GemmPolicy
 from .head import HeadTensors, RowChunk, block_logits, column_blocks, statistics_dtype
 
@@ -105,14 +105,6 @@ def _upstream_scale(problem: ChunkedProblem, upstream: Tensor, statistics: torch
     return scale.to(statistics)
 
 
-def _row_scale(problem: ChunkedProblem, upstream_scale: Tensor, chunk: RowChunk, stats: RowStats) -> Tensor:
-    """Per-row factor of the gradient: the upstream scale; 0 on ignored rows, NaN on rows whose
-    label no column owns (an invalid label shows in the gradient too)."""
-    scale = upstream_scale[chunk.begin : chunk.end] if upstream_scale.dim() else upstream_scale
-    scale = torch.where(stats.label_owned, scale, float("nan"))
-    return torch.where(problem.valid[chunk.begin : chunk.end], scale, 0.0)
-
-
 def _walk_chunk(
     problem: ChunkedProblem,
     head: HeadTensors,
@@ -132,10 +124,13 @@ def _walk_chunk(
         stats = chunk_row_stats(plan, starts, chunk.labels, problem.exchange, problem.math, like)
     if staged is not None:
         staging, upstream_scale = staged
-        scale = _row_scale(problem, upstream_scale, chunk, stats)
+        if upstream_scale.dim():
+            upstream_scale = upstream_scale[chunk.begin : chunk.end]
+        valid = problem.valid[chunk.begin : chunk.end]
+        constants, names = grad_row_constants(plan, stats, upstream_scale, valid, problem.math, like)
         for start, stop, student, teacher in blocks:
             problem.math.stage_logit_grads(
-                plan, stats, student, teacher, chunk.labels, head.vocab_start + start, scale,
+                plan, constants, names, student, teacher, chunk.labels, head.vocab_start + start,
                 staging.rows_of(chunk.begin, chunk.end, start, stop),
             )  # fmt: skip
     return stats
@@ -176,7 +171,10 @@ def _walk_rows(
             saved_chunk = next(saved_stats) if saved_stats is not None else None
             walked.append(_walk_chunk(problem, head, chunk, saved_chunk, staged, like))
         if staging is not None and gradients is not None:
-            run_gradient_gemms(head, staging, problem.valid[group_begin:group_end], gradients[0], problem.gemms)
+            buffers = gradients[0]
+            run_gradient_gemms(head, staging, problem.valid[group_begin:group_end], buffers, problem.gemms)
+            hidden = [grad for grad in (buffers.student_hidden, buffers.teacher_hidden) if grad is not None]
+            problem.exchange.start_row_gradient_sum(hidden, group_begin, group_end)
         del staging, staged  # the group's staged gradients go before the next group's are allocated
     return walked
 
@@ -264,7 +262,6 @@ def _input_gradients(
     if buffers is not None:
         ctx.eager_buffers = None
         grads = buffers.as_list()
-        _scale_in_place([grad for grad in grads if grad is not None], grad_loss)
     else:
         if ctx.gathered_hidden is not None:
             full = (ctx.gathered_hidden[0], inputs[1], ctx.gathered_hidden[1], *inputs[3:])
@@ -278,6 +275,8 @@ def _input_gradients(
     reduced = problem.exchange.reduce_row_gradients([grads[i] for i in hidden_slots])
     for slot, grad in zip(hidden_slots, reduced):
         grads[slot] = grad
+    if buffers is not None:  # the eager buffers hold the gradient of a unit upstream (summed over shards)
+        _scale_in_place([grad for grad in grads if grad is not None], grad_loss)
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs[:4]))
 
 

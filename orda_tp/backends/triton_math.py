@@ -1,16 +1,16 @@
 """Block math on generated Triton kernels (``orda_tp.kernels``): one pass over the block per
-statistics round and one for the logit gradients."""
+statistics round and one for the logit gradients, one launch per row step."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
 from ..kernels import ops
 from ..plan import LossPlan
 from ..statistics import LogitFamily, PartitionRecord
-from .chunk_stats import RowStats
+from .row_formulas import RowProgram
 
 __all__ = ["TritonBlockMath"]
 
@@ -25,6 +25,9 @@ class TritonBlockMath:
         self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
     ) -> PartitionRecord:
         return ops.partition_record(student, teacher, labels, col_start, families)
+
+    def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
+        return ops.merge_stacked_records(stacked, num_families)
 
     def kl_sums(
         self,
@@ -42,26 +45,22 @@ class TritonBlockMath:
             plan.divergence, plan.params, student, teacher, labels, col_start, lse_u, lse_v, temperatures
         )
 
+    def rows(
+        self, program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
+    ) -> Tensor:
+        return ops.row_program(program.inputs, program.scalars, program.exprs, values, scalars, like)
+
     def stage_logit_grads(
         self,
         plan: LossPlan,
-        stats: RowStats,
+        row_constants: Tensor,
+        names: tuple[str, ...],
         student: Tensor,
         teacher: Tensor | None,
         labels: Tensor,
         col_start: int,
-        row_scale: Tensor,
         out: tuple[Tensor, Tensor | None],
     ) -> None:
-        values: dict[str, Tensor] = {"scale": row_scale, **stats.kl_consts}
-        if plan.student_ce_weight > 0:
-            values["lse_s"] = stats.lse(plan, plan.ce_student_family)
-        if plan.teacher_ce_trains_teacher:
-            values["lse_t"], values["c_ce_t"] = stats.teacher_ce_terms(plan, row_scale)
-        if plan.computes_kl:
-            assert stats.kl_log_partitions is not None and stats.keep_kl_grad is not None
-            values["lse_u"], values["lse_v"] = stats.kl_log_partitions
-            values["keep"] = stats.keep_kl_grad.to(row_scale.dtype)
         terms = ops.GradTerms(
             student_ce=plan.student_ce_weight > 0,
             student_kl=plan.computes_kl,
@@ -78,7 +77,8 @@ class TritonBlockMath:
             teacher,
             labels,
             col_start,
-            values,
+            row_constants,
+            names,
             temperatures,
             plan.logit_grad_weights,
             out,

@@ -6,6 +6,10 @@ block symbols (``LOGP``, ``LOGQ``, ``P``, ``Q``, ``IS_TARGET``) and per-row cons
 Triton backend compiles the same trees into kernel code (``orda_tp.kernels.codegen``). So a
 formula exists in one place, whatever runs it.
 
+Row formulas (the per-row steps of a chunk, :mod:`orda_tp.backends.row_formulas`) are trees over
+row constants alone, evaluated on (rows,) tensors by :func:`evaluate_rows` or compiled into one
+row kernel.
+
 Shared subtrees (the same Python object used twice) are computed once by both evaluators.
 """
 
@@ -27,6 +31,7 @@ __all__ = [
     "absolute",
     "equal",
     "evaluate",
+    "evaluate_rows",
     "exp",
     "expm1",
     "greater",
@@ -34,7 +39,9 @@ __all__ = [
     "log",
     "logaddexp",
     "logical_and",
+    "logical_or",
     "row",
+    "row_names",
     "where",
     "wrap",
 ]
@@ -135,6 +142,10 @@ def logical_and(a: Expr, b: Expr) -> Expr:
     return Expr("and", (a, b))
 
 
+def logical_or(a: Expr, b: Expr) -> Expr:
+    return Expr("or", (a, b))
+
+
 def where(condition: Expr, a: Expr | float, b: Expr | float) -> Expr:
     return Expr("where", (condition, wrap(a), wrap(b)))
 
@@ -155,6 +166,7 @@ _TORCH_BINARY = {
     "gt": torch.gt,
     "lt": torch.lt,
     "and": torch.logical_and,
+    "or": torch.logical_or,
     "logaddexp": torch.logaddexp,
 }
 
@@ -165,6 +177,7 @@ def _run(
     columns: Mapping[str, Tensor | None],
     rows: Mapping[str, Tensor],
     reference: Tensor,
+    as_columns: bool,
 ) -> Tensor:
     key = id(node)
     if key in memo:
@@ -177,9 +190,10 @@ def _run(
         assert value is not None, f"the block has no {node.value}"
         result = value
     elif node.op == "row":
-        result = rows[str(node.value)][:, None]
+        result = rows[str(node.value)]
+        result = result[:, None] if as_columns else result
     else:
-        args = [_run(arg, memo, columns, rows, reference) for arg in node.args]
+        args = [_run(arg, memo, columns, rows, reference, as_columns) for arg in node.args]
         if node.op == "where":
             result = torch.where(*args)
         elif node.op in _TORCH_UNARY:
@@ -197,5 +211,38 @@ def evaluate(exprs: Sequence[Expr], columns: Mapping[str, Tensor | None], rows: 
     reference = columns["logp"]
     assert reference is not None
     memo: dict[int, Tensor] = {}
-    results = [_run(e, memo, columns, rows, reference) for e in exprs]
+    results = [_run(e, memo, columns, rows, reference, True) for e in exprs]
     return [result.to(reference.device).expand_as(reference) for result in results]
+
+
+def evaluate_rows(exprs: Sequence[Expr], rows: Mapping[str, Tensor], like: Tensor) -> Tensor:
+    """Evaluate row formulas with torch: ``rows`` maps the row constants to (rows,) tensors (any
+    dtype; booleans read as 0/1); returns the results stacked as (rows, len(exprs)) in ``like``'s
+    dtype and device."""
+    memo: dict[int, Tensor] = {}
+    count = next(iter(rows.values())).shape[0]
+    columns = []
+    for expr in exprs:
+        result = _run(expr, memo, {}, rows, like, False)
+        # A constant result (a 0-d CPU tensor) is filled on the device: no host-to-device copy.
+        columns.append(result.to(like).expand(count) if result.dim() else like.new_full((count,), result.item()))
+    return torch.stack(columns, dim=1)
+
+
+def row_names(exprs: Sequence[Expr]) -> list[str]:
+    """The row constants the expressions read, in first-use order."""
+    names: list[str] = []
+    seen: set[int] = set()
+
+    def visit(node: Expr) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if node.op == "row" and node.value not in names:
+            names.append(str(node.value))
+        for arg in node.args:
+            visit(arg)
+
+    for expr in exprs:
+        visit(expr)
+    return names

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..divergences.expr import Expr
 
-__all__ = ["HELPERS", "compile_exprs", "row_names"]
+__all__ = ["HELPERS", "compile_exprs"]
 
 HELPERS = """
 @triton.jit
@@ -31,7 +31,7 @@ def _logaddexp(a, b):
     return shift + tl.log(tl.exp(a - shift) + tl.exp(b - shift))
 """
 
-_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "eq": "==", "gt": ">", "lt": "<", "and": "&"}
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "eq": "==", "gt": ">", "lt": "<", "and": "&", "or": "|"}
 _CALLS = {
     "exp": "tl.exp",
     "log": "tl.log",
@@ -42,28 +42,9 @@ _CALLS = {
 
 
 def _literal(value: float) -> str:
-    if not math.isfinite(value):
-        raise ValueError(f"expression constants must be finite, got {value}")
-    return repr(float(value))
-
-
-def row_names(exprs: Sequence[Expr]) -> list[str]:
-    """The row constants the expressions read, in first-use order."""
-    names: list[str] = []
-    seen: set[int] = set()
-
-    def visit(node: Expr) -> None:
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        if node.op == "row" and node.value not in names:
-            names.append(str(node.value))
-        for arg in node.args:
-            visit(arg)
-
-    for expr in exprs:
-        visit(expr)
-    return names
+    if math.isfinite(value):
+        return repr(float(value))
+    return f'float("{value}")'  # inf, -inf, nan
 
 
 def compile_exprs(exprs: Sequence[Expr], prefix: str) -> tuple[list[str], list[str]]:

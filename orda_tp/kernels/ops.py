@@ -7,7 +7,7 @@ logit gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from types import ModuleType
 
@@ -16,8 +16,9 @@ import triton
 from torch import Tensor
 
 from ..divergences import Divergence, DivergenceParams
+from ..divergences.expr import Expr
 from ..statistics import LogitFamily, PartitionRecord
-from .codegen import compile_exprs, row_names
+from .codegen import compile_exprs
 from .templates import (
     GRADS_TEMPLATE,
     MERGE_TEMPLATE,
@@ -25,15 +26,25 @@ from .templates import (
     PARTITION_STORE,
     PARTITION_TEMPLATE,
     PARTITION_UPDATE,
+    ROWS_TEMPLATE,
     SCALE_TEMPLATE,
     SUMS_TEMPLATE,
     load_kernel_module,
 )
 from .tiles import grid, tiles_for
 
-__all__ = ["partition_record", "variant_sums", "logit_grads", "GradTerms", "scale_in_place"]
+__all__ = [
+    "partition_record",
+    "merge_stacked_records",
+    "variant_sums",
+    "logit_grads",
+    "GradTerms",
+    "row_program",
+    "scale_in_place",
+]
 
 MERGE_BLOCK_R = 128
+ROWS_BLOCK_R = 128
 SCALE_BLOCK = 4096
 
 
@@ -99,11 +110,18 @@ def partition_record(
     )
     if launch[1] == 1:
         return PartitionRecord.unpack(partial[0], count)
-    merged = torch.empty(rows, width, dtype=torch.float32, device=student.device)
-    _merge_module(count).kernel[(triton.cdiv(max(rows, 1), MERGE_BLOCK_R),)](
-        partial, merged, rows, launch[1], BLOCK_R=MERGE_BLOCK_R
+    return merge_stacked_records(partial, count)
+
+
+def merge_stacked_records(stacked: Tensor, num_families: int) -> PartitionRecord:
+    """Merge (S, rows, 2F+3) contiguous fp32 packed records (column splits, or the shards'
+    gathered records) in one launch (see ``statistics.merge_stacked_partition_records``)."""
+    splits, rows, width = stacked.shape
+    merged = torch.empty(rows, width, dtype=torch.float32, device=stacked.device)
+    _merge_module(num_families).kernel[(triton.cdiv(max(rows, 1), MERGE_BLOCK_R),)](
+        stacked, merged, rows, splits, BLOCK_R=MERGE_BLOCK_R
     )
-    return PartitionRecord.unpack(merged, count)
+    return PartitionRecord.unpack(merged, num_families)
 
 
 @cache
@@ -179,9 +197,10 @@ class GradTerms:
 
 @cache
 def _grads_module(
-    divergence: Divergence | None, params: DivergenceParams, terms: GradTerms
-) -> tuple[ModuleType, tuple[str, ...]]:
-    """The gradient kernel of these terms, and the row constants it reads, in ``rowc``'s order.
+    divergence: Divergence | None, params: DivergenceParams, terms: GradTerms, names: tuple[str, ...]
+) -> ModuleType:
+    """The gradient kernel of these terms, reading the row constants ``names`` (in order) from
+    ``rowc``.
 
     ``scale`` is the row's factor (0 on ignored rows, whose gradients come out exactly 0); the
     terms' weights arrive as runtime arguments (``w_ce_s``, ``w_kl_s``, ``w_kl_t``), so a change of
@@ -196,14 +215,6 @@ def _grads_module(
         assert divergence is not None
         exprs.append(divergence.teacher_grad_expr(params))
     lines, results = compile_exprs(exprs, "g")
-    names = ["scale"]
-    if student_ce:
-        names.append("lse_s")
-    if teacher_ce:
-        names += ["lse_t", "c_ce_t"]
-    if exprs:
-        names += ["lse_u", "lse_v", "keep"]
-        names += [n for n in row_names(exprs) if n not in names]
     load_rows = [
         f"row_{name} = tl.load(rowc_ptr + rows * {len(names)} + {j}, mask=row_ok, other=0.0)[:, None]"
         for j, name in enumerate(names)
@@ -230,7 +241,7 @@ def _grads_module(
         body.append("dt = tl.where(row_scale != 0.0, dt, 0.0)")
         body.append(store.format("dt"))
     source = GRADS_TEMPLATE.format(load_rows=_indent(load_rows, 4), body=_indent(body, 8))
-    return load_kernel_module(source), tuple(names)
+    return load_kernel_module(source)
 
 
 def logit_grads(
@@ -241,18 +252,18 @@ def logit_grads(
     teacher: Tensor | None,
     labels: Tensor,
     col_start: int,
-    row_values: dict[str, Tensor],
+    rowc: Tensor,
+    names: tuple[str, ...],
     temperatures: tuple[float, float],
     weights: tuple[float, float, float],
     out: tuple[Tensor, Tensor | None],
 ) -> None:
     """Write ``∂loss/∂s`` (and ``∂loss/∂t`` when the terms train the teacher) of a block into
-    ``out`` (row-major views, any float dtype); ``row_values`` holds the row constants the kernel
-    reads (fp32 (rows,), names as in :func:`_grads_module`), ``weights`` the coefficients
+    ``out`` (row-major views, any float dtype); ``rowc`` (rows, len(names)) fp32, contiguous,
+    holds the row constants ``names`` the kernel reads, ``weights`` the coefficients
     ``(w_ce_s, w_kl_s, w_kl_t)`` of the student's CE, its KL and the teacher's KL term."""
     rows, cols = student.shape
-    module, names = _grads_module(divergence, params, terms)
-    rowc = torch.stack([row_values[name] for name in names], dim=1)
+    module = _grads_module(divergence, params, terms, names)
     grad_s, grad_t = out
     trains_teacher = terms.key[2] or terms.key[3]
     assert (grad_t is not None) == trains_teacher
@@ -284,6 +295,47 @@ def logit_grads(
         BLOCK_C=tiles.block_c,
         num_warps=tiles.num_warps,
     )
+
+
+@cache
+def _rows_module(inputs: tuple[str, ...], scalars: tuple[str, ...], exprs: tuple[Expr, ...]) -> ModuleType:
+    lines, results = compile_exprs(exprs, "r")
+    args = " ".join(f"in{i}_ptr, in{i}_stride," for i in range(len(inputs)))
+    args += " ".join(f" row_{name}," for name in scalars)
+    loads = [
+        f"row_{name} = tl.load(in{i}_ptr + rows * in{i}_stride, mask=row_ok, other=0).to(tl.float32)"
+        for i, name in enumerate(inputs)
+    ]
+    stores = [
+        f"tl.store(out_ptr + rows * {len(exprs)} + {j}, ({result} + zero).to(out_ptr.dtype.element_ty), mask=row_ok)"
+        for j, result in enumerate(results)
+    ]
+    source = ROWS_TEMPLATE.format(args=args, loads=_indent(loads, 4), body=_indent(lines, 4), stores=_indent(stores, 4))
+    return load_kernel_module(source)
+
+
+def row_program(
+    inputs: tuple[str, ...],
+    scalars: tuple[str, ...],
+    exprs: tuple[Expr, ...],
+    values: Mapping[str, Tensor],
+    scalar_values: Mapping[str, float],
+    like: Tensor,
+) -> Tensor:
+    """Run row formulas ``exprs`` in one launch: ``values`` maps each input name to a (rows,)
+    tensor of any stride (stride 0 broadcasts), ``scalar_values`` each scalar name to a float;
+    returns the (rows, len(exprs)) results in ``like``'s dtype."""
+    count = values[inputs[0]].shape[0]
+    out = torch.empty(count, len(exprs), dtype=like.dtype, device=like.device)
+    pointers: list[object] = []
+    for name in inputs:
+        tensor = values[name]
+        pointers += [tensor, tensor.stride(0)]
+    module = _rows_module(inputs, scalars, exprs)
+    module.kernel[(triton.cdiv(max(count, 1), ROWS_BLOCK_R),)](
+        out, count, *pointers, *[float(scalar_values[name]) for name in scalars], BLOCK_R=ROWS_BLOCK_R
+    )
+    return out
 
 
 def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:

@@ -9,6 +9,9 @@ Three kernels walk a (rows × local columns) block of logits in (BLOCK_R × BLOC
   column splits' records into one;
 - ``sums``: round-2 sums, the variant's ``column_terms`` over normalized ``log p``, ``log q``,
   accumulated per tile element and reduced once at the end;
+- ``rows``: a chunk's per-row step between the passes (a row program of
+  ``orda_tp.backends.row_formulas``: log-partitions and CE values, the KL's row value, the
+  gradient's row constants), one launch per step;
 - ``grads``: the logit gradients ``∂loss/∂s`` (and ``∂loss/∂t``) from the row constants, written
   once, in the staging dtype of the gradient GEMMs (exactly 0 on rows whose scale is 0).
 
@@ -37,6 +40,7 @@ __all__ = [
     "load_kernel_module",
     "MERGE_TEMPLATE",
     "PARTITION_TEMPLATE",
+    "ROWS_TEMPLATE",
     "SCALE_TEMPLATE",
     "SUMS_TEMPLATE",
     "GRADS_TEMPLATE",
@@ -138,6 +142,21 @@ def kernel(in_ptr, out_ptr, R, S, BLOCK_R: tl.constexpr):
         for split in range(S):
             total += tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + k, mask=row_ok, other=0.0)
         tl.store(out_ptr + rows * WIDTH + k, total, mask=row_ok)
+"""
+
+# A row program (``orda_tp.backends.row_formulas``): each (rows,) input read through its own
+# pointer and stride (0 broadcasts one value), runtime float scalars, the outputs stored as the
+# columns of one (R, NUM_OUT) tensor.
+ROWS_TEMPLATE = """
+@triton.jit(do_not_specialize=["R"])
+def kernel(out_ptr, R, {args} BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    rows = rows.to(tl.int64)
+    zero = tl.zeros([BLOCK_R], dtype=tl.float32)
+{loads}
+{body}
+{stores}
 """
 
 # ``x *= scale[0]`` over a flat tensor, the scale read on the device (a 0-d CUDA tensor as the

@@ -11,13 +11,14 @@ every rank sees every rank's error and raises the same ValueError. A call with n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..statistics import PartitionRecord, merge_stacked_partition_records
+from ..statistics import PartitionRecord
 from .collectives import all_gather_rows, gather_sequence_rows, reduce_row_gradients
 
 __all__ = ["LocalError", "ShardExchange"]
@@ -52,6 +53,7 @@ class ShardExchange:
         self.sequence_parallel = sequence_parallel
         self.local_error = local_error
         self.errors_exchanged = False
+        self.pending_sums: list[dist.Work] = []  # row-group gradient sums in flight
 
     def _header(self, rows: int, like: Tensor) -> Tensor:
         error = self.local_error or LocalError(0)
@@ -65,7 +67,9 @@ class ShardExchange:
             if code:
                 raise ValueError(ERROR_MESSAGES[int(code)].format(rank=rank, row=int(row), column=int(column)))
 
-    def merge_partitions(self, local: PartitionRecord) -> PartitionRecord:
+    def merge_partitions(
+        self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
+    ) -> PartitionRecord:
         packed = local.pack()
         width = packed.shape[1]
         if not self.errors_exchanged:
@@ -73,7 +77,8 @@ class ShardExchange:
         gathered = all_gather_rows(packed, self.group)
         if packed.shape[1] > width:
             self._raise_gathered_errors(gathered[..., width:])
-        return merge_stacked_partition_records(gathered[..., :width], local.maxes.shape[1])
+            gathered = gathered[..., :width].contiguous()
+        return merge_stacked(gathered, local.maxes.shape[1])
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
         return all_gather_rows(local, self.group).sum(dim=0)
@@ -89,7 +94,21 @@ class ShardExchange:
             return tensors
         return gather_sequence_rows(tensors, self.group)
 
+    def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
+        """Without sequence parallelism, an asynchronous all-reduce of each gradient's rows
+        ``[begin, end)`` (they overlap the next row groups' work); under it, the single
+        reduce-scatter of :meth:`reduce_row_gradients` keeps this rank's rows instead."""
+        if self.sequence_parallel:
+            return
+        for grad in grads:
+            self.pending_sums.append(dist.all_reduce(grad[begin:end], group=self.group, async_op=True))
+
     def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
         if not grads:
+            return grads
+        if self.pending_sums:  # every row group's sum was started by the row walk
+            for work in self.pending_sums:
+                work.wait()
+            self.pending_sums = []
             return grads
         return reduce_row_gradients(grads, self.group, self.sequence_parallel)
