@@ -3,6 +3,8 @@
 ``distillation_loss`` computes the student cross-entropy, the teacher cross-entropy and any of
 15 KL-type divergences from hidden states and LM-head weights without building the (tokens ×
 vocab) logits. The API is a superset of orda-kernel's: ``import orda_tp as orda_kernel`` works.
+``KDLoss`` and ``flash_ce_kd_loss`` compute the same losses, exactly and in a bounded workspace, on
+logits the caller already holds.
 """
 
 from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
@@ -20,6 +22,7 @@ from .cross_vocab import (
     project_teacher_logits,
 )
 from .divergences import KL_VARIANTS
+from .logits_losses import KDLoss, flash_ce_kd_loss
 from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 
 __version__ = "0.1.0"
@@ -29,6 +32,7 @@ __all__ = [
     "AlignedSpanLossOutput",
     "AlignedSpanPairs",
     "KL_VARIANTS",
+    "KDLoss",
     "PrecomputedSpanTeacher",
     "aligned_span_distillation_loss",
     "build_exact_token_map",
@@ -46,5 +50,6 @@ __all__ = [
     "SeparateTeacher",
     "TiedTeacher",
     "distillation_loss",
+    "flash_ce_kd_loss",
     "is_available",
 ]

@@ -8,8 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .backends import select_backend
-from .backends.block_math import BlockMath, TorchBlockMath
+from .backends import block_math_of, select_backend
 from .backends.chunked import ChunkedProblem, chunked_loss
 from .backends.gemm import GemmPolicy
 from .backends.head import statistics_dtype
@@ -126,14 +125,6 @@ def _gradient_scale(options: LossOptions) -> float | Tensor | None:
     return float(scaler.get_scale())  # type: ignore[attr-defined]  # not yet initialized: its init scale
 
 
-def _block_math(backend: str) -> BlockMath:
-    if backend == "triton":
-        from .backends.triton_math import TritonBlockMath
-
-        return TritonBlockMath()
-    return TorchBlockMath()
-
-
 def _local_inputs(
     options: LossOptions,
     parallel: ParallelOptions,
@@ -208,7 +199,7 @@ def _run(
                 grad_needs=_gradient_needs(plan, inputs[:4]),
                 exchange=exchange,
                 layout=layout,
-                math=_block_math(backend),
+                math=block_math_of(backend),
                 gemms=GemmPolicy(_gradient_scale(options)),
             )
             outputs = chunked_loss(problem, *inputs)

@@ -16,7 +16,16 @@ from .divergences import Divergence, DivergenceParams, get_divergence
 from .plan import REDUCTIONS, LossPlan
 from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 
-__all__ = ["LossOptions", "resolve_options", "check_inputs", "build_plan", "BACKENDS"]
+__all__ = [
+    "LossOptions",
+    "resolve_options",
+    "resolve_divergence",
+    "check_ignore_index",
+    "check_inputs",
+    "build_plan",
+    "with_vocabulary",
+    "BACKENDS",
+]
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -36,6 +45,41 @@ def check_temperature(name: str, value: object) -> float:
     if not _is_real(value) or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
         raise ValueError(f"{name} must be a finite real number > 0, got {value!r}")
     return float(value)  # type: ignore[arg-type]
+
+
+def resolve_divergence(
+    kl_divergence: object, kl_alpha: object, kl_beta: object, entropy_gate: object
+) -> tuple[Divergence, DivergenceParams]:
+    """The registered variant and its parameters (defaults filled, ranges checked); a parameter
+    the variant does not read raises instead of being ignored."""
+    divergence = get_divergence(kl_divergence)
+    given = {"kl_alpha": kl_alpha, "kl_beta": kl_beta, "entropy_gate": entropy_gate}
+    for keyword, value in given.items():
+        if value is not None and keyword not in divergence.parameters:
+            raise ValueError(
+                f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
+                f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
+            )
+    return divergence, divergence.resolve(kl_alpha, kl_beta, entropy_gate)  # type: ignore[arg-type]
+
+
+def check_ignore_index(ignore_index: object) -> int:
+    """An int that fits in torch.long, like the labels it is compared with."""
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in torch.long (int64) like the labels, got {ignore_index!r}")
+    return ignore_index
+
+
+def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
+    """``params`` completed by what the variant reads of the global real vocabulary: ``log V``,
+    the normalizer of ``entropy_adaptive``'s gate (which needs V ≥ 2)."""
+    if divergence.name != "entropy_adaptive":
+        return params
+    if vocab_size < 2:
+        raise ValueError(f"kl_divergence='entropy_adaptive' needs a vocabulary of at least 2 columns, got {vocab_size}")
+    return DivergenceParams(params.alpha, params.beta, params.gate, math.log(vocab_size))
 
 
 @dataclass(frozen=True)
@@ -79,20 +123,9 @@ def resolve_options(
     grad_scaler: object,
 ) -> LossOptions:
     """Validate the keywords; the teacher-dependent defaults are resolved in :func:`build_plan`."""
-    divergence = get_divergence(kl_divergence)
-    given = {"kl_alpha": kl_alpha, "kl_beta": kl_beta, "entropy_gate": entropy_gate}
-    for keyword, value in given.items():
-        if value is not None and keyword not in divergence.parameters:
-            raise ValueError(
-                f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
-                f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
-            )
-    # Check the variant's parameter ranges here too, so that DistillationLoss(...) fails at construction.
-    divergence.resolve(kl_alpha, kl_beta, entropy_gate)  # type: ignore[arg-type]
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not INT64_MIN <= ignore_index <= INT64_MAX:
-        raise ValueError(f"ignore_index must fit in torch.long (int64) like the labels, got {ignore_index!r}")
+    # The variant's parameter ranges are checked here too, so that DistillationLoss(...) fails at construction.
+    divergence, _ = resolve_divergence(kl_divergence, kl_alpha, kl_beta, entropy_gate)
+    check_ignore_index(ignore_index)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
     if backend not in BACKENDS:
@@ -302,13 +335,9 @@ def build_plan(
             f"TiedTeacher.mode={teacher.mode!r} but the loss weights make the teacher {role!r} "
             f"(teacher_ce_weight={teacher_ce_weight}, kl_weight={options.kl_weight}, kl_divergence={divergence.name!r})"
         )
-    params = divergence.resolve(options.kl_alpha, options.kl_beta, options.entropy_gate)
-    if divergence.name == "entropy_adaptive":
-        if vocab_size < 2:
-            raise ValueError(
-                f"kl_divergence='entropy_adaptive' needs a vocabulary of at least 2 columns, got {vocab_size}"
-            )
-        params = DivergenceParams(params.alpha, params.beta, params.gate, math.log(vocab_size))
+    params = with_vocabulary(
+        divergence, divergence.resolve(options.kl_alpha, options.kl_beta, options.entropy_gate), vocab_size
+    )
     return LossPlan(
         student_ce_weight=options.student_ce_weight,
         teacher_ce_weight=teacher_ce_weight,

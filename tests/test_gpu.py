@@ -162,3 +162,46 @@ def test_fp16_gradients_through_the_scaled_tensor_core_path(scaling: str) -> Non
     for grad, exact_grad in zip(grads, expected):
         assert grad.dtype == torch.float16 and torch.isfinite(grad).all()
         assert (grad.double() - exact_grad).norm() <= 2e-3 * exact_grad.norm()
+
+
+@pytest.mark.parametrize("variant", ["forward", "skew_js", "dkd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kd_loss_on_given_logits_matches_the_fp64_formulas(variant: str, dtype: torch.dtype) -> None:
+    """KDLoss on CUDA (the Triton kernels reading the stored logits, bf16 included): the seed's
+    loss and its gradient in fp64 on the same rounded logits; the gradient in the logits' dtype."""
+    from .cases import VARIANT_KWARGS
+    from .test_logits_losses import kd_loss_fp64
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    rows, vocab = 512, 32003
+    student = (2 * torch.randn(rows, vocab, device="cuda", generator=generator)).to(dtype).requires_grad_()
+    teacher = (2 * torch.randn(rows, vocab, device="cuda", generator=generator)).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+    labels[::7] = -100
+    loss_fn = orda_tp.KDLoss(temperature=1.5, chunk_size=96, kl_divergence=variant, **VARIANT_KWARGS[variant])
+    loss = loss_fn(student, teacher, labels)
+    (grad,) = torch.autograd.grad(loss, student)
+    exact = student.detach().double().requires_grad_()
+    expected = kd_loss_fp64(exact, teacher, labels, 1.5, variant=variant)
+    (expected_grad,) = torch.autograd.grad(expected, exact)
+    assert grad.dtype == dtype
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (grad.double() - expected_grad).norm() <= tolerance * expected_grad.norm()
+
+
+def test_flash_scores_on_the_gpu_match_the_fp64_formulas() -> None:
+    """flash_ce_kd_loss on CUDA: the teacher's logits formed block by block from bf16 hidden
+    states and head, the seed's CE and KD per token in fp64 on the same values."""
+    from .test_logits_losses import flash_scores_fp64
+
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    rows, vocab, width = 384, 32003, 256
+    student = (2 * torch.randn(rows, vocab, device="cuda", generator=generator)).bfloat16()
+    hidden = torch.randn(rows, width, device="cuda", generator=generator).bfloat16()
+    weight = (torch.randn(vocab, width, device="cuda", generator=generator) * width**-0.5).bfloat16()
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+    labels[::5] = -1
+    scores = orda_tp.flash_ce_kd_loss(student, hidden, weight, labels, temperature=2.0, chunk_size=8192)
+    for value, expected in zip(scores, flash_scores_fp64(student, hidden, weight, labels, 2.0, -1)):
+        assert (value.double() - expected).abs().max() <= 1e-4 * expected.abs().max()

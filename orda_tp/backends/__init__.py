@@ -4,12 +4,16 @@ generated Triton kernels for the per-block math)."""
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels import unavailable_reason
 
-__all__ = ["select_backend"]
+if TYPE_CHECKING:
+    from .block_math import BlockMath
+
+__all__ = ["block_math_of", "select_backend"]
 
 _warned_fallback = False
 
@@ -34,3 +38,14 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
         _warned_fallback = True
         warnings.warn(f"orda_tp: backend='auto' runs the chunked torch backend because {reason}", stacklevel=3)
     return "torch"
+
+
+def block_math_of(backend: str) -> BlockMath:
+    """The per-block math of a selected chunked backend ("torch" or "triton")."""
+    if backend == "triton":
+        from .triton_math import TritonBlockMath
+
+        return TritonBlockMath()
+    from .block_math import TorchBlockMath
+
+    return TorchBlockMath()

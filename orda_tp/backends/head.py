@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .gemm import logits_mm
 
-__all__ = ["HeadTensors", "RowChunk", "block_logits", "column_blocks", "statistics_dtype"]
+__all__ = ["HeadTensors", "RowChunk", "block_logits", "column_blocks", "statistics_dtype", "stored_logits_block"]
 
 
 def statistics_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -97,6 +97,19 @@ class RowChunk:
         return self.end - self.begin
 
 
+def stored_logits_block(
+    logits: Tensor, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
+) -> Tensor:
+    """Rows ``[begin, end)`` and local columns ``[start, stop)`` of stored logits (a cache, or
+    logits handed in by the caller), detached: a view in the stored dtype when ``as_stored``
+    (unit column stride, as the Triton kernels read it: a copy of the block otherwise), else in
+    ``dtype``. Only the block is ever copied, never the whole tensor."""
+    block = logits.detach()[begin:end, start:stop]
+    if not as_stored:
+        return block.to(dtype)
+    return block if block.stride(1) == 1 or block.shape[1] <= 1 else block.contiguous()
+
+
 def block_logits(
     head: HeadTensors, chunk: RowChunk, start: int, stop: int, with_teacher: bool, cache_as_stored: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -112,7 +125,8 @@ def block_logits(
         return both[: chunk.rows], both[chunk.rows :]
     student = logits_mm(chunk.student_hidden, weight_block, dtype)
     if head.teacher_logits is not None:
-        cached = head.teacher_logits.detach()[chunk.begin : chunk.end, start:stop]
-        return student, cached if cache_as_stored else cached.to(dtype)
+        return student, stored_logits_block(
+            head.teacher_logits, chunk.begin, chunk.end, start, stop, dtype, cache_as_stored
+        )
     assert chunk.teacher_hidden is not None
     return student, logits_mm(chunk.teacher_hidden, head.teacher_head.detach()[start:stop], dtype)

@@ -1,0 +1,139 @@
+"""``flash_ce_kd_loss``: per-token CE and KD scores from the student's logits and the teacher's
+hidden states and LM head, the teacher's logits formed block by block and never all at once.
+
+Per token ``i`` with ``p = softmax(s_i/T)``, ``q = softmax(t_i/T)``, ``t_i = W_t·h_i``:
+
+- ``ce_i = LSE(s_i) − s_{i,y_i}`` (raw logits, T = 1), 0 where ``y_i = ignore_index``;
+- ``kd_i = KL(q‖p) = Σ_j q_j (log q_j − log p_j)``, on every row (the label is not read), not
+  multiplied by ``T²``.
+
+Forward only (scoring): nothing is differentiated, nothing is kept for a backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backends.head import statistics_dtype
+from ..config import KernelConfig
+from ..validation import check_label_range
+from .inputs import (
+    ShardShape,
+    agree_vocabulary,
+    check_floating,
+    check_labels,
+    local_companion,
+    local_head_weight,
+    local_student,
+    logits_group,
+)
+from .options import check_count, check_flag, logits_plan, resolve_logits_options
+from .row_walk import HeadLogits, StoredLogits, build_problem, row_statistics
+
+__all__ = ["flash_ce_kd_loss"]
+
+
+def _check_scoring_inputs(student: object, hidden: object, weight: object, labels: object) -> None:
+    """Types, shapes and devices of this rank's tensors (no value is read)."""
+    student = check_floating("student_logits", student, "[N, V]")
+    hidden = check_floating("teacher_hidden", hidden, "[N, D]")
+    weight = check_floating("teacher_lm_head_weight", weight, "[V, D]")
+    for name, tensor in (("student_logits", student), ("teacher_hidden", hidden), ("teacher_lm_head_weight", weight)):
+        if tensor.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(tensor.shape)}")
+    rows, columns = student.shape
+    if hidden.shape[0] != rows:
+        raise ValueError(
+            f"teacher_hidden must have shape ({rows}, D) (one row per row of student_logits), got {tuple(hidden.shape)}"
+        )
+    if tuple(weight.shape) != (columns, hidden.shape[1]):
+        raise ValueError(
+            f"teacher_lm_head_weight must have shape {(columns, hidden.shape[1])} (student_logits' vocabulary "
+            f"columns × teacher_hidden's width), got {tuple(weight.shape)}"
+        )
+    labels = check_labels(labels, (rows,), "one label per row of student_logits")
+    for name, tensor in (("teacher_hidden", hidden), ("teacher_lm_head_weight", weight), ("labels", labels)):
+        if tensor.device != student.device:
+            raise ValueError(f"{name} must be on student_logits' device {student.device}, got {tensor.device}")
+
+
+# Inside torch.compile'd code the scoring runs eagerly behind one graph break.
+@torch.compiler.disable
+def flash_ce_kd_loss(
+    student_logits: Tensor,
+    teacher_hidden: Tensor,
+    teacher_lm_head_weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -1,
+    chunk_size: int = 16384,
+    upcast: bool = True,
+    tp_group: object | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Per-token ``(ce, kd)``, each ``(N,)``: ``ce = LSE(s) − s_y`` (0 at ``ignore_index``) and
+    ``kd = KL(softmax(t/T) ‖ softmax(s/T))`` (not multiplied by ``T²``), with the teacher's logits
+    ``t = teacher_hidden · teacher_lm_head_weightᵀ`` formed block by block.
+
+    ``student_logits`` (N, V), ``teacher_hidden`` (N, D), ``teacher_lm_head_weight`` (V, D),
+    ``labels`` (N,) ``torch.long`` (in ``[0, V)`` or ``ignore_index``). ``chunk_size``: columns per
+    block of the torch backend (rows are walked in chunks of the default 448 MiB workspace, so
+    memory stays bounded whatever N is). ``upcast``: the values are always computed in fp32 (fp64
+    for fp64 inputs) and returned so; ``upcast=False`` returns them rounded to
+    ``student_logits.dtype``.
+
+    Tensor parallelism: with ``tp_group`` (or ``student_logits`` a DTensor sharded on its last
+    dimension) ``student_logits`` and ``teacher_lm_head_weight`` hold this rank's vocabulary
+    columns (``Shard(-1)`` / ``Shard(0)``), ``teacher_hidden`` and ``labels`` every row; every rank
+    returns the single-device scores. Forward only: no gradient is formed.
+    """
+    options = resolve_logits_options(
+        temperature=temperature,
+        kl_divergence="forward",
+        kl_alpha=None,
+        kl_beta=None,
+        entropy_gate=None,
+        ignore_index=ignore_index,
+        chunk_rows=0,
+        backend=backend,
+        tp_group=tp_group,
+        config=KernelConfig(vocab_block=check_count("chunk_size", chunk_size, 1)),
+    )
+    check_flag("upcast", upcast)
+    group, axis = logits_group(student_logits, options.tp_group)
+    local, shard, failure = None, None, None
+    try:
+        hidden = local_companion(teacher_hidden, student_logits, axis, "teacher_hidden", vocabulary=False)
+        weight = local_head_weight(teacher_lm_head_weight, axis, "teacher_lm_head_weight")
+        local_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
+        student, vocab_range = local_student(student_logits, axis)
+        _check_scoring_inputs(student, hidden, weight, local_labels)
+        local = (student, hidden, weight)
+        shard = ShardShape(student.shape[1], weight.shape[0], local_labels, vocab_range)  # type: ignore[union-attr]
+    except (ValueError, TypeError) as error:
+        if group is None:
+            raise
+        failure = error  # every rank of the group raises it after the handshake
+    layout = agree_vocabulary(group, shard, failure)
+    assert local is not None and shard is not None
+    student, hidden, weight = local
+    plan = logits_plan(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
+    valid = shard.labels != options.ignore_index
+    if options.config.runs_host_checks(shard.labels.device.type == "cpu"):
+        check_label_range(shard.labels, layout.vocab_size, options.ignore_index)
+    dtype = statistics_dtype(student, hidden, weight)
+    # Ignored rows read column 0 as their label: their CE is zeroed, their KD does not read it.
+    stats_labels = torch.where(valid, shard.labels, 0)
+    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
+    with torch.no_grad(), torch.autocast(student.device.type, enabled=False):
+        walked = row_statistics(problem, StoredLogits(student), HeadLogits(hidden, weight), dtype)
+    empty = torch.zeros(0, dtype=dtype, device=student.device)
+    ce = torch.cat([stats.student_ce for stats in walked]) if walked else empty
+    kd = torch.cat([stats.kl for stats in walked]) if walked else empty
+    ce = torch.where(valid, ce, 0.0)
+    if options.temperature != 1.0:
+        kd = kd / options.temperature**2  # the rows' KL carries T², which this score leaves out
+    out_dtype = dtype if upcast else student.dtype
+    return ce.to(out_dtype), kd.to(out_dtype)

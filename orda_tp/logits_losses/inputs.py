@@ -1,0 +1,227 @@
+"""This rank's logits: DTensors unwrapped, the tensor-parallel group found, the layout agreed.
+
+Logits are vocabulary-sharded along their last dimension: with an explicit ``tp_group`` each rank
+passes plain tensors holding its columns (the shards in rank order), or DTensors sharded on the
+last dimension (``Shard(-1)``) on one mesh dimension, whose group is then the call's group and
+whose shards follow ``torch.chunk`` order. Other mesh dimensions may be ``Replicate`` or shard the
+leading (row) dimensions, e.g. data parallelism: each rank then works on its local rows.
+
+On a group, ranks agree on the layout through the fused path's handshake
+(:func:`orda_tp.parallel.layout.resolve_layout`), so a bad input on one rank raises the same
+error on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, shard_axis
+from ..parallel.layout import ShardClaim, VocabLayout, resolve_layout
+
+try:
+    from torch.distributed.tensor import Replicate, Shard
+except ImportError:  # torch without DTensor: is_dtensor is always False
+    Replicate = Shard = None  # type: ignore[assignment, misc]
+
+__all__ = [
+    "LocalLogits",
+    "ShardShape",
+    "agree_vocabulary",
+    "check_floating",
+    "check_labels",
+    "local_companion",
+    "local_head_weight",
+    "local_logits",
+    "local_student",
+    "logits_group",
+]
+
+
+def check_floating(name: str, value: object, dims: str) -> Tensor:
+    """A floating-point tensor; ``dims`` describes the expected shape for the message."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {dims}, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}"
+        )
+    return value
+
+
+def check_labels(labels: object, shape: tuple[int, ...], meaning: str) -> Tensor:
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype != torch.long:
+        raise TypeError(f"labels must have dtype torch.long (int64), got {labels.dtype}")
+    if tuple(labels.shape) != shape:
+        raise ValueError(f"labels must have shape {shape} ({meaning}), got {tuple(labels.shape)}")
+    return labels
+
+
+def _placement_text(tensor: Tensor) -> str:
+    return f"{tuple(tensor.placements)} on mesh {tensor.device_mesh}"  # type: ignore[attr-defined]
+
+
+def _vocab_axis(logits: Tensor, name: str) -> MeshAxis | None:
+    """The mesh dimension along which a logits DTensor is sharded on its last dimension (None when
+    the vocabulary is not sharded); placements other than Replicate and row shards raise."""
+    last = logits.ndim - 1
+    vocab_dims = []
+    for mesh_dim, placement in enumerate(logits.placements):  # type: ignore[attr-defined]
+        if isinstance(placement, Shard) and placement.dim % logits.ndim == last:
+            vocab_dims.append(mesh_dim)
+        elif not isinstance(placement, (Replicate, Shard)):
+            raise ValueError(f"{name} has a DTensor placement this loss cannot handle: {_placement_text(logits)}")
+    if len(vocab_dims) > 1:
+        raise ValueError(
+            f"{name} is sharded on its last (vocabulary) dimension over {len(vocab_dims)} mesh dimensions; this "
+            f"loss handles one: {_placement_text(logits)}"
+        )
+    if not vocab_dims:
+        return None
+    mesh = logits.device_mesh  # type: ignore[attr-defined]
+    dim = vocab_dims[0]
+    return MeshAxis(mesh.get_group(dim), dim, mesh.size(dim), mesh.get_local_rank(dim), mesh)
+
+
+def logits_group(student_logits: object, tp_group: object) -> tuple[dist.ProcessGroup | None, MeshAxis | None]:
+    """The call's group and, for a DTensor sharded on its last dimension, its mesh axis.
+
+    Decided from the keyword and the placements alone (the same on every rank, so every rank
+    raises alike, before any collective)."""
+    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+        raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
+    if not is_dtensor(student_logits):
+        return tp_group, None
+    axis = _vocab_axis(student_logits, "student_logits")  # type: ignore[arg-type]
+    if axis is None:
+        if tp_group is not None:
+            raise ValueError(
+                "tp_group is given but student_logits is a DTensor whose last (vocabulary) dimension is not "
+                f"sharded: {_placement_text(student_logits)}"  # type: ignore[arg-type]
+            )
+        return None, None
+    if tp_group is not None and dist.get_process_group_ranks(tp_group) != dist.get_process_group_ranks(axis.group):
+        raise ValueError(
+            "tp_group is not the process group of the mesh dimension along which student_logits is sharded"
+        )
+    return axis.group, axis
+
+
+@dataclass(frozen=True)
+class LocalLogits:
+    """This rank's tensors and its global columns ``[start, stop)`` when a DTensor says so (None:
+    the shards lie in rank order)."""
+
+    student: Tensor
+    teacher: Tensor
+    labels: Tensor
+    vocab_range: tuple[int, int] | None
+
+
+def local_companion(tensor: object, student: Tensor, axis: MeshAxis | None, name: str, vocabulary: bool) -> object:
+    """The local part of a tensor that accompanies ``student_logits`` (plain tensors pass through).
+
+    A DTensor must live on the student's mesh with its placements, except on the vocabulary's
+    mesh dimension: Replicate for tensors without a vocabulary dimension (labels, hidden
+    states); for ``vocabulary`` tensors (teacher logits) Shard(-1), or Replicate, then cut to
+    this rank's columns."""
+    if not is_dtensor(tensor):
+        return tensor
+    if not is_dtensor(student):
+        raise ValueError(
+            f"{name} is a DTensor but student_logits is not: pass both as DTensors, or plain local tensors "
+            "with tp_group"
+        )
+    placements = list(tensor.placements)  # type: ignore[attr-defined]
+    expected = list(student.placements)  # type: ignore[attr-defined]
+    replicated = axis is not None and (not vocabulary or isinstance(placements[axis.dim], Replicate))
+    if replicated:
+        assert axis is not None
+        expected[axis.dim] = Replicate()
+    if tensor.device_mesh != student.device_mesh or placements != expected:  # type: ignore[attr-defined]
+        allowed = "Shard(-1) or Replicate" if vocabulary else "Replicate"
+        raise ValueError(
+            f"{name} as a DTensor must live on student_logits' mesh with its placements ({allowed} on the "
+            f"vocabulary's mesh dimension), got {_placement_text(tensor)} next to student_logits' "  # type: ignore[arg-type]
+            f"{_placement_text(student)}"
+        )
+    local = tensor.to_local()  # type: ignore[attr-defined]
+    if replicated and vocabulary:
+        assert axis is not None
+        start, stop = chunk_range(local.shape[-1], axis.size, axis.coordinate)
+        local = local[..., start:stop]
+    return local
+
+
+def local_head_weight(weight: object, axis: MeshAxis | None, name: str) -> object:
+    """A head weight's local rows: a DTensor must be Shard(0) on the vocabulary's mesh dimension
+    of ``student_logits`` and Replicate on the others (plain tensors pass through)."""
+    if not is_dtensor(weight):
+        return weight
+    weight_axis = shard_axis(weight, name)  # type: ignore[arg-type]
+    if axis is None or weight_axis.mesh != axis.mesh or weight_axis.dim != axis.dim:
+        raise ValueError(
+            f"{name} as a DTensor must be sharded on the mesh dimension along which student_logits is sharded "
+            f"on its last dimension, got {_placement_text(weight)}"  # type: ignore[arg-type]
+        )
+    return weight.to_local()  # type: ignore[attr-defined]
+
+
+def local_student(student_logits: object, axis: MeshAxis | None) -> tuple[object, tuple[int, int] | None]:
+    """``student_logits``' local part and, for a DTensor sharded on its last dimension, this rank's
+    global columns (``torch.chunk`` order); plain tensors pass through (they are this rank's shard,
+    the shards in rank order)."""
+    if not is_dtensor(student_logits):
+        return student_logits, None
+    vocab_range = None
+    if axis is not None:
+        vocab_range = chunk_range(student_logits.shape[-1], axis.size, axis.coordinate)  # type: ignore[attr-defined]
+    return student_logits.to_local(), vocab_range  # type: ignore[attr-defined]
+
+
+def local_logits(student_logits: object, teacher_logits: object, labels: object, axis: MeshAxis | None) -> LocalLogits:
+    """Local shards of DTensor inputs (plain tensors pass through: they are this rank's shards)."""
+    teacher = local_companion(teacher_logits, student_logits, axis, "teacher_logits", vocabulary=True)  # type: ignore[arg-type]
+    local_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)  # type: ignore[arg-type]
+    student, vocab_range = local_student(student_logits, axis)
+    return LocalLogits(student, teacher, local_labels, vocab_range)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ShardShape:
+    """What a rank brings to the layout handshake: its student columns, its teacher's columns,
+    its flat labels (global, identical on every rank) and its global column range if known."""
+
+    columns: int
+    teacher_columns: int
+    labels: Tensor
+    vocab_range: tuple[int, int] | None
+
+
+def agree_vocabulary(
+    group: dist.ProcessGroup | None, shard: ShardShape | None, failure: Exception | None
+) -> VocabLayout:
+    """The layout of the call: every column on one device, or agreed across ``group`` by the
+    fused path's handshake. ``failure``: this rank's own input-check failure (``shard`` is then
+    None); the handshake makes every rank raise it."""
+    if group is None:
+        assert shard is not None
+        return VocabLayout.single_device(shard.columns, None)
+    if failure is not None or shard is None:
+        return resolve_layout(group, ShardClaim(failed=1), None, failure)
+    start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)
+    rows = shard.labels.shape[0]
+    claim = ShardClaim(
+        local_columns=shard.columns,
+        teacher_columns=shard.teacher_columns,
+        range_start=start,
+        range_stop=stop,
+        label_rows=rows,
+        hidden_rows=rows,
+    )
+    return resolve_layout(group, claim, shard.labels, None)

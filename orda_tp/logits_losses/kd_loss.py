@@ -1,0 +1,202 @@
+"""``KDLoss``: NeMo's logits-level distillation loss, exact and memory-lean, on one device or on
+vocabulary-sharded logits.
+
+``loss = Σ_{i valid} T²·D(p_i, q_i) / N`` with ``p = softmax(s/T)`` (student), ``q = softmax(t/T)``
+(teacher), ``D`` the chosen variant (forward KL ``KL(q‖p)`` by default, NeMo's loss), ``N`` the
+number of valid rows (``labels != ignore_index``) or ``num_batch_labels``.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from torch import Tensor, nn
+
+from ..backends.head import statistics_dtype
+from ..config import EntropyGate, KernelConfig
+from ..validation import check_label_range
+from .function import logits_distillation
+from .inputs import ShardShape, agree_vocabulary, check_floating, check_labels, local_logits, logits_group
+from .options import LogitsOptions, check_count, check_flag, logits_plan, resolve_logits_options
+from .row_walk import build_problem
+
+__all__ = ["KDLoss"]
+
+
+def _check_batch_labels(num_batch_labels: object, device: torch.device) -> float | Tensor | None:
+    """The denominator given by the caller: a number (finite, > 0) or a one-element tensor on the
+    logits' device (never read on the host, so not checked for its value)."""
+    if num_batch_labels is None:
+        return None
+    if isinstance(num_batch_labels, Tensor):
+        if num_batch_labels.numel() != 1 or num_batch_labels.is_complex() or num_batch_labels.dtype == torch.bool:
+            raise ValueError(
+                f"num_batch_labels must be a real one-element tensor, got shape {tuple(num_batch_labels.shape)} "
+                f"and dtype {num_batch_labels.dtype}"
+            )
+        if num_batch_labels.device != device:
+            raise ValueError(
+                f"num_batch_labels must be on student_logits' device {device}, got {num_batch_labels.device}"
+            )
+        return num_batch_labels.detach().reshape(())
+    if isinstance(num_batch_labels, bool) or not isinstance(num_batch_labels, Real):
+        raise TypeError(f"num_batch_labels must be a number, a tensor or None, got {type(num_batch_labels).__name__}")
+    if not math.isfinite(num_batch_labels) or num_batch_labels <= 0:
+        raise ValueError(f"num_batch_labels must be finite and > 0, got {num_batch_labels!r}")
+    return float(num_batch_labels)
+
+
+def _check_logits(student: object, teacher: object, labels: object) -> None:
+    """Types, shapes and devices of this rank's tensors (no value is read)."""
+    student = check_floating("student_logits", student, "[..., vocab]")
+    teacher = check_floating("teacher_logits", teacher, "[..., vocab]")
+    if student.dim() < 1:
+        raise ValueError("student_logits must have shape [..., vocab], got a 0-d tensor")
+    if teacher.shape != student.shape:
+        raise ValueError(
+            f"teacher_logits must have student_logits' shape {tuple(student.shape)} (this rank's columns under "
+            f"tensor parallelism), got {tuple(teacher.shape)}"
+        )
+    labels = check_labels(labels, tuple(student.shape[:-1]), "student_logits' leading dimensions")
+    for name, tensor in (("teacher_logits", teacher), ("labels", labels)):
+        if tensor.device != student.device:
+            raise ValueError(f"{name} must be on student_logits' device {student.device}, got {tensor.device}")
+
+
+# Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
+# exchanges and hand-written backward are not traceable.
+@torch.compiler.disable
+def _kd_loss(
+    options: LogitsOptions,
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    num_batch_labels: float | Tensor | None,
+) -> Tensor:
+    group, axis = logits_group(student_logits, options.tp_group)
+    local, shard, given_denominator, failure = None, None, None, None
+    try:
+        local = local_logits(student_logits, teacher_logits, labels, axis)
+        _check_logits(local.student, local.teacher, local.labels)
+        given_denominator = _check_batch_labels(num_batch_labels, local.student.device)
+        columns = local.student.shape[-1]
+        shard = ShardShape(columns, columns, local.labels.reshape(-1), local.vocab_range)
+    except (ValueError, TypeError) as error:
+        if group is None:
+            raise
+        failure = error  # every rank of the group raises it after the handshake
+    layout = agree_vocabulary(group, shard, failure)
+    assert local is not None and shard is not None
+    plan = logits_plan(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
+    flat_labels = shard.labels
+    valid = flat_labels != options.ignore_index
+    if options.divergence.needs_target:
+        if options.config.runs_host_checks(flat_labels.device.type == "cpu"):
+            check_label_range(flat_labels, layout.vocab_size, options.ignore_index)
+        stats_labels = flat_labels
+    else:
+        # The label only marks the row as valid: any column that one rank owns reads the same.
+        stats_labels = torch.where(valid, 0, flat_labels)
+    student = local.student.reshape(-1, shard.columns)
+    teacher = local.teacher.detach().reshape(-1, shard.columns)
+    dtype = statistics_dtype(student, teacher)
+    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
+    denominator = valid.sum().clamp_min(1) if given_denominator is None else given_denominator
+    with torch.autocast(student.device.type, enabled=False):
+        return logits_distillation(problem, denominator, student, teacher)
+
+
+class KDLoss(nn.Module):
+    """NeMo-compatible knowledge-distillation loss on logits: ``T²·KL(q‖p)`` averaged over valid
+    tokens, exact and in a bounded workspace, on one device or on vocabulary-sharded logits.
+
+    ``forward(student_logits, teacher_logits, labels, num_batch_labels=None)``: logits ``[..., V]``
+    (any leading shape; the local ``[..., V_local]`` shard under tensor parallelism), labels
+    ``[...]`` (``torch.long``; only ``labels != ignore_index`` is read, except by ``dkd``, which
+    reads the label column). Returns the 0-d loss ``Σ_valid T²·D(p, q) / N`` with ``p =
+    softmax(s/T)``, ``q = softmax(t/T)``, ``N`` = the number of valid tokens, or
+    ``num_batch_labels`` (the valid tokens of all gradient-accumulation micro-batches). Only the
+    student's logits receive a gradient.
+
+    - ``temperature``: ``T`` (finite, > 0), applied to both sides; the loss carries ``T²``.
+    - ``fp32_upcast``: accepted for compatibility; statistics are always fp32 (fp64 for fp64
+      logits) and no fp32 copy of the logits is made either way.
+    - ``tp_group``: the process group over which the logits are sharded on their last dimension
+      (this rank's columns, shards in rank order); inferred from DTensor logits sharded on the
+      last dimension. Every rank returns the single-device loss; each rank's gradient is its
+      columns' slice.
+    - ``chunk_size``: rows (tokens) per chunk; 0 (default) takes as many as fit the default
+      448 MiB workspace (``KernelConfig``). Every path, tensor-parallel included, walks rows in
+      chunks and never holds more than one chunk's fp32 logits.
+    - ``kl_divergence``, ``kl_alpha``, ``kl_beta``, ``entropy_gate``: any of the 15 variants, as
+      in :func:`orda_tp.distillation_loss` (``mutual``/``cojeffreys`` give their value and the
+      student's gradient; the teacher is never trained here).
+    - ``backend``: "auto" (the Triton kernels on CUDA, else chunked torch), "torch" or "triton".
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        temperature: float = 1.0,
+        fp32_upcast: bool = True,
+        tp_group: object | None = None,
+        chunk_size: int = 0,
+        *,
+        kl_divergence: str = "forward",
+        kl_alpha: float | None = None,
+        kl_beta: float | None = None,
+        entropy_gate: EntropyGate | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self._fp32_upcast = check_flag("fp32_upcast", fp32_upcast)
+        self.options = resolve_logits_options(
+            temperature=temperature,
+            kl_divergence=kl_divergence,
+            kl_alpha=kl_alpha,
+            kl_beta=kl_beta,
+            entropy_gate=entropy_gate,
+            ignore_index=ignore_index,
+            chunk_rows=check_count("chunk_size", chunk_size, 0),
+            backend=backend,
+            tp_group=tp_group,
+            config=KernelConfig(),
+        )
+
+    @property
+    def ignore_index(self) -> int:
+        return self.options.ignore_index
+
+    @property
+    def temperature(self) -> float:
+        return self.options.temperature
+
+    @property
+    def fp32_upcast(self) -> bool:
+        return self._fp32_upcast
+
+    @property
+    def tp_group(self) -> object | None:
+        return self.options.tp_group
+
+    @property
+    def chunk_size(self) -> int:
+        return self.options.chunk_rows
+
+    def forward(
+        self,
+        student_logits: Tensor,
+        teacher_logits: Tensor,
+        labels: Tensor,
+        num_batch_labels: float | Tensor | None = None,
+    ) -> Tensor:
+        return _kd_loss(self.options, student_logits, teacher_logits, labels, num_batch_labels)
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (
+            f"ignore_index={o.ignore_index}, temperature={o.temperature}, chunk_size={o.chunk_rows}, "
+            f"kl_divergence={o.divergence.name!r}, backend={o.backend!r}"
+        )
