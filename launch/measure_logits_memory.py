@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch.nn.functional as F
 # Run from a checkout without installing: the repository root holds `orda_tp`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from measure_memory import DTYPES, RESULT_PREFIX, WORKER_ENV, read_rss_kib, reset_peak_rss  # noqa: E402
+from measure_memory import DTYPES, RESULT_PREFIX, read_rss_kib, reset_peak_rss, run_json_worker  # noqa: E402
 
 import orda_tp  # noqa: E402
 
@@ -147,7 +145,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace, loss: str, dtype: str) -> dict[str, float]:
-    """Run one worker and parse its result; a failed worker fails the script with its stderr."""
+    """One worker's result (:func:`measure_memory.run_json_worker`)."""
     script = str(Path(__file__).resolve())
     options = {
         "--bt": args.bt,
@@ -159,17 +157,7 @@ def measure(args: argparse.Namespace, loss: str, dtype: str) -> dict[str, float]
         "--seed": args.seed,
     }
     flags = [str(item) for option in options.items() for item in option]
-    completed = subprocess.run(
-        [sys.executable, script, "--worker", loss, *flags],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **WORKER_ENV},
-    )
-    if completed.returncode != 0:
-        sys.stderr.write(completed.stderr)
-        raise SystemExit(f"worker {loss}/{dtype} failed with exit code {completed.returncode}")
-    lines = [line for line in completed.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+    return run_json_worker([sys.executable, script, "--worker", loss, *flags], f"{loss}/{dtype}")
 
 
 def main(argv: list[str] | None = None) -> int:

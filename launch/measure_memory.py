@@ -163,19 +163,19 @@ def worker_command(args: argparse.Namespace, backend: str, variant: str) -> list
     return [sys.executable, script, "--worker", backend, "--kl-divergence", variant, *flags]
 
 
-def measure(args: argparse.Namespace, backend: str, variant: str) -> dict[str, float]:
-    """Run one worker and parse its result; a failed worker fails the script with its stderr."""
-    completed = subprocess.run(
-        worker_command(args, backend, variant),
-        capture_output=True,
-        text=True,
-        env={**os.environ, **WORKER_ENV},
-    )
+def run_json_worker(command: list[str], label: str) -> dict[str, float]:
+    """Run a worker process (its own peak RSS) and parse the result it prints after
+    ``RESULT_PREFIX``; a failed worker fails the script with its stderr."""
+    completed = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **WORKER_ENV})
     if completed.returncode != 0:
         sys.stderr.write(completed.stderr)
-        raise SystemExit(f"worker {backend}/{variant} failed with exit code {completed.returncode}")
+        raise SystemExit(f"worker {label} failed with exit code {completed.returncode}")
     lines = [line for line in completed.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def measure(args: argparse.Namespace, backend: str, variant: str) -> dict[str, float]:
+    return run_json_worker(worker_command(args, backend, variant), f"{backend}/{variant}")
 
 
 def main(argv: list[str] | None = None) -> int:
