@@ -10,7 +10,7 @@ small tensor ops per chunk.
   row), ``owned`` (exactly one column owns the label), ``absent`` (the teacher's logits are all
   ``−inf``), ``CE_s = LSE(s) − s_y``, ``CE_t = LSE(t) − t_y`` (0 on absent rows) and, with a KL
   term, ``LSE(u)``, ``LSE(v)`` (0 on absent rows), ``log p_y = s_y/T_s − LSE(u)``, ``log q_y =
-  t_y/T_t − LSE(v)``. Every per-row value is NaN on rows whose label no column owns.
+  t_y/T_t − LSE(v)``. The loss components are NaN on rows whose label no column owns.
 - :func:`finish_step`, after round 2 and the variant's finalize: ``KL = T_s²·max(D, 0)`` (0 on
   absent rows, NaN on unowned ones) and ``keep``, whether the row's KL gradient is formed (teacher
   present and ``D ≠ +inf``).

@@ -97,7 +97,9 @@ class ShardExchange:
     def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
         """Without sequence parallelism, an asynchronous all-reduce of each gradient's rows
         ``[begin, end)`` (they overlap the next row groups' work); under it, the single
-        reduce-scatter of :meth:`reduce_row_gradients` keeps this rank's rows instead."""
+        reduce-scatter of :meth:`reduce_row_gradients` keeps this rank's rows instead. The works
+        are waited by :meth:`reduce_row_gradients` (the backward); if no backward comes, the
+        process group keeps the buffers alive until its collectives finish."""
         if self.sequence_parallel:
             return
         for grad in grads:
