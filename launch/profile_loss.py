@@ -95,8 +95,36 @@ def main() -> None:
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"CUDA kernel executions in one call: {launches}")
+    print_timeline(prof.events(), args.rows)
     print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def print_timeline(events: list, rows: int) -> None:
+    """The device's timeline of one call: from its first kernel's start to its last kernel's end,
+    the time kernels ran and the idle gaps between them (the largest ``rows``, with the kernels on
+    either side and when they occur)."""
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    if not kernels:
+        return
+    first = kernels[0].time_range.start
+    busy_until, gaps = first, []
+    previous = kernels[0].name
+    for kernel in kernels:
+        if kernel.time_range.start > busy_until:
+            gaps.append((kernel.time_range.start - busy_until, busy_until - first, previous, kernel.name))
+        if kernel.time_range.end >= busy_until:
+            busy_until, previous = kernel.time_range.end, kernel.name
+    idle = sum(gap for gap, *_ in gaps)
+    span = busy_until - first
+    print(
+        f"device timeline: first kernel to last {span / 1e3:.2f} ms, kernels running {(span - idle) / 1e3:.2f} ms, "
+        f"idle between kernels {idle / 1e3:.2f} ms in {len(gaps)} gaps; the largest:"
+    )
+    for gap, at, before, after in sorted(gaps, reverse=True)[:rows]:
+        print(f"  {gap:8.1f} us at {at / 1e3:6.2f} ms, between {before[:48]} and {after[:48]}")
 
 
 if __name__ == "__main__":
