@@ -357,7 +357,9 @@ def liger_impl(device: torch.device) -> Impl:
 
 
 def cce_impl(device: torch.device) -> Impl:
-    """cut-cross-entropy: CE only (on a GPU: its kernels do not run in Triton's interpreter)."""
+    """cut-cross-entropy: CE only (on a GPU: its kernels do not run in Triton's interpreter). It
+    runs its default kernel configurations; ``CCE_AUTOTUNE=1`` in the environment turns its
+    autotuner on (recorded in the run's environment line)."""
     from cut_cross_entropy import linear_cross_entropy
 
     if device.type != "cuda":

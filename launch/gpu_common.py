@@ -155,7 +155,8 @@ def sync_device(device: torch.device) -> None:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    """Versions, the device and the git commit of the checkout, for the JSON record."""
+    """Versions, the device and the commit (``ORDA_TP_COMMIT``, else the checkout's HEAD), for the
+    JSON record."""
     info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -165,6 +166,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+        "CCE_AUTOTUNE": os.environ.get("CCE_AUTOTUNE"),
     }
     try:
         import triton
@@ -176,13 +178,19 @@ def environment(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpus=torch.cuda.device_count())
         info["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+    info["git"] = os.environ.get("ORDA_TP_COMMIT") or _checkout_commit()
+    return info
+
+
+def _checkout_commit() -> str | None:
+    """HEAD of the checkout; a copied tree whose .git lags its files reports the wrong commit, so
+    a run can name its commit in ``ORDA_TP_COMMIT`` instead."""
     try:
         root = Path(__file__).resolve().parents[1]
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-        info["git"] = commit.stdout.strip() or None
     except OSError:
-        info["git"] = None
-    return info
+        return None
+    return commit.stdout.strip() or None
 
 
 # ------------------------------------------------------------------------------------------------ TP runtime
