@@ -83,6 +83,28 @@ def test_triton_padded_vocabulary_and_zero_support() -> None:
             assert relative_error(grad, reference) <= 1e-5
 
 
+def test_triton_reads_a_teacher_cache_whose_columns_are_strided() -> None:
+    """A ``PrecomputedTeacher`` whose logits are a transposed view (column stride ≠ 1): the
+    kernels, which assume unit-stride columns, get each block copied and give the reference's
+    loss and gradients."""
+    p = make_problem(rows=14, vocab=203, ignored_every=5).to(torch.float32)
+    strided = p.teacher_logits.T.contiguous().T
+    assert strided.stride(1) != 1 and torch.equal(strided, p.teacher_logits)
+    kwargs = dict(kl_weight=1.0, teacher_ce_weight=0.3, kl_divergence="forward")
+    out = orda_tp.distillation_loss(
+        p.student_hidden, p.weight, p.labels, orda_tp.PrecomputedTeacher(logits=strided), backend="triton",
+        config=CHUNKS, **kwargs,
+    )  # fmt: skip
+    ref = orda_tp.distillation_loss(
+        p.student_hidden, p.weight, p.labels, orda_tp.PrecomputedTeacher(logits=p.teacher_logits),
+        backend="reference", **kwargs,
+    )  # fmt: skip
+    assert relative_error(out.loss, ref.loss) <= 1e-5
+    grads = [torch.autograd.grad(o.loss, [p.student_hidden, p.weight]) for o in (out, ref)]
+    for grad, reference in zip(*grads):
+        assert relative_error(grad, reference) <= 1e-5
+
+
 def test_triton_backend_rejects_fp64() -> None:
     p = make_problem()
     with pytest.raises(ValueError, match="backend='triton' is unavailable on this machine: .*float64"):
