@@ -190,8 +190,10 @@ def grad_step(key: StepKey, names: tuple[str, ...]) -> RowProgram:
     return _program(inputs, ["w_t"], outputs)
 
 
+@cache
 def divergence_row_names(divergence: Divergence | None, params: DivergenceParams) -> tuple[str, ...]:
-    """The row constants of the variant's gradient formulas (its finalize constants)."""
+    """The row constants of the variant's gradient formulas (its finalize constants); the
+    variants are registry singletons and their parameters frozen, so this is built once each."""
     if divergence is None:
         return ()
     exprs = [divergence.student_grad_expr(params)]
