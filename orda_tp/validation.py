@@ -171,16 +171,41 @@ def _check_cotrained_temperatures(divergence: Divergence, student: float, teache
         )
 
 
-def _check_matrix(name: str, value: object) -> Tensor:
+def check_floating(name: str, value: object, shape: str = "") -> Tensor:
+    """A floating-point tensor; ``shape`` (e.g. "[..., vocab]") describes it in the message."""
     if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        described = f" of shape {shape}" if shape else ""
+        raise TypeError(f"{name} must be a torch.Tensor{described}, got {type(value).__name__}")
     if not value.is_floating_point():
         raise TypeError(
             f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}"
         )
+    return value
+
+
+def check_matrix(name: str, value: object, shape: str = "") -> Tensor:
+    """A 2-D floating-point tensor."""
+    value = check_floating(name, value, shape)
     if value.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
     return value
+
+
+def check_labels(labels: object, shape: tuple[int, ...], meaning: str) -> Tensor:
+    """A ``torch.long`` tensor of ``shape`` (``meaning`` explains it in the message)."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype != torch.long:
+        raise TypeError(f"labels must have dtype torch.long (int64), got {labels.dtype}")
+    _check_shape("labels", labels, shape, meaning)
+    return labels
+
+
+def check_same_device(owner: str, device: torch.device, named: list[tuple[str, Tensor]]) -> None:
+    """Every named tensor lies on ``owner``'s ``device``."""
+    for name, tensor in named:
+        if tensor.device != device:
+            raise ValueError(f"{name} must be on {owner}'s device {device}, got {tensor.device}")
 
 
 def _check_shape(name: str, tensor: Tensor, expected: tuple[int, ...], meaning: str) -> None:
@@ -212,18 +237,14 @@ def check_inputs(
     checks across ranks (so that every rank raises the same error). ``row_shards``: under
     sequence parallelism the hidden states hold ``labels.shape[0] / row_shards`` rows.
     """
-    hidden = _check_matrix("student_hidden", student_hidden)
-    head = _check_matrix("weight", weight)
+    hidden = check_matrix("student_hidden", student_hidden)
+    head = check_matrix("weight", weight)
     rows, width = hidden.shape
     vocab = head.shape[0]
     _check_shape("weight", head, (vocab, width), "vocab × hidden, matching student_hidden's hidden size")
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.dtype != torch.long:
-        raise TypeError(f"labels must have dtype torch.long (int64), got {labels.dtype}")
     label_rows = rows * row_shards
     meaning = "one label per row of student_hidden" + (f" on each of {row_shards} ranks" if row_shards > 1 else "")
-    _check_shape("labels", labels, (label_rows,), meaning)
+    labels = check_labels(labels, (label_rows,), meaning)
     named = teacher_tensors(teacher)
 
     def columns_of(tensor: Tensor, axis: int) -> int:
@@ -250,10 +271,7 @@ def check_inputs(
             )
             expected = (columns_of(teacher.teacher_weight, 0), depth)
             _check_shape("teacher.teacher_weight", teacher.teacher_weight, expected, "the student's vocab size")
-    device = hidden.device
-    for name, tensor in [("weight", head), ("labels", labels), *named]:
-        if tensor.device != device:
-            raise ValueError(f"{name} must be on student_hidden's device {device}, got {tensor.device}")
+    check_same_device("student_hidden", hidden.device, [("weight", head), ("labels", labels), *named])
 
 
 def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int) -> None:

@@ -20,7 +20,6 @@ from ..plan import LossPlan
 from ..statistics import PartitionRecord, merge_partition_records, sum_records
 from .row_formulas import (
     StepKey,
-    divergence_row_names,
     finish_step,
     grad_row_names,
     grad_step,
@@ -40,7 +39,7 @@ class RowStats:
 
     ``partition``: (rows, K) outputs of the round-1 step (:func:`row_formulas.partition_step`:
     the families' log-partitions first, then the CE values and the KL's row inputs);
-    ``finish``: (rows, 2) ``kl``, ``keep`` of :func:`row_formulas.finish_step` (None without a
+    ``finish``: (rows, 3) ``divergence``, ``kl``, ``keep`` of :func:`row_formulas.finish_step` (None without a
     KL term); ``kl_consts``: the variant's finalize constants. ``student_ce``/``teacher_ce``/``kl``
     are the per-row component values (kl includes T_s²; NaN on rows whose label no column owns).
     """
@@ -82,7 +81,7 @@ def grad_row_constants(
     """The gradient pass's row constants of a chunk, (rows, len(names)), and their ``names``
     (:func:`row_formulas.grad_step`). ``upstream_scale``: 0-d or the chunk's (rows,) upstream
     gradient (÷ N for "mean"); ``valid``: the chunk's (rows,) valid-row mask."""
-    names = grad_row_names(plan, divergence_row_names(plan.divergence, plan.params), plan.teacher_ce_trains_teacher)
+    names = grad_row_names(plan)
     program = grad_step(stats.key, names)
     rows = valid.shape[0]
     values = {name: stats.value(name) for name in program.inputs if name not in ("upstream", "valid")}

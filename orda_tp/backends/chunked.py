@@ -9,8 +9,9 @@ group of chunks shares one pair of gradient GEMMs per side (:mod:`.chunk_grads`)
 
 For "mean"/"sum" the gradient is formed during the forward with unit upstream gradient and
 scaled in backward (no second pass of logits GEMMs). For "none" the upstream gradient differs
-per row, so backward recomputes each chunk's logits and reuses the saved row statistics. Either
-way the hidden gradients are summed over the vocabulary shards once, in backward.
+per row, so backward recomputes each chunk's logits and reuses the saved row statistics. Across
+vocabulary shards each row group's hidden gradients are summed as soon as the group is complete
+(one reduce-scatter at the end under sequence parallelism); backward waits for the sums.
 """
 
 from __future__ import annotations
@@ -159,18 +160,20 @@ def _walk_rows(
     walked: list[RowStats] = []
     for group_begin in range(0, total, layout.group_rows):
         group_end = min(total, group_begin + layout.group_rows)
-        staging = None
-        if staging_dtype is not None:
+        staging, staged = None, None
+        if gradients is not None:
+            assert staging_dtype is not None and upstream_scale is not None
             staging = GradientStaging.allocate(
                 group_begin, group_end - group_begin, head.columns, staging_dtype, device, plan.teacher_receives_grad
             )
-        staged = None if staging is None or upstream_scale is None else (staging, upstream_scale)
+            staged = (staging, upstream_scale)
         for begin in range(group_begin, group_end, layout.chunk_rows):
             end = min(group_end, begin + layout.chunk_rows)
             chunk = RowChunk.slice(head, begin, end, problem.labels, statistics, plan.needs_teacher_logits)
             saved_chunk = next(saved_stats) if saved_stats is not None else None
             walked.append(_walk_chunk(problem, head, chunk, saved_chunk, staged, like))
-        if staging is not None and gradients is not None:
+        if gradients is not None:
+            assert staging is not None
             buffers = gradients[0]
             run_gradient_gemms(head, staging, problem.valid[group_begin:group_end], buffers, problem.gemms)
             hidden = [grad for grad in (buffers.student_hidden, buffers.teacher_hidden) if grad is not None]

@@ -11,9 +11,9 @@ small tensor ops per chunk.
   ``−inf``), ``CE_s = LSE(s) − s_y``, ``CE_t = LSE(t) − t_y`` (0 on absent rows) and, with a KL
   term, ``LSE(u)``, ``LSE(v)`` (0 on absent rows), ``log p_y = s_y/T_s − LSE(u)``, ``log q_y =
   t_y/T_t − LSE(v)``. The loss components are NaN on rows whose label no column owns.
-- :func:`finish_step`, after round 2 and the variant's finalize: ``KL = T_s²·max(D, 0)`` (0 on
-  absent rows, NaN on unowned ones) and ``keep``, whether the row's KL gradient is formed (teacher
-  present and ``D ≠ +inf``).
+- :func:`finish_step`, after round 2 and the variant's finalize: the row's divergence
+  ``max(D, 0)`` and ``KL = T_s²·max(D, 0)`` (both 0 on absent rows, NaN on unowned ones) and
+  ``keep``, whether the row's KL gradient is formed (teacher present and ``D ≠ +inf``).
 - :func:`grad_step`, before a gradient pass: the row constants of the gradient kernel, in
   :func:`grad_row_names` order: ``scale`` = the upstream gradient (0 on ignored rows, NaN on
   unowned ones), the teacher CE's ``LSE(t)`` and coefficient ``c_ce_t = w_t·scale`` (both 0 on
@@ -145,27 +145,29 @@ def partition_step(key: StepKey) -> RowProgram:
 
 @cache
 def finish_step() -> RowProgram:
-    """The KL row value and its gradient flag from the variant's value ``D`` (see the module
-    docstring); ``max(D, 0)`` keeps NaN."""
+    """The row's divergence ``max(D, 0)`` (0 on absent rows, NaN on unowned ones; the max keeps
+    NaN), the KL component ``T_s²·`` that, and its gradient flag, from the variant's value ``D``
+    (see the module docstring)."""
     value, absent = row("value"), is_set(row("absent"))
     clamped = where(less(value, 0.0), 0.0, value)
-    kl = where(absent, 0.0, clamped) * row("t_s_squared") + where(is_set(row("owned")), 0.0, NAN)
+    divergence = where(absent, 0.0, clamped) + where(is_set(row("owned")), 0.0, NAN)
     keep = where(logical_or(absent, equal(value, float("inf"))), 0.0, 1.0)
-    return _program(["value", "absent", "owned"], ["t_s_squared"], {"kl": kl, "keep": keep})
+    outputs = {"divergence": divergence, "kl": divergence * row("t_s_squared"), "keep": keep}
+    return _program(["value", "absent", "owned"], ["t_s_squared"], outputs)
 
 
-def grad_row_names(plan: LossPlan, divergence_names: tuple[str, ...], teacher_trained_by_ce: bool) -> tuple[str, ...]:
+def grad_row_names(plan: LossPlan) -> tuple[str, ...]:
     """The gradient kernel's row constants, in the order it reads them: ``scale``, then
-    ``lse_s`` (student CE), ``lse_t``, ``c_ce_t`` (teacher CE), ``lse_u``, ``lse_v``, ``keep`` and
-    the variant's constants ``divergence_names`` (KL)."""
+    ``lse_s`` (student CE), ``lse_t``, ``c_ce_t`` (teacher CE training the teacher), ``lse_u``,
+    ``lse_v``, ``keep`` and the variant's constants (KL)."""
     names = ["scale"]
     if plan.student_ce_weight > 0:
         names.append("lse_s")
-    if teacher_trained_by_ce:
+    if plan.teacher_ce_trains_teacher:
         names += ["lse_t", "c_ce_t"]
     if plan.computes_kl:
         names += ["lse_u", "lse_v", "keep"]
-        names += [name for name in divergence_names if name not in names]
+        names += [name for name in divergence_row_names(plan.divergence, plan.params) if name not in names]
     return tuple(names)
 
 

@@ -17,12 +17,10 @@ from torch import Tensor
 
 from ..backends.head import statistics_dtype
 from ..config import KernelConfig
-from ..validation import check_label_range
+from ..validation import check_floating, check_label_range, check_labels, check_matrix, check_same_device
 from .inputs import (
     ShardShape,
     agree_vocabulary,
-    check_floating,
-    check_labels,
     local_companion,
     local_head_weight,
     local_student,
@@ -36,12 +34,11 @@ __all__ = ["flash_ce_kd_loss"]
 
 def _check_scoring_inputs(student: object, hidden: object, weight: object, labels: object) -> None:
     """Types, shapes and devices of this rank's tensors (no value is read)."""
-    student = check_floating("student_logits", student, "[N, V]")
-    hidden = check_floating("teacher_hidden", hidden, "[N, D]")
-    weight = check_floating("teacher_lm_head_weight", weight, "[V, D]")
-    for name, tensor in (("student_logits", student), ("teacher_hidden", hidden), ("teacher_lm_head_weight", weight)):
-        if tensor.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(tensor.shape)}")
+    specs = (("student_logits", student, "[N, V]"), ("teacher_hidden", hidden, "[N, D]"),
+             ("teacher_lm_head_weight", weight, "[V, D]"))  # fmt: skip
+    for name, value, shape in specs:  # every type first, then every shape
+        check_floating(name, value, shape)
+    student, hidden, weight = (check_matrix(name, value, shape) for name, value, shape in specs)
     rows, columns = student.shape
     if hidden.shape[0] != rows:
         raise ValueError(
@@ -53,9 +50,8 @@ def _check_scoring_inputs(student: object, hidden: object, weight: object, label
             f"columns × teacher_hidden's width), got {tuple(weight.shape)}"
         )
     labels = check_labels(labels, (rows,), "one label per row of student_logits")
-    for name, tensor in (("teacher_hidden", hidden), ("teacher_lm_head_weight", weight), ("labels", labels)):
-        if tensor.device != student.device:
-            raise ValueError(f"{name} must be on student_logits' device {student.device}, got {tensor.device}")
+    named = [("teacher_hidden", hidden), ("teacher_lm_head_weight", weight), ("labels", labels)]
+    check_same_device("student_logits", student.device, named)
 
 
 # Inside torch.compile'd code the scoring runs eagerly behind one graph break.
@@ -131,9 +127,7 @@ def flash_ce_kd_loss(
         walked = row_statistics(problem, StoredLogits(student), HeadLogits(hidden, weight), dtype)
     empty = torch.zeros(0, dtype=dtype, device=student.device)
     ce = torch.cat([stats.student_ce for stats in walked]) if walked else empty
-    kd = torch.cat([stats.kl for stats in walked]) if walked else empty
+    kd = torch.cat([stats.value("divergence") for stats in walked]) if walked else empty  # D, without T²
     ce = torch.where(valid, ce, 0.0)
-    if options.temperature != 1.0:
-        kd = kd / options.temperature**2  # the rows' KL carries T², which this score leaves out
     out_dtype = dtype if upcast else student.dtype
     return ce.to(out_dtype), kd.to(out_dtype)

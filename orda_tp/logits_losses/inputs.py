@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, shard_axis
+from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, placement_text, shard_axis
+from ..parallel.inputs import check_group, same_ranks
 from ..parallel.layout import ShardClaim, VocabLayout, resolve_layout
 
 try:
@@ -31,39 +31,12 @@ __all__ = [
     "LocalLogits",
     "ShardShape",
     "agree_vocabulary",
-    "check_floating",
-    "check_labels",
     "local_companion",
     "local_head_weight",
     "local_logits",
     "local_student",
     "logits_group",
 ]
-
-
-def check_floating(name: str, value: object, dims: str) -> Tensor:
-    """A floating-point tensor; ``dims`` describes the expected shape for the message."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {dims}, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise TypeError(
-            f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}"
-        )
-    return value
-
-
-def check_labels(labels: object, shape: tuple[int, ...], meaning: str) -> Tensor:
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.dtype != torch.long:
-        raise TypeError(f"labels must have dtype torch.long (int64), got {labels.dtype}")
-    if tuple(labels.shape) != shape:
-        raise ValueError(f"labels must have shape {shape} ({meaning}), got {tuple(labels.shape)}")
-    return labels
-
-
-def _placement_text(tensor: Tensor) -> str:
-    return f"{tuple(tensor.placements)} on mesh {tensor.device_mesh}"  # type: ignore[attr-defined]
 
 
 def _vocab_axis(logits: Tensor, name: str) -> MeshAxis | None:
@@ -75,11 +48,11 @@ def _vocab_axis(logits: Tensor, name: str) -> MeshAxis | None:
         if isinstance(placement, Shard) and placement.dim % logits.ndim == last:
             vocab_dims.append(mesh_dim)
         elif not isinstance(placement, (Replicate, Shard)):
-            raise ValueError(f"{name} has a DTensor placement this loss cannot handle: {_placement_text(logits)}")
+            raise ValueError(f"{name} has a DTensor placement this loss cannot handle: {placement_text(logits)}")
     if len(vocab_dims) > 1:
         raise ValueError(
             f"{name} is sharded on its last (vocabulary) dimension over {len(vocab_dims)} mesh dimensions; this "
-            f"loss handles one: {_placement_text(logits)}"
+            f"loss handles one: {placement_text(logits)}"
         )
     if not vocab_dims:
         return None
@@ -93,8 +66,7 @@ def logits_group(student_logits: object, tp_group: object) -> tuple[dist.Process
 
     Decided from the keyword and the placements alone (the same on every rank, so every rank
     raises alike, before any collective)."""
-    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
-        raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
+    tp_group = check_group(tp_group)
     if not is_dtensor(student_logits):
         return tp_group, None
     axis = _vocab_axis(student_logits, "student_logits")  # type: ignore[arg-type]
@@ -102,10 +74,10 @@ def logits_group(student_logits: object, tp_group: object) -> tuple[dist.Process
         if tp_group is not None:
             raise ValueError(
                 "tp_group is given but student_logits is a DTensor whose last (vocabulary) dimension is not "
-                f"sharded: {_placement_text(student_logits)}"  # type: ignore[arg-type]
+                f"sharded: {placement_text(student_logits)}"  # type: ignore[arg-type]
             )
         return None, None
-    if tp_group is not None and dist.get_process_group_ranks(tp_group) != dist.get_process_group_ranks(axis.group):
+    if tp_group is not None and not same_ranks(tp_group, axis.group):
         raise ValueError(
             "tp_group is not the process group of the mesh dimension along which student_logits is sharded"
         )
@@ -147,8 +119,8 @@ def local_companion(tensor: object, student: Tensor, axis: MeshAxis | None, name
         allowed = "Shard(-1) or Replicate" if vocabulary else "Replicate"
         raise ValueError(
             f"{name} as a DTensor must live on student_logits' mesh with its placements ({allowed} on the "
-            f"vocabulary's mesh dimension), got {_placement_text(tensor)} next to student_logits' "  # type: ignore[arg-type]
-            f"{_placement_text(student)}"
+            f"vocabulary's mesh dimension), got {placement_text(tensor)} next to student_logits' "  # type: ignore[arg-type]
+            f"{placement_text(student)}"
         )
     local = tensor.to_local()  # type: ignore[attr-defined]
     if replicated and vocabulary:
@@ -167,7 +139,7 @@ def local_head_weight(weight: object, axis: MeshAxis | None, name: str) -> objec
     if axis is None or weight_axis.mesh != axis.mesh or weight_axis.dim != axis.dim:
         raise ValueError(
             f"{name} as a DTensor must be sharded on the mesh dimension along which student_logits is sharded "
-            f"on its last dimension, got {_placement_text(weight)}"  # type: ignore[arg-type]
+            f"on its last dimension, got {placement_text(weight)}"  # type: ignore[arg-type]
         )
     return weight.to_local()  # type: ignore[attr-defined]
 

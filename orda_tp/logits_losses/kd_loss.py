@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from ..backends.head import statistics_dtype
 from ..config import EntropyGate, KernelConfig
-from ..validation import check_label_range
+from ..validation import check_floating, check_label_range, check_labels, check_same_device
 from .function import logits_distillation
-from .inputs import ShardShape, agree_vocabulary, check_floating, check_labels, local_logits, logits_group
+from .inputs import ShardShape, agree_vocabulary, local_logits, logits_group
 from .options import LogitsOptions, check_count, check_flag, logits_plan, resolve_logits_options
 from .row_walk import build_problem
 
@@ -60,9 +60,7 @@ def _check_logits(student: object, teacher: object, labels: object) -> None:
             f"tensor parallelism), got {tuple(teacher.shape)}"
         )
     labels = check_labels(labels, tuple(student.shape[:-1]), "student_logits' leading dimensions")
-    for name, tensor in (("teacher_logits", teacher), ("labels", labels)):
-        if tensor.device != student.device:
-            raise ValueError(f"{name} must be on student_logits' device {student.device}, got {tensor.device}")
+    check_same_device("student_logits", student.device, [("teacher_logits", teacher), ("labels", labels)])
 
 
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record

@@ -3,8 +3,9 @@
 - :func:`all_gather_rows`: gather a (rows, K) tensor from every rank, stacked in rank order.
 - :func:`gather_sequence_rows`: sequence parallelism's row gather of several hidden tensors in one
   collective.
-- :func:`reduce_row_gradients`: sum the hidden gradients over the shards in one collective
-  (all-reduce; reduce-scatter under sequence parallelism).
+- :func:`reduce_scatter_rows`: under sequence parallelism, sum the hidden gradients over the
+  shards and keep this rank's rows, in one collective (without it, the row walk all-reduces each
+  row group's hidden gradients as they complete: ``ShardExchange.start_row_gradient_sum``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_rows", "gather_sequence_rows", "reduce_row_gradients"]
+__all__ = ["all_gather_rows", "gather_sequence_rows", "reduce_scatter_rows"]
 
 
 def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -40,21 +41,19 @@ def gather_sequence_rows(tensors: list[Tensor], group: dist.ProcessGroup) -> lis
     return [part.to(t.dtype) for part, t in zip(full.split(widths, dim=1), tensors)]
 
 
-def reduce_row_gradients(grads: list[Tensor], group: dist.ProcessGroup, sequence_parallel: bool) -> list[Tensor]:
-    """Sum each (rows, width_i) gradient over the ranks; under sequence parallelism keep only this
-    rank's rows (reduce-scatter where the backend has it, else all-reduce and slice)."""
+def reduce_scatter_rows(grads: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """Sequence parallelism: each (rows, width_i) gradient summed over the ranks, keeping this
+    rank's rows (reduce-scatter where the backend has it, else all-reduce and slice), in one
+    collective."""
     packed, widths = _pack_columns(grads)
-    if sequence_parallel:
-        world = dist.get_world_size(group)
-        rows = packed.shape[0] // world
-        if dist.get_backend(group) == dist.Backend.NCCL:
-            local = torch.empty(rows, packed.shape[1], dtype=packed.dtype, device=packed.device)
-            dist.reduce_scatter_tensor(local, packed, group=group)
-            packed = local
-        else:
-            dist.all_reduce(packed, group=group)
-            start = dist.get_rank(group) * rows
-            packed = packed[start : start + rows]
+    world = dist.get_world_size(group)
+    rows = packed.shape[0] // world
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        local = torch.empty(rows, packed.shape[1], dtype=packed.dtype, device=packed.device)
+        dist.reduce_scatter_tensor(local, packed, group=group)
+        packed = local
     else:
         dist.all_reduce(packed, group=group)
+        start = dist.get_rank(group) * rows
+        packed = packed[start : start + rows]
     return list(packed.split(widths, dim=1))

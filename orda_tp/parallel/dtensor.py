@@ -23,7 +23,7 @@ try:
 except ImportError:  # torch without DTensor
     DTensor = None  # type: ignore[assignment, misc]
 
-__all__ = ["MeshAxis", "chunk_range", "is_dtensor", "local_shard", "shard_axis"]
+__all__ = ["MeshAxis", "chunk_range", "is_dtensor", "local_shard", "placement_text", "shard_axis"]
 
 
 def is_dtensor(value: object) -> bool:
@@ -41,7 +41,7 @@ class MeshAxis:
     mesh: object
 
 
-def _placement_text(tensor: Tensor) -> str:
+def placement_text(tensor: Tensor) -> str:
     return f"{tuple(tensor.placements)} on mesh {tensor.device_mesh}"  # type: ignore[attr-defined]
 
 
@@ -57,7 +57,7 @@ def shard_axis(weight: Tensor, name: str) -> MeshAxis:
     if len(sharded) != 1 or not others_ok:
         raise ValueError(
             f"{name} as a DTensor must be Shard(0) on exactly one mesh dimension (the tensor-parallel one) and "
-            f"Replicate on the others, got {_placement_text(weight)}"
+            f"Replicate on the others, got {placement_text(weight)}"
         )
     mesh = weight.device_mesh  # type: ignore[attr-defined]
     dim = sharded[0]
@@ -78,15 +78,15 @@ def local_shard(tensor: Tensor, axis: MeshAxis, name: str, shard_dims: tuple[int
     Shard(0) (rows split over data parallelism).
     """
     if tensor.device_mesh != axis.mesh:  # type: ignore[attr-defined]
-        raise ValueError(f"{name} is a DTensor on another mesh than the head weight: {_placement_text(tensor)}")
+        raise ValueError(f"{name} is a DTensor on another mesh than the head weight: {placement_text(tensor)}")
     placements = tuple(tensor.placements)  # type: ignore[attr-defined]
     tp_placement = placements[axis.dim]
     others_ok = all(isinstance(p, Replicate) or _is_shard(p, (0,)) for i, p in enumerate(placements) if i != axis.dim)
     sharded = _is_shard(tp_placement, shard_dims)
     if not others_ok or not (sharded or isinstance(tp_placement, Replicate)):
-        raise ValueError(f"{name} has a DTensor placement this loss cannot handle: {_placement_text(tensor)}")
+        raise ValueError(f"{name} has a DTensor placement this loss cannot handle: {placement_text(tensor)}")
     if sharded and any(_is_shard(p, (0,)) for i, p in enumerate(placements) if i != axis.dim) and 0 in shard_dims:
         raise ValueError(
-            f"{name} is row-sharded on two mesh dimensions, which this loss cannot handle: {_placement_text(tensor)}"
+            f"{name} is row-sharded on two mesh dimensions, which this loss cannot handle: {placement_text(tensor)}"
         )
     return tensor.to_local(), sharded  # type: ignore[attr-defined]

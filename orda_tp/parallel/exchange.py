@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..statistics import PartitionRecord
-from .collectives import all_gather_rows, gather_sequence_rows, reduce_row_gradients
+from .collectives import all_gather_rows, gather_sequence_rows, reduce_scatter_rows
 
 __all__ = ["LocalError", "ShardExchange"]
 
@@ -97,7 +97,8 @@ class ShardExchange:
     def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
         """Without sequence parallelism, an asynchronous all-reduce of each gradient's rows
         ``[begin, end)`` (they overlap the next row groups' work); under it, the single
-        reduce-scatter of :meth:`reduce_row_gradients` keeps this rank's rows instead. The works
+        reduce-scatter of :meth:`reduce_row_gradients` keeps this rank's rows instead (a row
+        group's rows are not one rank's rows). The works
         are waited by :meth:`reduce_row_gradients` (the backward); if no backward comes, the
         process group keeps the buffers alive until its collectives finish."""
         if self.sequence_parallel:
@@ -106,11 +107,9 @@ class ShardExchange:
             self.pending_sums.append(dist.all_reduce(grad[begin:end], group=self.group, async_op=True))
 
     def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
-        if not grads:
-            return grads
-        if self.pending_sums:  # every row group's sum was started by the row walk
+        if not self.sequence_parallel:  # the row walk started every row group's sum: wait for them
             for work in self.pending_sums:
                 work.wait()
             self.pending_sums = []
             return grads
-        return reduce_row_gradients(grads, self.group, self.sequence_parallel)
+        return reduce_scatter_rows(grads, self.group) if grads else grads

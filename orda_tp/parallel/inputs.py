@@ -16,7 +16,7 @@ from ..teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
 from .layout import ShardClaim, VocabLayout, resolve_layout
 
-__all__ = ["LocalInputs", "agree_layout", "localize", "tp_group_of"]
+__all__ = ["LocalInputs", "agree_layout", "check_group", "localize", "same_ranks", "tp_group_of"]
 
 Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 
@@ -34,7 +34,7 @@ class LocalInputs:
     sequence_parallel: bool
 
 
-def _check_group(group: object) -> dist.ProcessGroup | None:
+def check_group(group: object) -> dist.ProcessGroup | None:
     if group is None:
         return None
     if not isinstance(group, dist.ProcessGroup):
@@ -42,7 +42,7 @@ def _check_group(group: object) -> dist.ProcessGroup | None:
     return group
 
 
-def _same_ranks(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
+def same_ranks(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
@@ -94,7 +94,7 @@ def localize(
     sequence_parallel: bool | None,
 ) -> LocalInputs:
     """Local shards of DTensor inputs (plain tensors pass through) and the tp setting."""
-    group = _check_group(tp_group)
+    group = check_group(tp_group)
     if not is_dtensor(weight):
         others = [("student_hidden", student_hidden), ("labels", labels)] + [
             (f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()
@@ -110,7 +110,7 @@ def localize(
             raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
         return LocalInputs(student_hidden, weight, labels, teacher, group, vocab_range, bool(sequence_parallel))
     axis = shard_axis(weight, "weight")
-    if group is not None and not _same_ranks(group, axis.group):
+    if group is not None and not same_ranks(group, axis.group):
         raise ValueError("tp_group is not the process group of the mesh dimension along which weight is sharded")
     derived_range = chunk_range(weight.shape[0], axis.size, axis.coordinate)
     if vocab_range is not None and tuple(vocab_range) != derived_range:
@@ -181,7 +181,7 @@ def agree_layout(
 def tp_group_of(weight: object, tp_group: object) -> dist.ProcessGroup | None:
     """The call's tensor-parallel group: ``tp_group``, or the mesh group a DTensor weight is
     sharded over (placements are the same on every rank, so every rank decides alike)."""
-    group = _check_group(tp_group)
+    group = check_group(tp_group)
     if group is None and is_dtensor(weight):
         return shard_axis(weight, "weight").group  # type: ignore[arg-type]
     return group
