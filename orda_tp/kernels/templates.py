@@ -27,13 +27,9 @@ upcast to fp32 after the load.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import tempfile
-from pathlib import Path
 from types import ModuleType
 
+from .cache import load_generated_module
 from .codegen import HELPERS
 
 __all__ = [
@@ -222,33 +218,8 @@ def kernel(s_ptr, t_ptr, labels_ptr, rowc_ptr, ds_ptr, dt_ptr, R, C, stride_s, s
 )
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("ORDA_TP_KERNEL_CACHE") or os.path.join(
-        tempfile.gettempdir(), f"orda_tp_kernels_{os.getuid()}"
-    )
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-_MODULES: dict[str, ModuleType] = {}
-
-
 def load_kernel_module(source: str) -> ModuleType:
-    """Import generated kernel source (Triton compiles from a real file, so it is written once,
-    content-addressed, to the kernel cache directory)."""
-    text = PRELUDE + source
-    digest = hashlib.sha1(text.encode()).hexdigest()[:20]
-    if digest in _MODULES:
-        return _MODULES[digest]
-    path = _cache_dir() / f"orda_tp_{digest}.py"
-    if not path.exists():
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(text)
-        partial.replace(path)
-    spec = importlib.util.spec_from_file_location(f"orda_tp_generated_{digest}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    _MODULES[digest] = module
-    return module
+    """The module of generated kernel ``source`` (after the shared prelude): Triton compiles from a
+    real file, so it is written once, content-addressed, to the private kernel cache, and executed
+    from the verified text (:mod:`.cache`)."""
+    return load_generated_module(PRELUDE + source)

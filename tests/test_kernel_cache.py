@@ -1,0 +1,280 @@
+"""The kernel cache (``orda_tp.kernels.cache``): a private per-user directory, and generated modules
+executed only from the text the loader verified, never from what another writer left on disk.
+
+Every test points ``ORDA_TP_KERNEL_CACHE`` (or the cache home) into ``tmp_path`` and starts with an
+empty in-process module table, so each load goes to the directory and the real home is never
+touched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import py_compile
+import re
+import stat
+import subprocess
+import sys
+import warnings
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from orda_tp.kernels import cache
+from orda_tp.kernels.cache import CACHE_ENV, kernel_cache_dir, load_generated_module
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OTHER_UID = 65534  # "nobody"
+TEXT = 'VALUE = "verified"\n\n\ndef double(x):\n    return 2 * x\n'
+TAMPERED = "tampered by another writer"
+
+
+@pytest.fixture
+def cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A kernel cache directory (not yet created) under ``tmp_path``, with no module loaded yet."""
+    path = tmp_path / "kernels"
+    monkeypatch.setenv(CACHE_ENV, str(path))
+    monkeypatch.setattr(cache, "_MODULES", {})
+    return path
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def planted_code(marker: Path) -> str:
+    """Code that leaves ``marker`` behind if it ever runs."""
+    return f'\nopen({str(marker)!r}, "w").write("planted")\nVALUE = {TAMPERED!r}\n'
+
+
+def only_cached_file(directory: Path) -> Path:
+    [path] = directory.glob("orda_tp_*.py")
+    return path
+
+
+def reload_text() -> ModuleType:
+    """Load ``TEXT`` again as a new process would (the in-process module table emptied first)."""
+    cache._MODULES.clear()
+    return load_generated_module(TEXT)
+
+
+@pytest.mark.parametrize("home", ["xdg", "home"])
+def test_default_location_is_a_0o700_directory_under_the_users_cache_home(
+    home: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    if home == "xdg":
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        created = [tmp_path / "xdg", tmp_path / "xdg" / "orda_tp"]
+    else:  # a relative XDG_CACHE_HOME is ignored, as the XDG specification asks
+        monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        created = [tmp_path / "home", tmp_path / "home" / ".cache", tmp_path / "home" / ".cache" / "orda_tp"]
+    expected = created[-1] / "kernels"
+    assert kernel_cache_dir() == expected
+    for directory in [*created, expected]:
+        assert mode(directory) == 0o700, directory
+    assert kernel_cache_dir() == expected  # an existing private directory is accepted as it is
+
+
+def test_a_module_runs_from_a_private_content_addressed_file(cache_path: Path) -> None:
+    module = load_generated_module(TEXT)
+    path = only_cached_file(cache_path)
+    assert module.VALUE == "verified" and module.double(3) == 6
+    assert module.__file__ == str(path) and path.read_text() == TEXT
+    assert mode(cache_path) == 0o700 and mode(path) == 0o600
+    assert load_generated_module(TEXT) is module
+    assert [p.name for p in cache_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("loose_mode", [0o777, 0o770, 0o702], ids=oct)
+def test_refuses_a_directory_that_others_can_write(cache_path: Path, loose_mode: int) -> None:
+    cache_path.mkdir()
+    os.chmod(cache_path, loose_mode)
+    message = (
+        f"kernel cache directory {cache_path} is writable by group or others (mode {oct(loose_mode)}); "
+        f"run `chmod 700 {cache_path}` or set ORDA_TP_KERNEL_CACHE to a directory of your own"
+    )
+    with pytest.raises(PermissionError, match=re.escape(message)):
+        load_generated_module(TEXT)
+    assert list(cache_path.iterdir()) == []
+    assert mode(cache_path) == loose_mode  # refused, not silently tightened
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_refuses_a_directory_owned_by_another_user(cache_path: Path) -> None:
+    cache_path.mkdir(mode=0o700)
+    os.chown(cache_path, OTHER_UID, OTHER_UID)
+    message = (
+        f"kernel cache directory {cache_path} is owned by uid {OTHER_UID}, not by this user (uid 0); "
+        "set ORDA_TP_KERNEL_CACHE to a directory of your own"
+    )
+    with pytest.raises(PermissionError, match=re.escape(message)):
+        load_generated_module(TEXT)
+    assert list(cache_path.iterdir()) == []
+
+
+def test_refuses_a_symlinked_directory(cache_path: Path, tmp_path: Path) -> None:
+    target = tmp_path / "someone_elses"
+    target.mkdir(mode=0o700)
+    cache_path.symlink_to(target)
+    with pytest.raises(PermissionError, match=re.escape(f"kernel cache directory {cache_path} is a symbolic link")):
+        load_generated_module(TEXT)
+    assert list(target.iterdir()) == []
+
+
+def test_refuses_a_file_in_place_of_the_directory(cache_path: Path) -> None:
+    cache_path.write_text("")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"kernel cache directory {cache_path} is not a directory")):
+        load_generated_module(TEXT)
+
+
+@pytest.mark.parametrize("tamper", ["append", "truncate", "loosen"])
+def test_a_tampered_cached_file_is_not_executed_and_is_rewritten(cache_path: Path, tmp_path: Path, tamper: str) -> None:
+    load_generated_module(TEXT)
+    path = only_cached_file(cache_path)
+    marker = tmp_path / "marker"
+    if tamper == "append":
+        with path.open("a") as file:
+            file.write(planted_code(marker))
+    elif tamper == "truncate":
+        path.write_text(TEXT[: len(TEXT) // 2])
+    else:  # the right text, but a file others may write
+        os.chmod(path, 0o666)
+    with pytest.warns(RuntimeWarning, match=re.escape(f"kernel cache file {path} did not hold the generated source")):
+        module = reload_text()
+    assert not marker.exists()
+    assert module.VALUE == "verified"
+    assert path.read_text() == TEXT and mode(path) == 0o600
+
+
+def test_a_symlinked_cached_file_is_replaced_not_followed(cache_path: Path, tmp_path: Path) -> None:
+    load_generated_module(TEXT)
+    path = only_cached_file(cache_path)
+    marker = tmp_path / "marker"
+    victim = tmp_path / "victim.py"
+    victim.write_text(planted_code(marker))
+    path.unlink()
+    path.symlink_to(victim)
+    with pytest.warns(RuntimeWarning, match="did not hold the generated source"):
+        module = reload_text()
+    assert not marker.exists() and module.VALUE == "verified"
+    assert not path.is_symlink() and path.read_text() == TEXT
+    assert victim.read_text() == planted_code(marker)  # nothing written through the link
+
+
+def test_a_planted_bytecode_file_is_never_imported(cache_path: Path, tmp_path: Path) -> None:
+    """An unchecked-hash ``.pyc`` beside the source is what ``import`` would run without looking
+    at the source; the loader never imports, so it is ignored (and the intact source raises no
+    warning)."""
+    load_generated_module(TEXT)
+    path = only_cached_file(cache_path)
+    marker = tmp_path / "marker"
+    planted = tmp_path / "planted.py"
+    planted.write_text(planted_code(marker))
+    py_compile.compile(
+        str(planted),
+        cfile=importlib.util.cache_from_source(str(path)),
+        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+        doraise=True,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = reload_text()
+    assert not marker.exists() and module.VALUE == "verified"
+
+
+def test_triton_compiles_the_verified_text_even_if_the_file_changes_after_loading(cache_path: Path) -> None:
+    """``@triton.jit`` reads its source through ``inspect``/``linecache`` (under the interpreter, at
+    the first launch): it must see the verified text, not a file edited after the check."""
+    from orda_tp.kernels.ops import SCALE_BLOCK, scale_in_place
+    from orda_tp.kernels.templates import SCALE_TEMPLATE, load_kernel_module
+
+    load_kernel_module(SCALE_TEMPLATE)
+    path = only_cached_file(cache_path)
+    text = path.read_text()
+    assert "(x.to(tl.float32) * scale)" in text
+    path.write_text(text.replace("(x.to(tl.float32) * scale)", "(x.to(tl.float32) * scale + 1000.0)"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    values = torch.randn(SCALE_BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(device)
+    expected = values * 0.375
+    scale_in_place([values], torch.tensor(0.375, device=device))
+    torch.testing.assert_close(values, expected, rtol=0.0, atol=0.0)
+
+
+def _load_each_text_together(barrier: Barrier, texts: list[str]) -> None:
+    """Child process: load every text at the same moment as the other children, then again as a
+    new process would while they may still be writing; any warning (a partly written file seen)
+    fails the child."""
+    warnings.simplefilter("error")
+    try:
+        for text in texts:
+            barrier.wait(timeout=60)
+            for _ in range(5):
+                cache._MODULES.clear()
+                assert load_generated_module(text).VALUE == int(text.split()[2])
+    except BaseException:
+        barrier.abort()  # the other children stop at their next wait instead of timing out
+        raise
+
+
+def test_processes_writing_one_file_at_once_each_leave_it_complete(cache_path: Path) -> None:
+    """Ranks of one machine write the same files at once: a write in place would let a child read
+    a partial file, a shared temporary name would let one child move another's file away."""
+    texts = [f"VALUE = {index}\n" + "# padding, so that the writes overlap\n" * 5000 for index in range(40)]
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(4)
+    children = [context.Process(target=_load_each_text_together, args=(barrier, texts)) for _ in range(4)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=120)
+        if child.is_alive():
+            child.kill()
+    assert [child.exitcode for child in children] == [0] * 4
+    files = sorted(cache_path.iterdir())
+    assert len(files) == len(texts) and all(path.suffix == ".py" for path in files)
+    assert sorted(path.read_text() for path in files) == sorted(texts)
+
+
+LOSS_SCRIPT = """
+import torch
+import orda_tp
+from tests.cases import make_problem, relative_error
+
+p = make_problem(rows=6, vocab=40).to(torch.float32)
+kwargs = dict(kl_weight=1.0, teacher_ce_weight=0.5, kl_divergence="forward")
+teacher = orda_tp.TiedTeacher(p.teacher_hidden)
+out = orda_tp.distillation_loss(p.student_hidden, p.weight, p.labels, teacher, backend="triton", **kwargs)
+ref = orda_tp.distillation_loss(p.student_hidden, p.weight, p.labels, teacher, backend="reference", **kwargs)
+print(relative_error(out.loss, ref.loss))
+"""
+
+
+def run_loss_in_a_fresh_process() -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", LOSS_SCRIPT], cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_fresh_process_runs_correct_kernels_from_a_tampered_cache(cache_path: Path, tmp_path: Path) -> None:
+    first = run_loss_in_a_fresh_process()
+    assert first.returncode == 0, first.stderr
+    files = sorted(cache_path.glob("orda_tp_*.py"))
+    assert files, "the triton backend wrote no kernel source"
+    originals = [path.read_text() for path in files]
+    marker = tmp_path / "marker"
+    for path in files:
+        with path.open("a") as file:
+            file.write(planted_code(marker))
+    second = run_loss_in_a_fresh_process()
+    assert second.returncode == 0, second.stderr
+    assert not marker.exists()
+    assert float(second.stdout.split()[-1]) <= 1e-5
+    assert second.stderr.count("did not hold the generated source") == len(files)
+    assert [path.read_text() for path in files] == originals
