@@ -1,20 +1,25 @@
 """Tensor-parallel distillation job: a tiny causal LM teacher taught to a smaller student through ``orda_tp``,
 with both LM heads split along the vocabulary over the ranks of a torchrun job.
 
+This is the recommended integration path: each model's LM head is an ``orda_tp.DistillationHead`` (an
+``nn.Linear(H, V, bias=False)`` whose forward with ``labels=`` is the loss), sharded along the vocabulary by
+``parallelize_module(model, tp_mesh, {"lm_head": orda_tp.VocabParallel()})``. The loss never forms the
+``(BT, V)`` logits, and every rank gets the single-device loss.
+
 1. A synthetic language (a sparse Markov chain, ``launch/data.py``) supplies token batches; every rank
    draws the same batches.
 2. Each model is a body (``launch/tiny_lm.py``, replicated: same init seed on every rank) and a
-   **vocab-parallel head**: the vocabulary is padded to a multiple of ``--pad-vocab-multiple`` × world size
-   (1000 → 1024 by default) and each rank trains its ``V_padded / world`` rows of the head. The padding
-   columns get no probability mass (``vocab_size=``).
-3. The teacher trains briefly with plain cross-entropy, then is frozen; the student trains on
-   ``ce_weight · CE + kl_weight · T² · KL(teacher ‖ student)`` (or the variant named by ``--kl-divergence``).
-   Both losses come from ``orda_tp.distillation_loss(..., tp_group=...)`` on the head shards, never from
-   ``(BT, V)`` logits. The loss sums the hidden gradient over the ranks, so the replicated bodies get
-   identical gradients and stay identical without any data-parallel wrapper.
+   ``DistillationHead``. The vocabulary is padded to a multiple of ``--pad-vocab-multiple`` × world size
+   (1000 → 1024 by default, as Megatron pads it) and each rank holds ``V_padded / world`` rows of each head
+   (a ``Shard(0)`` DTensor). The padding rows get no probability mass (``vocab_size=``).
+3. The teacher trains briefly with plain cross-entropy (its head with ``kl_weight=0``), then is frozen; the
+   student trains on ``ce_weight · CE + kl_weight · T² · KL(teacher ‖ student)`` (or the variant named by
+   ``--kl-divergence``), the teacher read through its head module (``orda_tp.TeacherHead``). The loss sums
+   the hidden gradient over the ranks, so the replicated bodies get identical gradients and stay identical
+   without any data-parallel wrapper.
 4. At the end: a parameter checksum of the bodies is compared across ranks (all_reduce max − min must be
    0), and on a held-out batch the fused tensor-parallel loss and its gradients (hidden, this rank's head
-   shard) are checked against a plain full-logits computation on the all-gathered heads in float64. The
+   shard) are checked against a plain full-logits computation on the gathered heads in float64. The
    job exits non-zero on every rank if either check fails on any rank.
 
 Run ``torchrun --standalone --nproc-per-node 2 launch/distill.py`` (gloo on CPU, NCCL with one GPU per rank
@@ -37,6 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 # Run from a checkout without installing: the repository root holds both `orda_tp` and `launch`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -100,6 +108,7 @@ class Runtime:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup | None
+    mesh: DeviceMesh | None  # the tensor-parallel mesh of all ranks (None without a process group)
 
     def log(self, message: str) -> None:
         """Print on rank 0 only."""
@@ -112,7 +121,7 @@ def init_runtime() -> Runtime:
     when CUDA is present, else gloo on CPU with one thread per rank (the ranks share the cores)."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        return Runtime(rank=0, world_size=1, device=torch.device("cuda" if cuda else "cpu"), group=None)
+        return Runtime(rank=0, world_size=1, device=torch.device("cuda" if cuda else "cpu"), group=None, mesh=None)
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
@@ -123,7 +132,8 @@ def init_runtime() -> Runtime:
     world_size = dist.get_world_size()
     if not cuda and world_size > 1:
         torch.set_num_threads(1)
-    return Runtime(rank=dist.get_rank(), world_size=world_size, device=device, group=dist.group.WORLD)
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
+    return Runtime(rank=dist.get_rank(), world_size=world_size, device=device, group=dist.group.WORLD, mesh=mesh)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -140,98 +150,54 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 @dataclass(frozen=True)
-class VocabShard:
-    """This rank's rows ``[start, stop)`` of the padded vocabulary ``(padded_vocab ≥ vocab_size)``."""
+class PaddedVocab:
+    """The real vocabulary and its padded size (a multiple of pad multiple × world size, as Megatron pads
+    it): 1000 tokens, multiple 64, 2 ranks → 1024 rows, 512 per rank, the last 24 of rank 1 padding."""
 
-    vocab_size: int  # real tokens; columns at or past it are padding
-    padded_vocab: int  # a multiple of (pad multiple × world size)
-    start: int
-    stop: int
-    group: dist.ProcessGroup | None
+    real: int
+    padded: int
 
     @staticmethod
-    def of(vocab_size: int, multiple: int, runtime: Runtime) -> VocabShard:
-        """Pad the vocabulary to a multiple of ``multiple × world size`` and give every rank an equal share
-        (1000 tokens, multiple 64, 2 ranks: 1024 columns, 512 rows per rank, the last 24 of rank 1 padding)."""
-        rows = -(-vocab_size // (multiple * runtime.world_size)) * multiple
-        start = runtime.rank * rows
-        return VocabShard(vocab_size, rows * runtime.world_size, start, start + rows, runtime.group)
-
-    def loss_kwargs(self) -> dict[str, object]:
-        """The tensor-parallel keywords of ``orda_tp.distillation_loss`` for a head held as this shard."""
-        in_group = self.group is not None
-        return {
-            "tp_group": self.group,
-            "vocab_range": (self.start, self.stop) if in_group else None,
-            "vocab_size": self.vocab_size,
-        }
+    def of(vocab_size: int, multiple: int, world_size: int) -> PaddedVocab:
+        step = multiple * world_size
+        return PaddedVocab(vocab_size, -(-vocab_size // step) * step)
 
 
-class VocabParallelHead(nn.Module):
-    """An LM head ``(V_padded, H)`` of which this rank holds and trains rows ``shard.start:shard.stop``."""
+class LanguageModel(nn.Module):
+    """A body (tokens -> hidden states ``[B, T, H]``, replicated on every rank) and its LM head, an
+    ``orda_tp.DistillationHead`` that ``VocabParallel`` splits along the vocabulary."""
 
-    def __init__(self, shard: VocabShard, hidden: int, device: torch.device) -> None:
+    def __init__(self, body: TinyLM, lm_head: orda_tp.DistillationHead) -> None:
         super().__init__()
-        self.shard = shard
-        # Every rank draws the same real rows from the shared seed (so the job starts from the same model
-        # at any world size), pads with zero rows and keeps its own slice as the parameter it trains.
-        full = torch.randn(shard.vocab_size, hidden, device=device) * 0.02
-        full = F.pad(full, (0, 0, 0, shard.padded_vocab - shard.vocab_size))
-        self.weight = nn.Parameter(full[shard.start : shard.stop].clone())
-
-    @torch.no_grad()
-    def gather_full(self) -> torch.Tensor:
-        """The whole padded head ``(V_padded, H)`` on every rank (all-gather of the shards, rank order)."""
-        if self.shard.group is None:
-            return self.weight.detach().clone()
-        shards = [torch.empty_like(self.weight) for _ in range(dist.get_world_size(self.shard.group))]
-        dist.all_gather(shards, self.weight.detach().contiguous(), group=self.shard.group)
-        return torch.cat(shards)
+        self.body = body
+        self.lm_head = lm_head
 
 
-def ce_loss(
-    hidden: torch.Tensor, head_shard: torch.Tensor, labels: torch.Tensor, shard: VocabShard, backend: str
-) -> orda_tp.DistillationLossOutput:
-    """Mean next-token CE of ``hidden @ head.T`` over the real vocabulary, from this rank's head shard.
-
-    A CE-only call (teacher pre-training): with ``teacher_ce_weight=0`` and ``kl_weight=0`` no teacher
-    term has weight, so the tied teacher descriptor is never read.
-    """
-    return orda_tp.distillation_loss(
-        hidden,
-        head_shard,
-        labels,
-        orda_tp.TiedTeacher(hidden.detach()),
-        teacher_ce_weight=0.0,
-        kl_weight=0.0,
-        backend=backend,
-        **shard.loss_kwargs(),
-    )
+def build_model(
+    args: argparse.Namespace, hidden: int, vocab: PaddedVocab, runtime: Runtime, **loss_options: object
+) -> LanguageModel:
+    """A :class:`TinyLM` of width ``hidden`` and a ``DistillationHead`` of ``vocab.padded`` rows computing the
+    loss ``loss_options`` describe, its head vocabulary-parallel over the job's ranks."""
+    config = LMConfig(vocab=args.vocab, hidden=hidden, layers=args.layers, heads=max(1, hidden // 32), max_seq=args.seq)
+    head = orda_tp.DistillationHead(hidden, vocab.padded, vocab_size=vocab.real, backend=args.backend, **loss_options)
+    with torch.no_grad():  # the same draw on every rank; padding rows start at zero
+        head.weight.normal_(std=0.02)
+        head.weight[vocab.real :].zero_()
+    model = LanguageModel(TinyLM(config), head).to(runtime.device)
+    if runtime.mesh is not None:
+        # TENSOR PARALLELISM LIVES HERE: each rank keeps its Shard(0) rows of the head (torch.chunk order).
+        parallelize_module(model, runtime.mesh, {"lm_head": orda_tp.VocabParallel()})
+    return model
 
 
-def kd_loss(
-    student_hidden: torch.Tensor,
-    student_head_shard: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_head_shard: torch.Tensor,
-    labels: torch.Tensor,
-    shard: VocabShard,
-    args: argparse.Namespace,
-) -> orda_tp.DistillationLossOutput:
-    """``ce_weight · CE(student) + kl_weight · T² · D(student, frozen teacher)`` from replicated hidden rows
-    (BT, H) and the two heads' shards on this rank; the same value on every rank."""
-    return orda_tp.distillation_loss(
-        student_hidden,
-        student_head_shard,
-        labels,
-        orda_tp.SeparateTeacher(teacher_hidden.detach(), teacher_head_shard.detach()),
-        student_ce_weight=args.ce_weight,
-        kl_weight=args.kl_weight,
-        kl_temperature=args.temperature,
-        kl_divergence=args.kl_divergence,
-        backend=args.backend,
-        **shard.loss_kwargs(),
-    )
+def local_rows(weight: torch.Tensor) -> int:
+    """The head rows this rank holds."""
+    return (weight.to_local() if isinstance(weight, DTensor) else weight).shape[0]
+
+
+def full_head(weight: torch.Tensor) -> torch.Tensor:
+    """The whole padded head ``(V_padded, H)`` on every rank (gathered from the shards)."""
+    return (weight.full_tensor() if isinstance(weight, DTensor) else weight).detach()
 
 
 # ==================================================================================================
@@ -239,36 +205,10 @@ def kd_loss(
 # ==================================================================================================
 
 
-@dataclass
-class LanguageModel:
-    """A replicated body (tokens -> hidden states) and its vocab-parallel head."""
-
-    body: TinyLM
-    head: VocabParallelHead
-
-    def parameters(self) -> list[nn.Parameter]:
-        """All trainable parameters of this rank: the body and this rank's head shard."""
-        return [*self.body.parameters(), self.head.weight]
-
-    def hidden_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final hidden states flattened to rows (B·T, H)."""
-        hidden = self.body(tokens)
-        return hidden.reshape(-1, hidden.shape[-1])
-
-
-def build_model(args: argparse.Namespace, hidden: int, shard: VocabShard, runtime: Runtime) -> LanguageModel:
-    """A :class:`TinyLM` of width ``hidden`` and its head shard, on the runtime's device."""
-    config = LMConfig(vocab=args.vocab, hidden=hidden, layers=args.layers, heads=max(1, hidden // 32), max_seq=args.seq)
-    body = TinyLM(config).to(runtime.device)
-    return LanguageModel(body=body, head=VocabParallelHead(shard, hidden, runtime.device))
-
-
 def batch_on(language: MarkovLanguage, args: argparse.Namespace, index: int, runtime: Runtime) -> Batch:
-    """Batch number ``index`` of the job's stream (the same on every rank), on the runtime's device;
-    labels flattened to (B·T,)."""
+    """Batch number ``index`` of the job's stream (the same on every rank), on the runtime's device."""
     batch = sample_batch(language, args.batch, args.seq, seed=(args.seed << 32) + index)
-    inputs = batch.inputs.to(runtime.device)
-    return Batch(inputs=inputs, labels=batch.labels.reshape(-1).to(runtime.device), floor=batch.floor)
+    return Batch(inputs=batch.inputs.to(runtime.device), labels=batch.labels.to(runtime.device), floor=batch.floor)
 
 
 class ProgressMeter:
@@ -304,22 +244,28 @@ def should_log(step: int, total: int, every: int) -> bool:
 
 
 def train_teacher(teacher: LanguageModel, language: MarkovLanguage, args: argparse.Namespace, runtime: Runtime) -> None:
-    """Pre-train the teacher with plain CE (its head vocab-parallel too), then freeze it."""
+    """Pre-train the teacher with plain CE (its head computes the CE alone: ``kl_weight=0``), then freeze it."""
     optimizer, schedule = make_optimizer(teacher, args.lr, args.teacher_steps)
     meter = ProgressMeter(runtime, args.batch * args.seq)
     for step in range(1, args.teacher_steps + 1):
         batch = batch_on(language, args, index=step, runtime=runtime)
-        hidden = teacher.hidden_rows(batch.inputs)
-        output = ce_loss(hidden, teacher.head.weight, batch.labels, teacher.head.shard, args.backend)
+        output = teacher.lm_head(teacher.body(batch.inputs), labels=batch.labels)
         optimizer.zero_grad(set_to_none=True)
         output.loss.backward()
         optimizer.step()
         schedule.step()
         if should_log(step, args.teacher_steps, args.log_every):
             runtime.log(meter.line("teacher", step, args.teacher_steps, {"ce": output.student_ce.item()}))
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
-    teacher.body.eval()
+    teacher.requires_grad_(False)
+    teacher.eval()
+
+
+def distill_step(student: LanguageModel, teacher: LanguageModel, batch: Batch) -> orda_tp.DistillationLossOutput:
+    """The student's loss on ``batch``: its head reads the frozen teacher through the teacher's head module."""
+    with torch.no_grad():
+        teacher_hidden = teacher.body(batch.inputs)
+    teacher_rows = orda_tp.TeacherHead(teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), teacher.lm_head)
+    return student.lm_head(student.body(batch.inputs), labels=batch.labels, teacher=teacher_rows)
 
 
 def train_student(
@@ -336,17 +282,7 @@ def train_student(
     for step in range(1, args.steps + 1):
         # Student batches continue the stream after the teacher's, so the student sees new text.
         batch = batch_on(language, args, index=args.teacher_steps + step, runtime=runtime)
-        with torch.no_grad():
-            teacher_hidden = teacher.hidden_rows(batch.inputs)
-        output = kd_loss(
-            student.hidden_rows(batch.inputs),
-            student.head.weight,
-            teacher_hidden,
-            teacher.head.weight,
-            batch.labels,
-            student.head.shard,
-            args,
-        )
+        output = distill_step(student, teacher, batch)
         optimizer.zero_grad(set_to_none=True)
         output.loss.backward()  # the hidden gradient arrives already summed over the ranks
         optimizer.step()
@@ -358,11 +294,12 @@ def train_student(
     return logged_loss
 
 
-def held_out_ce(model: LanguageModel, batch: Batch, backend: str) -> float:
-    """Mean next-token CE of ``model`` on ``batch``."""
+def held_out_ce(student: LanguageModel, teacher: LanguageModel, batch: Batch) -> tuple[float, float]:
+    """Mean next-token CE of the student and of the teacher on ``batch``."""
     with torch.no_grad():
-        hidden = model.hidden_rows(batch.inputs)
-        return ce_loss(hidden, model.head.weight, batch.labels, model.head.shard, backend).loss.item()
+        student_ce = distill_step(student, teacher, batch).student_ce.item()
+        teacher_ce = teacher.lm_head(teacher.body(batch.inputs), labels=batch.labels).student_ce.item()
+    return student_ce, teacher_ce
 
 
 # ==================================================================================================
@@ -448,41 +385,48 @@ def relative_error(value: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_fused_against_unfused(
-    student: LanguageModel, teacher: LanguageModel, batch: Batch, args: argparse.Namespace, runtime: Runtime
+    student: LanguageModel,
+    teacher: LanguageModel,
+    batch: Batch,
+    vocab: PaddedVocab,
+    args: argparse.Namespace,
+    runtime: Runtime,
 ) -> bool:
     """On ``batch``, compare the fused tensor-parallel loss, its components, the hidden gradient and this
-    rank's head-shard gradient with the unfused loss computed in float64 from the all-gathered full heads
+    rank's head-shard gradient with the unfused loss computed in float64 from the gathered full heads
     (same fp32 values); the worst relative error over all ranks decides."""
-    shard = student.head.shard
     with torch.no_grad():
-        student_hidden = student.hidden_rows(batch.inputs)
-        teacher_hidden = teacher.hidden_rows(batch.inputs)
+        student_hidden = student.body(batch.inputs)
+        teacher_hidden = teacher.body(batch.inputs)
     hidden_leaf = student_hidden.clone().requires_grad_(True)
-    shard_leaf = student.head.weight.detach().clone().requires_grad_(True)
-    fused = kd_loss(hidden_leaf, shard_leaf, teacher_hidden, teacher.head.weight, batch.labels, shard, args)
-    fused_d_hidden, fused_d_shard = torch.autograd.grad(fused.loss, [hidden_leaf, shard_leaf])
+    teacher_rows = orda_tp.TeacherHead(teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), teacher.lm_head)
+    fused = student.lm_head(hidden_leaf, labels=batch.labels, teacher=teacher_rows)
+    head = student.lm_head.weight
+    fused_d_hidden, fused_d_head = torch.autograd.grad(fused.loss, [hidden_leaf, head])
+    fused_d_shard = fused_d_head.to_local() if isinstance(fused_d_head, DTensor) else fused_d_head
 
-    # Unfused: every rank rebuilds the full heads and keeps the real vocabulary rows.
-    real = shard.vocab_size
-    hidden64 = student_hidden.double().requires_grad_(True)
-    head64 = student.head.gather_full().double().requires_grad_(True)
-    teacher_head64 = teacher.head.gather_full().double()
+    # Unfused: every rank gathers the full heads and keeps the real vocabulary rows.
+    real = vocab.real
+    width = student_hidden.shape[-1]
+    hidden64 = student_hidden.reshape(-1, width).double().requires_grad_(True)
+    head64 = full_head(head).double().requires_grad_(True)
+    teacher_head64 = full_head(teacher.lm_head.weight).double()
     unfused, oracle = unfused_kd_loss(
-        hidden64, head64[:real], teacher_hidden.double(), teacher_head64[:real], batch.labels, args
+        hidden64, head64[:real], teacher_rows.hidden.double(), teacher_head64[:real], batch.labels.reshape(-1), args
     )
     d_hidden64, d_head64 = torch.autograd.grad(unfused["loss"], [hidden64, head64])
 
     errors = {name: relative_error(getattr(fused, name), unfused[name]) for name in ("loss", "student_ce", "kl")}
-    errors["d_hidden"] = relative_error(fused_d_hidden, d_hidden64)
-    errors["d_head_shard"] = relative_error(fused_d_shard, d_head64[shard.start : shard.stop])
+    errors["d_hidden"] = relative_error(fused_d_hidden.reshape(-1, width), d_hidden64)
+    errors["d_head_shard"] = relative_error(fused_d_shard, d_head64.chunk(runtime.world_size)[runtime.rank])
     worst_over_ranks = all_reduce(
         torch.tensor(list(errors.values()), device=runtime.device), dist.ReduceOp.MAX, runtime
     )
     errors = dict(zip(errors, worst_over_ranks.tolist()))
     runtime.log(
         f"held-out loss: fused TP {fused.loss.item():.8f} vs unfused full logits ({oracle}, float64) "
-        f"{unfused['loss'].item():.8f} | vocab {real} padded to {shard.padded_vocab} = {runtime.world_size} x "
-        f"{shard.stop - shard.start} rows"
+        f"{unfused['loss'].item():.8f} | vocab {real} padded to {vocab.padded} = {runtime.world_size} x "
+        f"{local_rows(head)} rows"
     )
     worst = max(errors.values())
     passed = worst <= CHECK_TOLERANCE
@@ -498,13 +442,17 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     torch.manual_seed(args.seed)  # the same on every rank: replicated bodies, identical full heads
     language = make_language(args.vocab, seed=args.seed)
-    shard = VocabShard.of(args.vocab, args.pad_vocab_multiple, runtime)
-    teacher = build_model(args, args.teacher_hidden, shard, runtime)
-    student = build_model(args, args.student_hidden, shard, runtime)
+    vocab = PaddedVocab.of(args.vocab, args.pad_vocab_multiple, runtime.world_size)
+    teacher = build_model(args, args.teacher_hidden, vocab, runtime, teacher_ce_weight=0.0, kl_weight=0.0)
+    student = build_model(
+        args, args.student_hidden, vocab, runtime,
+        student_ce_weight=args.ce_weight, kl_weight=args.kl_weight, kl_temperature=args.temperature,
+        kl_divergence=args.kl_divergence,
+    )  # fmt: skip
     runtime.log(
         f"distill: world_size {runtime.world_size} device {runtime.device} "
         f"process_group {dist.get_backend(runtime.group) if runtime.group is not None else 'none'} | "
-        f"vocab {args.vocab} padded to {shard.padded_vocab}, head shard {shard.stop - shard.start} rows/rank | "
+        f"vocab {args.vocab} padded to {vocab.padded}, head shard {local_rows(student.lm_head.weight)} rows/rank | "
         f"tokens/step {args.batch * args.seq} kl {args.kl_divergence} T {args.temperature} backend {args.backend}"
     )
 
@@ -513,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
 
     held_out = batch_on(language, args, index=HELD_OUT_BATCH, runtime=runtime)
     replicated = check_bodies_replicated({"teacher": teacher, "student": student}, runtime)
-    fused_ok = check_fused_against_unfused(student, teacher, held_out, args, runtime)
-    student_ce, teacher_ce = (held_out_ce(model, held_out, args.backend) for model in (student, teacher))
+    fused_ok = check_fused_against_unfused(student, teacher, held_out, vocab, args, runtime)
+    student_ce, teacher_ce = held_out_ce(student, teacher, held_out)
     # Every rank leaves with the same status.
     passed = bool(
         all_reduce(torch.tensor(int(replicated and fused_ok), device=runtime.device), dist.ReduceOp.MIN, runtime)

@@ -3,7 +3,9 @@
 ``distillation_loss`` computes the student cross-entropy, the teacher cross-entropy and any of
 15 KL-type divergences from hidden states and LM-head weights without building the (tokens ×
 vocab) logits. The API is a superset of orda-kernel's: ``import orda_tp as orda_kernel`` works.
-``KDLoss`` and ``flash_ce_kd_loss`` compute the same losses, exactly and in a bounded workspace, on
+``DistillationHead`` is an ``nn.Linear`` LM head that computes it in its own forward (for FSDP2,
+``parallelize_module`` with ``VocabParallel``, Hugging Face models). ``KDLoss`` and
+``flash_ce_kd_loss`` compute the same losses, exactly and in a bounded workspace, on
 logits the caller already holds.
 """
 
@@ -22,8 +24,11 @@ from .cross_vocab import (
     project_teacher_logits,
 )
 from .divergences import KL_VARIANTS
+from .lm_head import DistillationHead, HeadOutput
 from .logits_losses import KDLoss, flash_ce_kd_loss
-from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from .parallel.style import VocabParallel
+from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
+from .validation import IgnoredArgumentWarning
 
 __version__ = "0.1.0"
 
@@ -42,13 +47,18 @@ __all__ = [
     "project_teacher_logits",
     "PROFILES",
     "ChunkSize",
+    "DistillationHead",
     "DistillationLoss",
     "DistillationLossOutput",
     "EntropyGate",
+    "HeadOutput",
+    "IgnoredArgumentWarning",
     "KernelConfig",
     "PrecomputedTeacher",
     "SeparateTeacher",
+    "TeacherHead",
     "TiedTeacher",
+    "VocabParallel",
     "distillation_loss",
     "flash_ce_kd_loss",
     "is_available",

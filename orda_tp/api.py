@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -17,16 +20,18 @@ from .config import EntropyGate, KernelConfig
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
 from .parallel.exchange import ShardExchange
+from .parallel.fsdp import check_not_fsdp_sharded, unsharded_head_weight
 from .parallel.inputs import LocalInputs, agree_layout, localize, tp_group_of
 from .parallel.layout import VocabLayout
 from .plan import LossPlan
-from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
 from .validation import (
     LossOptions,
     ParallelOptions,
     build_plan,
     check_inputs,
     check_label_range,
+    check_precision,
     resolve_options,
     resolve_parallel_options,
     teacher_tensors,
@@ -36,6 +41,7 @@ from .value_checks import check_values, local_error
 __all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
 Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
+TeacherArgument = Teacher | TeacherHead
 
 
 class DistillationLossOutput(NamedTuple):
@@ -151,6 +157,21 @@ def _local_inputs(
     return local
 
 
+@contextmanager
+def _readable_teacher(teacher: TeacherArgument, reduction: str) -> Iterator[Teacher]:
+    """The teacher as a descriptor of tensors: a :class:`TeacherHead` becomes the
+    :class:`SeparateTeacher` of its module's weight, gathered for the call if FSDP2 shards it
+    (kept past the call when a "none" reduction's backward recomputes the logits)."""
+    if not isinstance(teacher, TeacherHead):
+        yield teacher
+        return
+    grad_on = torch.is_grad_enabled()
+    receives_grad = grad_on and teacher.head.weight.requires_grad
+    read_after_call = grad_on and reduction == "none"
+    with unsharded_head_weight(teacher.head, receives_grad, read_after_call) as weight:
+        yield SeparateTeacher(teacher.hidden, weight)
+
+
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
 # exchanges and hand-written backward are not traceable, and gain nothing from tracing.
 @torch.compiler.disable
@@ -160,10 +181,26 @@ def _run(
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
+    teacher: TeacherArgument,
+    num_valid_tokens: object,
+) -> DistillationLossOutput:
+    with _readable_teacher(teacher, options.reduction) as readable:
+        return _run_on_tensors(options, parallel, student_hidden, weight, labels, readable, num_valid_tokens)
+
+
+def _run_on_tensors(
+    options: LossOptions,
+    parallel: ParallelOptions,
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
     teacher: Teacher,
     num_valid_tokens: object,
 ) -> DistillationLossOutput:
-    teacher_tensors(teacher)  # a TypeError for anything but a teacher descriptor
+    # Checked before any collective (every rank decides alike): a TypeError for anything but a
+    # teacher descriptor, a ValueError for FSDP's data-parallel shards posing as vocabulary shards.
+    for name, tensor in [("weight", weight), *teacher_tensors(teacher)]:
+        check_not_fsdp_sharded(name, tensor)
     group = tp_group_of(weight, parallel.tp_group)
     local, problem = None, None
     try:
@@ -223,7 +260,7 @@ def distillation_loss(
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    teacher: Teacher,
+    teacher: TeacherArgument,
     *,
     student_ce_weight: float = 1.0,
     teacher_ce_weight: float | None = None,
@@ -239,7 +276,7 @@ def distillation_loss(
     profile: str = "balanced",
     backend: str = "auto",
     config: KernelConfig | None = None,
-    gradient_materialization_scale: float | None = None,
+    gradient_materialization_scale: float | Tensor | None = None,
     grad_scaler: object | None = None,
     num_valid_tokens: float | Tensor | None = None,
     tp_group: object | None = None,
@@ -273,7 +310,8 @@ def distillation_loss(
 
 class DistillationLoss(nn.Module):
     """Module form of :func:`distillation_loss`: the keywords are fixed (and validated) at
-    construction; ``forward(student_hidden, weight, labels, teacher, num_valid_tokens=None)``."""
+    construction; ``forward(student_hidden, weight, labels, teacher, gradient_materialization_scale=None,
+    grad_scaler=None, *, num_valid_tokens=None)``."""
 
     def __init__(
         self,
@@ -292,7 +330,7 @@ class DistillationLoss(nn.Module):
         profile: str = "balanced",
         backend: str = "auto",
         config: KernelConfig | None = None,
-        gradient_materialization_scale: float | None = None,
+        gradient_materialization_scale: float | Tensor | None = None,
         grad_scaler: object | None = None,
         tp_group: object | None = None,
         vocab_range: tuple[int, int] | None = None,
@@ -308,10 +346,20 @@ class DistillationLoss(nn.Module):
         student_hidden: Tensor,
         weight: Tensor,
         labels: Tensor,
-        teacher: Teacher,
+        teacher: TeacherArgument,
+        gradient_materialization_scale: float | Tensor | None = None,
+        grad_scaler: object | None = None,
+        *,
         num_valid_tokens: float | Tensor | None = None,
     ) -> DistillationLossOutput:
-        return _run(self.options, self.parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
+        """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
+        ``grad_scaler`` given here (orda-kernel's ``forward`` arguments) replace the constructor's
+        for this call."""
+        options = self.options
+        if gradient_materialization_scale is not None or grad_scaler is not None:
+            scale, scaler = check_precision(gradient_materialization_scale, grad_scaler)
+            options = replace(options, gradient_materialization_scale=scale, grad_scaler=scaler)
+        return _run(options, self.parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -3,6 +3,8 @@
 - :class:`TiedTeacher`: the teacher shares the student's head, ``t = h_t Wᵀ``.
 - :class:`SeparateTeacher`: the teacher has its own head, ``t = h_t W_tᵀ``.
 - :class:`PrecomputedTeacher`: cached teacher outputs (logits, or hidden + head); never trained.
+- :class:`TeacherHead`: a separate teacher given by its LM-head module rather than its weight
+  (the call reads the weight as the module's forward would, gathering an FSDP2-sharded one).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-__all__ = ["TiedTeacher", "SeparateTeacher", "PrecomputedTeacher", "Teacher", "TEACHER_MODES"]
+__all__ = ["TiedTeacher", "SeparateTeacher", "PrecomputedTeacher", "TeacherHead", "Teacher", "TEACHER_MODES"]
 
 TEACHER_MODES = ("trained", "frozen", "cotrained")
 
@@ -148,6 +151,33 @@ class PrecomputedTeacher:
             raise ValueError(
                 f"PrecomputedTeacher.{name} was modified in place after the PrecomputedTeacher was built "
                 f"(version {version} -> {current}); build a new PrecomputedTeacher"
+            )
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """A separate teacher read through its own LM-head module: hidden states ``hidden`` (BT, D_t)
+    and ``head``, a module whose ``weight`` is (V, D_t) (``nn.Linear(D_t, V, bias=False)``, an
+    :class:`orda_tp.DistillationHead`, possibly under ``fully_shard`` or tensor-parallel).
+
+    The loss is that of ``SeparateTeacher(hidden, head.weight)``, with the weight read as the
+    head's forward would read it: when FSDP2 holds it sharded over data parallelism (outside its
+    module's forward) it is gathered for the call and released afterwards. Such a gathered weight
+    sends no gradient back to FSDP's shards, so it must not require grad (a frozen teacher).
+    """
+
+    hidden: torch.Tensor
+    head: nn.Module
+
+    def __post_init__(self) -> None:
+        _check_tensor(self.hidden, "TeacherHead.hidden")
+        if not isinstance(self.head, nn.Module):
+            raise TypeError(f"TeacherHead.head must be an nn.Module with a weight, got {type(self.head).__name__}")
+        weight = getattr(self.head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError(
+                f"TeacherHead.head must have a 2-D weight (vocab × hidden), got {type(self.head).__name__} "
+                f"with weight {None if weight is None else tuple(weight.shape)}"
             )
 
 

@@ -5,8 +5,12 @@ was expected and what was received. Nothing is clamped or reinterpreted.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -17,6 +21,7 @@ from .plan import REDUCTIONS, LossPlan
 from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 
 __all__ = [
+    "IgnoredArgumentWarning",
     "LossOptions",
     "resolve_options",
     "resolve_divergence",
@@ -35,6 +40,10 @@ def _is_real(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def check_loss_weight(name: str, value: object) -> float:
     if not _is_real(value) or not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
         raise ValueError(f"{name} must be a finite real number >= 0, got {value!r}")
@@ -47,29 +56,75 @@ def check_temperature(name: str, value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+class IgnoredArgumentWarning(UserWarning):
+    """A keyword that has no effect on this call was given, and is ignored (orda-kernel accepts
+    it silently): e.g. ``kl_alpha`` with a variant that reads no ``kl_alpha``."""
+
+
+VARIANT_PARAMETERS = ("kl_alpha", "kl_beta", "entropy_gate")  # the order of Divergence.resolve's arguments
+# Frames of these directories sit between a user's call and the warning (torch's are the
+# torch.compiler.disable wrappers around the public entry points).
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` in the calling function that names the first frame
+    outside orda_tp and torch: the user's line, so that Python's default filter shows the warning
+    once per call site."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _reads(divergence: Divergence) -> str:
+    if not divergence.parameters:
+        return f"none of {', '.join(VARIANT_PARAMETERS)}"
+    return "only " + " and ".join(divergence.parameters)
+
+
 def resolve_divergence(
-    kl_divergence: object, kl_alpha: object, kl_beta: object, entropy_gate: object
+    kl_divergence: object,
+    kl_alpha: object,
+    kl_beta: object,
+    entropy_gate: object,
+    *,
+    unused: Literal["raise", "warn"] = "raise",
 ) -> tuple[Divergence, DivergenceParams]:
-    """The registered variant and its parameters (defaults filled, ranges checked); a parameter
-    the variant does not read raises instead of being ignored."""
+    """The registered variant and its parameters (defaults filled, ranges checked).
+
+    A parameter the variant does not read is neither checked nor used: with ``unused="warn"``
+    (``distillation_loss``, as orda-kernel accepts it) it gives one :class:`IgnoredArgumentWarning`,
+    with ``unused="raise"`` (the logits-level losses) a ValueError.
+    """
     divergence = get_divergence(kl_divergence)
-    given = {"kl_alpha": kl_alpha, "kl_beta": kl_beta, "entropy_gate": entropy_gate}
+    given = dict(zip(VARIANT_PARAMETERS, (kl_alpha, kl_beta, entropy_gate)))
     for keyword, value in given.items():
-        if value is not None and keyword not in divergence.parameters:
+        if value is None or keyword in divergence.parameters:
+            continue
+        if unused == "raise":
             raise ValueError(
                 f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
                 f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
             )
-    return divergence, divergence.resolve(kl_alpha, kl_beta, entropy_gate)  # type: ignore[arg-type]
+        warnings.warn(
+            f"{keyword}={value!r} is ignored: kl_divergence={divergence.name!r} reads {_reads(divergence)}; "
+            f"leave {keyword}=None to silence this warning",
+            IgnoredArgumentWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+        given[keyword] = None
+    return divergence, divergence.resolve(*given.values())  # type: ignore[arg-type]
 
 
 def check_ignore_index(ignore_index: object) -> int:
-    """An int that fits in torch.long, like the labels it is compared with."""
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+    """An integer (``int`` or e.g. a NumPy integer, as orda-kernel accepts) that fits in
+    torch.long, like the labels it is compared with; returned as an ``int``."""
+    if not _is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not INT64_MIN <= ignore_index <= INT64_MAX:
+    if not INT64_MIN <= int(ignore_index) <= INT64_MAX:  # type: ignore[call-overload]
         raise ValueError(f"ignore_index must fit in torch.long (int64) like the labels, got {ignore_index!r}")
-    return ignore_index
+    return int(ignore_index)  # type: ignore[call-overload]
 
 
 def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
@@ -99,8 +154,38 @@ class LossOptions:
     reduction: str
     config: KernelConfig
     backend: str
-    gradient_materialization_scale: float | None
+    gradient_materialization_scale: float | Tensor | None
     grad_scaler: object | None
+
+
+def check_materialization_scale(value: object) -> float | Tensor:
+    """A finite real > 0, or a one-element floating-point tensor that does not require grad
+    (orda-kernel's form, e.g. ``GradScaler.scale(torch.ones(()))``), used on the device as it is
+    (its value is never read: that would synchronize)."""
+    if not isinstance(value, Tensor):
+        return check_temperature("gradient_materialization_scale", value)
+    if value.numel() != 1 or not value.is_floating_point() or value.requires_grad:
+        raise ValueError(
+            "gradient_materialization_scale must be a finite real number > 0 or a one-element floating-point "
+            f"tensor that does not require grad, got a tensor of shape {tuple(value.shape)}, dtype {value.dtype}, "
+            f"requires_grad={value.requires_grad}"
+        )
+    return value.reshape(())
+
+
+def check_precision(
+    gradient_materialization_scale: object, grad_scaler: object
+) -> tuple[float | Tensor | None, object]:
+    """``gradient_materialization_scale`` (None or :func:`check_materialization_scale`'s forms) and
+    ``grad_scaler`` (None or a GradScaler instance), checked."""
+    if gradient_materialization_scale is not None:
+        gradient_materialization_scale = check_materialization_scale(gradient_materialization_scale)
+    if grad_scaler is not None and (
+        isinstance(grad_scaler, type) or not callable(getattr(grad_scaler, "get_scale", None))
+    ):
+        received = f"the class {grad_scaler.__name__}" if isinstance(grad_scaler, type) else type(grad_scaler).__name__
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler instance or None, got {received}")
+    return gradient_materialization_scale, grad_scaler  # type: ignore[return-value]
 
 
 def resolve_options(
@@ -124,19 +209,13 @@ def resolve_options(
 ) -> LossOptions:
     """Validate the keywords; the teacher-dependent defaults are resolved in :func:`build_plan`."""
     # The variant's parameter ranges are checked here too, so that DistillationLoss(...) fails at construction.
-    divergence, _ = resolve_divergence(kl_divergence, kl_alpha, kl_beta, entropy_gate)
-    check_ignore_index(ignore_index)
+    divergence, _ = resolve_divergence(kl_divergence, kl_alpha, kl_beta, entropy_gate, unused="warn")
+    label_to_ignore = check_ignore_index(ignore_index)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if gradient_materialization_scale is not None:
-        check_temperature("gradient_materialization_scale", gradient_materialization_scale)
-    if grad_scaler is not None and (
-        isinstance(grad_scaler, type) or not callable(getattr(grad_scaler, "get_scale", None))
-    ):
-        received = f"the class {grad_scaler.__name__}" if isinstance(grad_scaler, type) else type(grad_scaler).__name__
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler instance or None, got {received}")
+    gradient_materialization_scale, grad_scaler = check_precision(gradient_materialization_scale, grad_scaler)
     options = LossOptions(
         student_ce_weight=check_loss_weight("student_ce_weight", student_ce_weight),
         teacher_ce_weight=None
@@ -148,10 +227,11 @@ def resolve_options(
         if kl_teacher_temperature is None
         else check_temperature("kl_teacher_temperature", kl_teacher_temperature),
         kl_divergence=divergence.name,
-        kl_alpha=kl_alpha,  # type: ignore[arg-type]
-        kl_beta=kl_beta,  # type: ignore[arg-type]
-        entropy_gate=entropy_gate,  # type: ignore[arg-type]
-        ignore_index=ignore_index,
+        # A parameter the variant does not read was warned about above and is dropped here.
+        kl_alpha=kl_alpha if "kl_alpha" in divergence.parameters else None,  # type: ignore[arg-type]
+        kl_beta=kl_beta if "kl_beta" in divergence.parameters else None,  # type: ignore[arg-type]
+        entropy_gate=entropy_gate if "entropy_gate" in divergence.parameters else None,  # type: ignore[arg-type]
+        ignore_index=label_to_ignore,
         reduction=reduction,  # type: ignore[arg-type]
         config=resolve_config(profile, config),  # type: ignore[arg-type]
         backend=backend,  # type: ignore[arg-type]
@@ -332,16 +412,34 @@ def build_plan(
             "got a PrecomputedTeacher (use a teacher-detached variant such as 'jeffreys')"
         )
     student_temperature = options.kl_temperature
-    if options.kl_teacher_temperature is not None:
-        teacher_temperature = options.kl_teacher_temperature
-    elif isinstance(teacher, PrecomputedTeacher) and teacher.logits_temperature is not None:
+    tempered = teacher.logits_temperature if isinstance(teacher, PrecomputedTeacher) else None
+    if tempered is not None:
+        # A cache already divided by its declared temperature is used as it is (as orda-kernel does);
+        # an explicit teacher temperature must name that same temperature.
+        if options.kl_teacher_temperature not in (None, tempered):
+            raise ValueError(
+                f"kl_teacher_temperature={options.kl_teacher_temperature!r} disagrees with "
+                f"PrecomputedTeacher(logits_temperature={tempered!r}), a cache already divided by {tempered!r}; "
+                "leave kl_teacher_temperature=None (the cache is used as it is), or pass the raw logits "
+                "without logits_temperature"
+            )
         teacher_temperature = 1.0
+    elif options.kl_teacher_temperature is not None:
+        teacher_temperature = options.kl_teacher_temperature
     else:
         teacher_temperature = student_temperature
     _check_cotrained_temperatures(divergence, student_temperature, teacher_temperature)
     teacher_ce_weight = options.teacher_ce_weight
     if teacher_ce_weight is None:
         teacher_ce_weight = 1.0 if kind == "tied" else 0.0
+    if isinstance(teacher, PrecomputedTeacher) and teacher.logits_temperature is not None and teacher_ce_weight > 0:
+        # The teacher CE is LSE(t) − t_y on raw logits; a tempered cache holds t / T only.
+        raise ValueError(
+            f"teacher_ce_weight={teacher_ce_weight} needs raw teacher logits, but "
+            f"PrecomputedTeacher(logits_temperature={teacher.logits_temperature!r}) declares a cache already "
+            "divided by that temperature, from which the teacher CE cannot be formed; pass teacher_ce_weight=0.0, "
+            "or pass the raw logits without logits_temperature (the KL then divides them by kl_teacher_temperature)"
+        )
     if divergence.cotrains_teacher and options.kl_weight > 0:
         role = "cotrained"
     elif teacher_ce_weight > 0:
@@ -380,10 +478,6 @@ class ParallelOptions:
     vocab_range: tuple[int, int] | None
     vocab_size: int | None
     sequence_parallel: bool | None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def resolve_parallel_options(

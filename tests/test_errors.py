@@ -104,7 +104,7 @@ def run(api: str, arguments: dict[str, Any]) -> DistillationLossOutput:
     num_valid_tokens = arguments.pop("num_valid_tokens", None)
     if api == "functional":
         return distillation_loss(*tensors, num_valid_tokens=num_valid_tokens, **arguments)
-    return DistillationLoss(**arguments)(*tensors, num_valid_tokens)
+    return DistillationLoss(**arguments)(*tensors, num_valid_tokens=num_valid_tokens)
 
 
 @pytest.fixture
@@ -172,12 +172,30 @@ def _keyword_cases() -> list[Any]:
         for value in [0, 0.0, -1.0, math.nan, math.inf, -math.inf, *NON_REALS]:
             if value is None and name != "kl_temperature":
                 continue
+            if isinstance(value, Tensor) and name == "gradient_materialization_scale":
+                continue  # orda-kernel's form of the scale: allowed (below)
             add(
                 f"{name}={value!r}",
                 {name: value},
                 ValueError,
                 contains(f"{name} must be a finite real number > 0", f"got {value!r}"),
             )
+    # The materialization scale as a tensor: one floating-point element, no grad (its value is never read).
+    for value, received in [
+        (torch.ones(2), "shape (2,), dtype torch.float32, requires_grad=False"),
+        (torch.tensor(2), "shape (), dtype torch.int64, requires_grad=False"),
+        (torch.tensor(2.0, requires_grad=True), "shape (), dtype torch.float32, requires_grad=True"),
+    ]:
+        add(
+            f"gradient_materialization_scale={received}",
+            {"gradient_materialization_scale": value},
+            ValueError,
+            contains(
+                "gradient_materialization_scale must be a finite real number > 0 or a one-element floating-point "
+                "tensor that does not require grad",
+                f"got a tensor of {received}",
+            ),
+        )
     # Names that must be one of a fixed set.
     for value in ["kl", "Forward", "forward_kl", "", None, 1]:
         add(
@@ -336,19 +354,8 @@ def _variant_cases() -> list[Any]:
                 id=f"entropy_gate={received}",
             )
         )
-    # A parameter given to a variant that does not read it is an error, not ignored.
-    given = {"kl_alpha": 0.5, "kl_beta": 0.5, "entropy_gate": EntropyGate()}
-    for variant, reads in SPEC_PARAMETERS.items():
-        for keyword, value in given.items():
-            if keyword not in reads:
-                cases.append(
-                    pytest.param(
-                        {"kl_divergence": variant, keyword: value},
-                        ValueError,
-                        contains(f"{keyword}=", f"is not used by kl_divergence={variant!r}", f"leave {keyword}=None"),
-                        id=f"{variant}-unused-{keyword}",
-                    )
-                )
+    # A parameter given to a variant that does not read it is accepted with a warning, as
+    # orda-kernel accepts it: tests/test_compat.py.
     return cases
 
 
@@ -386,6 +393,9 @@ def _good_variant_keywords() -> list[Any]:
         pytest.param({"gradient_materialization_scale": 2.0**16}, id="materialization-scale"),
         pytest.param({"grad_scaler": torch.amp.GradScaler("cpu")}, id="grad-scaler"),
         pytest.param({"ignore_index": -1}, id="ignore_index=-1"),
+        pytest.param({"ignore_index": np.int64(-1)}, id="ignore_index=numpy-int64"),
+        pytest.param({"gradient_materialization_scale": torch.tensor(2.0**16)}, id="materialization-scale-tensor"),
+        pytest.param({"gradient_materialization_scale": torch.ones(1, 1)}, id="materialization-scale-1x1"),
         pytest.param({"profile": "debug", "config": KernelConfig()}, id="profile-and-config"),
     ]
     return cases
@@ -952,6 +962,26 @@ def _call_cases() -> list[Any]:
                     "got a PrecomputedTeacher",
                 ),
             )
+    # A cache declared with logits_temperature holds t / T: the teacher CE (on raw logits) cannot be formed.
+    for kind in ("logits", "hidden"):
+        for keywords in ({"teacher_ce_weight": 1.0}, {"teacher_ce_weight": 1e-8, "kl_weight": 1.0}):
+            add(
+                f"logits_temperature-teacher-ce-{kind}-{keywords['teacher_ce_weight']}",
+                lambda t, kind=kind, keywords=keywords: {
+                    "teacher": PrecomputedTeacher(logits=t.logits, logits_temperature=2.0)
+                    if kind == "logits"
+                    else PrecomputedTeacher(
+                        teacher_hidden=t.separate_hidden, teacher_weight=t.separate_weight, logits_temperature=2.0
+                    ),
+                    **keywords,
+                },
+                ValueError,
+                contains(
+                    f"teacher_ce_weight={keywords['teacher_ce_weight']} needs raw teacher logits",
+                    "PrecomputedTeacher(logits_temperature=2.0) declares a cache already divided by that temperature",
+                    "pass teacher_ce_weight=0.0, or pass the raw logits without logits_temperature",
+                ),
+            )
     # TiedTeacher(mode=...) asserts the routing; a mismatch raises instead of re-routing.
     for mode, keywords, role in [
         ("frozen", {}, "trained"),  # a tied teacher's teacher_ce_weight defaults to 1.0
@@ -1108,6 +1138,17 @@ def test_allowed_routing_modes_and_denominators(api: str) -> None:
     ):
         loss = run(api, t.arguments(num_valid_tokens=denominator)).loss
         torch.testing.assert_close(loss, summed / float(denominator), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("teacher_ce_weight", [None, 0.0, 0])
+def test_a_tempered_cache_without_teacher_ce_is_allowed(api: str, teacher_ce_weight: float | None) -> None:
+    t = make_inputs()
+    teacher = PrecomputedTeacher(logits=t.logits / 2.0, logits_temperature=2.0)
+    out = run(api, t.arguments(teacher=teacher, kl_weight=1.0, kl_temperature=2.0, teacher_ce_weight=teacher_ce_weight))
+    raw = run(api, t.arguments(teacher=PrecomputedTeacher(logits=t.logits), kl_weight=1.0, kl_temperature=2.0))
+    assert torch.isfinite(out.loss) and out.teacher_ce == 0
+    torch.testing.assert_close(out.kl, raw.kl, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("api", APIS)

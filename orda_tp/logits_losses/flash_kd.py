@@ -107,7 +107,7 @@ def flash_ce_kd_loss(
         student, vocab_range = local_student(student_logits, axis)
         _check_scoring_inputs(student, hidden, weight, local_labels)
         local = (student, hidden, weight)
-        shard = ShardShape(student.shape[1], weight.shape[0], local_labels, vocab_range)  # type: ignore[union-attr]
+        shard = ShardShape(student, weight.shape[0], local_labels, vocab_range)  # type: ignore[union-attr]
     except (ValueError, TypeError) as error:
         if group is None:
             raise

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, placement_text, shard_axis
 from ..parallel.inputs import check_group, same_ranks
-from ..parallel.layout import ShardClaim, VocabLayout, resolve_layout
+from ..parallel.layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
 
 try:
     from torch.distributed.tensor import Replicate, Shard
@@ -166,13 +166,18 @@ def local_logits(student_logits: object, teacher_logits: object, labels: object,
 
 @dataclass(frozen=True)
 class ShardShape:
-    """What a rank brings to the layout handshake: its student columns, its teacher's columns,
-    its flat labels (global, identical on every rank) and its global column range if known."""
+    """What a rank brings to the layout handshake: its student logits (vocabulary on the last
+    dimension), its teacher's columns, its flat labels (global, identical on every rank) and its
+    global column range if known."""
 
-    columns: int
+    student: Tensor
     teacher_columns: int
     labels: Tensor
     vocab_range: tuple[int, int] | None
+
+    @property
+    def columns(self) -> int:
+        return self.student.shape[-1]
 
 
 def agree_vocabulary(
@@ -185,7 +190,7 @@ def agree_vocabulary(
         assert shard is not None
         return VocabLayout.single_device(shard.columns, None)
     if failure is not None or shard is None:
-        return resolve_layout(group, ShardClaim(failed=1), None, failure)
+        return resolve_layout(group, ShardClaim(failed=1), None, None, failure)
     start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)
     rows = shard.labels.shape[0]
     claim = ShardClaim(
@@ -196,4 +201,4 @@ def agree_vocabulary(
         label_rows=rows,
         hidden_rows=rows,
     )
-    return resolve_layout(group, claim, shard.labels, None)
+    return resolve_layout(group, claim, shard.labels, HeadShard("student_logits", shard.student, -1), None)

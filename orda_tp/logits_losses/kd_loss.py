@@ -79,8 +79,7 @@ def _kd_loss(
         local = local_logits(student_logits, teacher_logits, labels, axis)
         _check_logits(local.student, local.teacher, local.labels)
         given_denominator = _check_batch_labels(num_batch_labels, local.student.device)
-        columns = local.student.shape[-1]
-        shard = ShardShape(columns, columns, local.labels.reshape(-1), local.vocab_range)
+        shard = ShardShape(local.student, local.student.shape[-1], local.labels.reshape(-1), local.vocab_range)
     except (ValueError, TypeError) as error:
         if group is None:
             raise

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
-from .layout import ShardClaim, VocabLayout, resolve_layout
+from .layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
 
 __all__ = ["LocalInputs", "agree_layout", "check_group", "localize", "same_ranks", "tp_group_of"]
 
@@ -163,7 +163,7 @@ def agree_layout(
             raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
         return VocabLayout.single_device(inputs.weight.shape[0], vocab_size)
     if inputs is None:
-        return resolve_layout(group, ShardClaim(failed=1), None, problem)
+        return resolve_layout(group, ShardClaim(failed=1), None, None, problem)
     start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
     claim = ShardClaim(
         local_columns=inputs.weight.shape[0],
@@ -175,7 +175,7 @@ def agree_layout(
         hidden_rows=inputs.student_hidden.shape[0],
         sequence_parallel=int(inputs.sequence_parallel),
     )
-    return resolve_layout(group, claim, inputs.labels, problem)
+    return resolve_layout(group, claim, inputs.labels, HeadShard("weight", inputs.weight, 0), problem)
 
 
 def tp_group_of(weight: object, tp_group: object) -> dist.ProcessGroup | None:

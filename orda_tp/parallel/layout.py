@@ -6,9 +6,13 @@ vocabulary size (columns at or past it are padding, masked on whichever rank hol
 
 Ranks agree on the layout through one small "handshake" all-gather of fixed size at the start of
 every call. It carries each rank's shard sizes, vocabulary range, row counts, a checksum of its
-labels and whether its own input checks failed. Everything is checked from the gathered values, so
-every rank raises the same error and none is left waiting in a collective, whatever changed on
-whichever rank since the last call.
+labels, a fingerprint of its head shard and whether its own input checks failed. Everything is
+checked from the gathered values, so every rank raises the same error and none is left waiting in a
+collective, whatever changed on whichever rank since the last call.
+
+The fingerprint catches a full (unsharded) head passed on every rank: vocabulary shards hold
+different rows, so shards whose sampled rows differ from each other yet agree bitwise across
+every rank are copies of one tensor, not shards of it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["VocabLayout", "resolve_layout"]
+__all__ = ["HeadShard", "ShardClaim", "VocabLayout", "resolve_layout", "shard_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,28 @@ class ShardClaim:
             ],
             dtype=torch.int64,
         )
+
+
+FINGERPRINT_SLICES = 64
+
+
+def shard_fingerprint(shard: torch.Tensor, vocab_dim: int) -> torch.Tensor:
+    """Three int64 describing up to 64 vocabulary slices spread evenly over ``shard`` (rows of a
+    head, columns of logits): the bit patterns of two fp64 sums over them (plain and weighted by
+    position), and 1 if the slices differ from each other. Computed on the shard's device; no
+    host read."""
+    sample = shard.detach()
+    columns = sample.shape[vocab_dim]
+    if columns == 0:
+        return torch.zeros(3, dtype=torch.int64, device=shard.device)
+    count = min(columns, FINGERPRINT_SLICES)
+    index = torch.arange(count, device=shard.device) * (columns - 1) // max(count - 1, 1)
+    sample = sample.index_select(vocab_dim, index).to(torch.float64)
+    positions = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=shard.device).view_as(sample)
+    sums = torch.stack([sample.sum(), (sample * positions).sum()]).view(torch.int64)
+    first = sample.narrow(vocab_dim, 0, 1)
+    differ = (sample != first).any().to(torch.int64).reshape(1)
+    return torch.cat([sums, differ])
 
 
 def labels_checksum(labels: torch.Tensor) -> torch.Tensor:
@@ -179,25 +205,59 @@ def _raise_local_failures(claims: list[ShardClaim], problem: Exception | None, g
     raise ValueError(f"invalid inputs on tp_group rank(s) {failed}: {details}")
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """The tensor holding this rank's vocabulary slices (the head weight's rows, or logits'
+    columns along ``vocab_dim``), fingerprinted in the handshake and named in its error."""
+
+    name: str
+    tensor: torch.Tensor
+    vocab_dim: int
+
+
+def _raise_replicated_head(claims: list[ShardClaim], fingerprints: list[tuple[int, ...]], name: str) -> None:
+    """Shards of equal size whose slices differ within each shard but match bitwise across every
+    rank are one tensor passed whole on every rank, not its shards."""
+    same_size = len({claim.local_columns for claim in claims}) == 1
+    slices_differ = all(differ for *_, differ in fingerprints)
+    if len(claims) > 1 and same_size and slices_differ and len(set(fingerprints)) == 1:
+        raise ValueError(
+            f"{name} holds the same values on every rank of tp_group ({claims[0].local_columns} vocabulary "
+            f"entries each): a full, unsharded head passed on every rank? With tp_group each rank passes its own "
+            f"vocabulary shard (e.g. weight.chunk(world_size)[rank], or a Shard(0) DTensor); without tensor "
+            "parallelism, leave tp_group=None"
+        )
+
+
 def resolve_layout(
-    group: dist.ProcessGroup, claim: ShardClaim, labels: torch.Tensor | None, problem: Exception | None
+    group: dist.ProcessGroup,
+    claim: ShardClaim,
+    labels: torch.Tensor | None,
+    head: HeadShard | None,
+    problem: Exception | None,
 ) -> VocabLayout:
     """The layout agreed by every rank of ``group`` (one fixed-size all-gather).
 
     ``problem`` is this rank's own input-check failure, if any: it travels as a flag, so every
-    rank raises. Labels must be identical on every rank; their checksums are compared.
+    rank raises. Labels must be identical on every rank; their checksums are compared. ``head``'s
+    fingerprints must not show the same full head on every rank.
     """
     world = dist.get_world_size(group)
     device = labels.device if labels is not None else torch.device("cpu")
     if dist.get_backend(group) == dist.Backend.NCCL and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     checksum = labels_checksum(labels) if labels is not None else torch.full((2,), -1, dtype=torch.int64)
-    mine = torch.cat([claim.as_tensor().to(device), checksum.to(device)])
+    fingerprint = (
+        shard_fingerprint(head.tensor, head.vocab_dim) if head is not None else torch.zeros(3, dtype=torch.int64)
+    )
+    mine = torch.cat([claim.as_tensor().to(device), checksum.to(device), fingerprint.to(device)])
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     rows = [t.tolist() for t in gathered]
-    claims = [ShardClaim(*(int(v) for v in values[:-2])) for values in rows]
+    claims = [ShardClaim(*(int(v) for v in values[:-5])) for values in rows]
     _raise_local_failures(claims, problem, group)
-    if len({tuple(values[-2:]) for values in rows}) != 1:
+    if len({tuple(values[-5:-3]) for values in rows}) != 1:
         raise ValueError("labels must be identical on every rank of tp_group (they are global ids); they differ")
+    if head is not None:
+        _raise_replicated_head(claims, [tuple(values[-3:]) for values in rows], head.name)
     return _layout_from_claims(claims, dist.get_rank(group), group)

@@ -1,0 +1,137 @@
+"""An LM head that owns its weight and computes the distillation loss in its own forward.
+
+:class:`DistillationHead` is an ``nn.Linear(in_features, out_features, bias=False)`` — same
+parameter, same state-dict key — so it replaces a model's ``lm_head`` unchanged:
+
+- ``head(hidden)`` returns the logits ``hidden · weightᵀ``, exactly like ``nn.Linear`` (generation
+  and evaluation keep working);
+- ``head(hidden, labels=labels, teacher=teacher)`` returns :func:`orda_tp.distillation_loss` of the
+  hidden rows, its own weight, the labels and the teacher, without building the logits.
+
+Because the loss runs inside the module's forward, the stacks' module machinery does its job:
+FSDP2's ``fully_shard`` gathers the weight before the forward and reduce-scatters its gradient
+after the backward, ``parallelize_module`` with :class:`orda_tp.VocabParallel` (or torch's
+``ColwiseParallel``) shards it along the vocabulary, forward hooks see the call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .api import DistillationLoss, DistillationLossOutput, TeacherArgument
+from .teachers import SeparateTeacher
+
+__all__ = ["DistillationHead", "HeadOutput"]
+
+
+class HeadOutput(DistillationLossOutput):
+    """:class:`orda_tp.DistillationLossOutput` as :class:`DistillationHead` returns it.
+
+    Tensor-parallel styles post-process a head's output as a DTensor (torch's ``ColwiseParallel``
+    reads ``.placements`` and calls ``.redistribute(...)`` and ``.to_local()``). The loss is
+    already complete and identical on every rank, so these return the output unchanged.
+    """
+
+    __slots__ = ()
+
+    @property
+    def placements(self) -> tuple[()]:
+        return ()
+
+    def redistribute(self, *args: object, **kwargs: object) -> HeadOutput:
+        return self
+
+    def to_local(self) -> HeadOutput:
+        return self
+
+
+class DistillationHead(nn.Linear):
+    """``nn.Linear(in_features, out_features, bias=False)`` whose forward with ``labels`` is the
+    distillation loss.
+
+    ``loss_options`` are the keywords of :class:`orda_tp.DistillationLoss` (``kl_weight``,
+    ``kl_temperature``, ``kl_divergence``, ``reduction``, ``vocab_size``, ``tp_group``, ...),
+    validated here. ``vocab_size`` marks padding rows of the head (columns at or past it get no
+    probability).
+
+    ``forward(hidden, *, labels=None, teacher=None, num_valid_tokens=None)``:
+
+    - without ``labels``: the logits ``F.linear(hidden, weight)``;
+    - with ``labels`` (shape ``hidden.shape[:-1]``, ``torch.long``, ``ignore_index`` for ignored
+      positions): ``hidden`` and ``labels`` are flattened to rows (row-major: ``hidden.reshape(-1,
+      H)``), and the teacher's tensors must hold the same rows in the same order (e.g.
+      ``TiedTeacher(teacher_hidden.reshape(-1, H))``). Returns a :class:`HeadOutput`; with
+      ``reduction="none"`` its per-row tensors have ``labels``' shape. ``teacher`` may be left out
+      when no term reads it (``kl_weight=0`` and ``teacher_ce_weight`` 0 or None): the loss is then
+      the student CE.
+
+    ``labels`` and ``teacher`` are keyword-only: tensor-parallel styles pass on the first
+    positional argument only.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **loss_options: object,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.loss = DistillationLoss(**loss_options)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **loss_options: object) -> DistillationHead:
+        """A head around ``linear``'s own weight Parameter (so a weight tied to the embeddings
+        stays tied, and an optimizer holding it keeps training it)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        if linear.bias is not None:
+            raise ValueError("linear has a bias; an LM head for DistillationHead must have bias=False")
+        head = cls(linear.in_features, linear.out_features, device="meta", dtype=linear.weight.dtype, **loss_options)
+        head.weight = linear.weight
+        return head
+
+    def _unread_teacher(self, rows: Tensor) -> SeparateTeacher:
+        """A call without a teacher is the student CE alone, allowed when no term reads a teacher."""
+        options = self.loss.options
+        if options.kl_weight != 0 or options.teacher_ce_weight not in (None, 0.0):
+            raise ValueError(
+                f"DistillationHead(hidden, labels=...) needs teacher=... (TiedTeacher, SeparateTeacher, "
+                f"PrecomputedTeacher or TeacherHead): its loss reads one (kl_weight={options.kl_weight}, "
+                f"teacher_ce_weight={options.teacher_ce_weight})"
+            )
+        return SeparateTeacher(rows.detach(), self.weight.detach())  # no term has weight: never read
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden: Tensor,
+        *,
+        labels: Tensor | None = None,
+        teacher: TeacherArgument | None = None,
+        num_valid_tokens: float | Tensor | None = None,
+    ) -> Tensor | HeadOutput:
+        if labels is None:
+            if teacher is not None or num_valid_tokens is not None:
+                raise ValueError(
+                    "DistillationHead(hidden) returns logits; teacher= and num_valid_tokens= need labels=..."
+                )
+            return F.linear(hidden, self.weight)
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+            shape = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(
+                f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])} (one label per position), "
+                f"got {shape}"
+            )
+        rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
+        if teacher is None:
+            teacher = self._unread_teacher(rows)
+        out = self.loss(rows, self.weight, labels.reshape(-1), teacher, num_valid_tokens=num_valid_tokens)
+        if self.loss.options.reduction == "none":
+            return HeadOutput(*(value.reshape(labels.shape) for value in out))
+        return HeadOutput(*out)

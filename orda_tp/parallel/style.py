@@ -1,0 +1,79 @@
+"""``VocabParallel``: the ``parallelize_module`` style of a vocabulary-parallel LM head.
+
+``parallelize_module(model, tp_mesh, {"lm_head": orda_tp.VocabParallel()})`` shards the head's
+weight along the vocabulary (``Shard(0)`` in ``torch.chunk`` order, so any vocabulary size) and
+prepares its input like torch's ``ColwiseParallel``: the hidden states (the first positional
+argument) are annotated with ``input_layouts`` and redistributed to ``Replicate``. Unlike
+``ColwiseParallel`` it keeps the call's other arguments (``labels=``, ``teacher=``) and returns a
+:class:`orda_tp.DistillationHead`'s loss output as it is; logits (a call without labels) come back
+as a ``Shard(-1)`` DTensor, or this rank's local columns with ``use_local_output=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+except ImportError:  # pragma: no cover - torch without DTensor
+    ParallelStyle = object  # type: ignore[assignment, misc]
+
+from ..api import DistillationLossOutput
+
+__all__ = ["VocabParallel"]
+
+
+class VocabParallel(ParallelStyle):  # type: ignore[misc, valid-type]
+    """Shard an LM head (a module with a 2-D ``weight`` and no bias: :class:`orda_tp.DistillationHead`,
+    or an ``nn.Linear(H, V, bias=False)`` for logits) along the vocabulary over a 1-D mesh.
+
+    ``input_layouts``: the placement of the hidden states as they arrive (default ``Replicate()``;
+    ``Shard(1)`` for sequence-parallel ``[batch, seq, hidden]`` activations, which are gathered
+    like ``ColwiseParallel(input_layouts=Shard(1))`` does). ``use_local_output``: return logits as
+    this rank's local columns instead of a DTensor.
+    """
+
+    def __init__(self, *, input_layouts: Placement | None = None, use_local_output: bool = False) -> None:
+        super().__init__()
+        self.input_layouts = (input_layouts or Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _partition(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if name:  # submodules (a DistillationHead's loss) hold no parameters
+            return
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise ValueError(
+                f"VocabParallel shards a module's 2-D weight (vocab × hidden); {type(module).__name__} has "
+                f"{None if weight is None else tuple(weight.shape)}"
+            )
+        if getattr(module, "bias", None) is not None:
+            raise ValueError(f"VocabParallel shards LM heads without bias; {type(module).__name__} has a bias")
+        sharded = distribute_tensor(weight.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+        module.register_parameter("weight", nn.Parameter(sharded, requires_grad=weight.requires_grad))
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple[Any, ...], device_mesh: DeviceMesh) -> tuple[Any, ...]:
+        if not inputs:
+            return inputs
+        hidden = inputs[0]
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, device_mesh, self.input_layouts, run_check=False)
+        if tuple(hidden.placements) != (Replicate(),):
+            hidden = hidden.redistribute(placements=(Replicate(),))
+        return (hidden, *inputs[1:])
+
+    def _prepare_output(self, module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+        if isinstance(outputs, DistillationLossOutput) or not self.use_local_output:
+            return outputs
+        return outputs.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"VocabParallel needs the 1-D tensor-parallel mesh (e.g. mesh['tp']), got a {device_mesh.ndim}-D mesh"
+            )
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
