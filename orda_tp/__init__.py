@@ -10,11 +10,12 @@ logits the caller already holds.
 """
 
 from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
-from .config import PROFILES, ChunkSize, EntropyGate, KernelConfig
+from .config import PROFILES, ChunkSize, EntropyGate, KernelConfig, begin_autotune_run, reset_autotune_cache
 from .cross_vocab import (
     AlignedLikelihoodConfig,
     AlignedSpanLossOutput,
     AlignedSpanPairs,
+    CrossVocabTeacher,
     PrecomputedSpanTeacher,
     aligned_span_distillation_loss,
     build_exact_token_map,
@@ -36,6 +37,7 @@ __all__ = [
     "AlignedLikelihoodConfig",
     "AlignedSpanLossOutput",
     "AlignedSpanPairs",
+    "CrossVocabTeacher",
     "KL_VARIANTS",
     "KDLoss",
     "PrecomputedSpanTeacher",
@@ -59,7 +61,9 @@ __all__ = [
     "TeacherHead",
     "TiedTeacher",
     "VocabParallel",
+    "begin_autotune_run",
     "distillation_loss",
     "flash_ce_kd_loss",
     "is_available",
+    "reset_autotune_cache",
 ]

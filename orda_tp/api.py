@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ from .backends.chunked import ChunkedProblem, chunked_loss
 from .backends.gemm import GemmPolicy
 from .backends.head import statistics_dtype
 from .backends.reference import reference_loss
-from .config import EntropyGate, KernelConfig
+from .config import EntropyGate, KernelConfig, apply_loss_overrides
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
 from .parallel.exchange import ShardExchange
@@ -249,6 +250,7 @@ _PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_paralle
 def _resolve_keywords(keywords: dict[str, object]) -> tuple[LossOptions, ParallelOptions]:
     """Validate the keywords of :func:`distillation_loss` / :class:`DistillationLoss` (one path, so
     both raise the same error for the same keywords)."""
+    keywords = apply_loss_overrides(keywords, _KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
     parallel = {name: keywords.pop(name) for name in _PARALLEL_KEYWORDS}
     return resolve_options(**keywords), resolve_parallel_options(**parallel)  # type: ignore[arg-type]
 
@@ -306,6 +308,13 @@ def distillation_loss(
         del keywords[argument]
     options, parallel = _resolve_keywords(keywords)
     return _run(options, parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
+
+
+_KEYWORD_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(distillation_loss).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+}
 
 
 class DistillationLoss(nn.Module):

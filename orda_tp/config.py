@@ -1,15 +1,36 @@
 """Execution settings: chunking, profiles and the entropy gate.
 
-None of these change what is computed, only how (workspace size, checks); the
-one exception is :class:`EntropyGate`, the parameters of ``entropy_adaptive``.
+None of these change what is computed, only how (workspace size, checks); the exceptions are
+:class:`EntropyGate`, the parameters of ``entropy_adaptive``, and the loss keywords that a
+:class:`KernelConfig` may override, as orda-kernel's does (:func:`apply_loss_overrides`).
+
+orda-kernel 0.1.0's spellings work too: ``ChunkSize.nrows(n)``, ``.dynamic()``, ``.fast()``; its
+``KernelConfig`` fields (the chunking ones mapped onto the row layout, the autotuning ones accepted
+and ignored with an ``IgnoredArgumentWarning``); :func:`reset_autotune_cache` and
+:func:`begin_autotune_run` (no-ops: nothing is autotuned at run time).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from numbers import Integral
+from typing import Any
 
-__all__ = ["ChunkSize", "EntropyGate", "KernelConfig", "PROFILES", "RowLayout", "resolve_config"]
+__all__ = [
+    "ChunkSize",
+    "EntropyGate",
+    "KernelConfig",
+    "LOSS_OVERRIDES",
+    "PROFILES",
+    "RowLayout",
+    "apply_loss_overrides",
+    "begin_autotune_run",
+    "reset_autotune_cache",
+    "resolve_config",
+]
 
 
 def _require(condition: bool, message: str) -> None:
@@ -25,156 +46,17 @@ def _require_flags(owner: object, *names: str) -> None:
             raise TypeError(f"{type(owner).__name__}.{name} must be a bool, got {value!r}")
 
 
+def _is_count(value: object) -> bool:
+    """A positive integer (``int`` or e.g. a NumPy integer, as orda-kernel accepts), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool) and int(value) > 0
+
+
 MIN_CHUNK_ROWS = 256
 DEFAULT_WORKSPACE_MIB = 448
 FAST_FACTOR = 4
 CHUNKS_PER_GROUP = 3
 GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
-
-
-@dataclass(frozen=True)
-class ChunkSize:
-    """How many rows (tokens) one chunk of the loss processes at a time.
-
-    - ``nrows``: a fixed row count per chunk (``None``: from the workspace, see
-      :class:`KernelConfig`).
-    - ``dynamic``: when True, a given ``nrows`` is lowered where one chunk's workspace would exceed
-      an explicit ``KernelConfig.workspace_mib``; when False it is used as is.
-    - ``fast``: trade memory for speed: four times the workspace and the minimum rows (fewer,
-      larger GEMMs and launches).
-    """
-
-    nrows: int | None = None
-    dynamic: bool = True
-    fast: bool = False
-
-    def __post_init__(self) -> None:
-        _require_flags(self, "dynamic", "fast")
-        if self.nrows is not None:
-            _require(
-                isinstance(self.nrows, int) and not isinstance(self.nrows, bool) and self.nrows > 0,
-                f"ChunkSize.nrows must be a positive int or None, got {self.nrows!r}",
-            )
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
-    ``group_rows`` (a multiple of ``chunk_rows``) share one pair of gradient GEMMs."""
-
-    chunk_rows: int
-    group_rows: int
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Execution knobs of the chunked backends.
-
-    - ``chunk_size``: rows per chunk (see :class:`ChunkSize`). A chunk keeps its fp32 logits
-      (student and teacher); when a gradient is formed, the logit gradients of 3 chunks are staged
-      for one pair of gradient GEMMs. Workspace per row and local vocabulary column: 8 + 3 × 2
-      bytes for bf16 inputs (fp32 staging: 4 bytes), e.g. 438 MiB for 256 rows at V = 128256.
-      Rows per chunk depend on the vocabulary and the dtypes, never on the number of rows of a
-      call (no re-tuning or recompiling for a new sequence length).
-    - ``vocab_block``: columns per statistics block of the torch backend; the records of the blocks
-      are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
-      columns themselves).
-    - ``workspace_mib``: ``None`` (default): as many rows (a multiple of 64) as fit 448 MiB, and
-      at least 256, below which launches cost more than memory saves (so 438 MiB at V = 128256,
-      875 MiB at V = 256000, 1024 rows at V = 32768); an int: a hard cap, in MiB.
-    - ``grad_weight_accumulation``: the dtype in which a head weight's gradient is summed over
-      row groups: ``"fp32"`` (an fp32 buffer of the weight's size), ``"compute"`` (the weight's
-      own dtype: no extra memory, one rounding per group), ``"auto"`` (``"compute"`` for bf16
-      weights, ``"fp32"`` otherwise).
-    - ``assume_valid_labels``: skip the range check of ``labels`` wherever it would run. A label
-      outside ``[0, V)`` then gives a NaN row (never another class).
-    - ``host_checks``: whether checks that read tensor values on the host run (the label range,
-      a cached teacher's NaN/+inf): ``None`` runs them for CPU tensors only, where reading a value
-      costs nothing; on CUDA they would synchronize with the device, so there a bad label or a
-      non-finite cache shows as NaN rows instead (the ``debug`` profile sets True).
-    - ``check_finite_inputs``: raise if a hidden state or weight holds NaN/inf instead of letting
-      the affected rows come out NaN (the ``debug`` profile turns it on; it synchronizes).
-    """
-
-    chunk_size: ChunkSize = field(default_factory=ChunkSize)
-    vocab_block: int = 8192
-    workspace_mib: int | None = None
-    grad_weight_accumulation: str = "auto"
-    assume_valid_labels: bool = False
-    host_checks: bool | None = None
-    check_finite_inputs: bool = False
-
-    def __post_init__(self) -> None:
-        _require(
-            isinstance(self.chunk_size, ChunkSize),
-            f"KernelConfig.chunk_size must be a ChunkSize, got {type(self.chunk_size).__name__}",
-        )
-        _require_flags(self, "assume_valid_labels", "check_finite_inputs")
-        if self.host_checks is not None:
-            _require_flags(self, "host_checks")
-        _require(
-            self.grad_weight_accumulation in GRAD_WEIGHT_ACCUMULATIONS,
-            f"KernelConfig.grad_weight_accumulation must be one of {GRAD_WEIGHT_ACCUMULATIONS}, "
-            f"got {self.grad_weight_accumulation!r}",
-        )
-        for name in ("vocab_block", "workspace_mib"):
-            value = getattr(self, name)
-            if name == "workspace_mib" and value is None:
-                continue
-            _require(
-                isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f"KernelConfig.{name} must be a positive int{' or None' if name == 'workspace_mib' else ''}, "
-                f"got {value!r}",
-            )
-
-    def runs_host_checks(self, on_cpu: bool) -> bool:
-        """Whether value checks that read tensors on the host run for tensors on this device."""
-        return on_cpu if self.host_checks is None else self.host_checks
-
-    def row_layout(
-        self, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int, shards: int = 1
-    ) -> RowLayout:
-        """Rows per chunk and per gradient group for ``local_vocab`` columns.
-
-        ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
-        ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
-        ``shards``: the tensor-parallel group's size. The default's minimum rows grow with it, so
-        that a shard's chunk does a single device's work per record exchange (two collectives
-        per chunk) in no more memory than a single device's chunk.
-        """
-        size = self.chunk_size
-        factor = FAST_FACTOR if size.fast else 1
-        per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
-        if self.workspace_mib is None:
-            fitting = DEFAULT_WORKSPACE_MIB * factor * (1 << 20) // per_row
-            rows = max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
-            if size.nrows is not None:
-                rows = size.nrows
-        else:
-            fitting = self.workspace_mib * factor * (1 << 20) // per_row
-            fitting = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
-            rows = fitting if size.nrows is None else (min(size.nrows, fitting) if size.dynamic else size.nrows)
-        rows = max(1, min(rows, max(total_rows, 1)))
-        chunks = min(CHUNKS_PER_GROUP, -(-total_rows // rows)) if staged_bytes > 0 else 1
-        return RowLayout(chunk_rows=rows, group_rows=rows * max(1, chunks))
-
-
-PROFILES: dict[str, KernelConfig] = {
-    "balanced": KernelConfig(),
-    "fast": KernelConfig(chunk_size=ChunkSize(fast=True), vocab_block=32768),
-    "debug": KernelConfig(workspace_mib=4, vocab_block=1024, host_checks=True, check_finite_inputs=True),
-}
-
-
-def resolve_config(profile: str, config: KernelConfig | None) -> KernelConfig:
-    """The profile's preset, or ``config`` when given (the profile name is still validated)."""
-    if not isinstance(profile, str) or profile not in PROFILES:
-        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
-    if config is None:
-        return PROFILES[profile]
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
-    return replace(config)
+MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
 
 
 @dataclass(frozen=True)
@@ -203,3 +85,397 @@ class EntropyGate:
             f"alpha_min={self.alpha_min!r}, alpha_max={self.alpha_max!r}",
         )
         _require(self.scale > 0, f"EntropyGate.scale must be > 0, got {self.scale!r}")
+
+
+@dataclass(frozen=True)
+class ChunkSize:
+    """How many rows (tokens) one chunk of the loss processes at a time.
+
+    - ``nrows``: a fixed row count per chunk (``None``: from the workspace, see
+      :class:`KernelConfig`).
+    - ``dynamic``: when True, a given ``nrows`` is lowered where one chunk's workspace would exceed
+      an explicit ``KernelConfig.workspace_mib``; when False it is used as is.
+    - ``fast``: trade memory for speed: four times the workspace and the minimum rows (fewer,
+      larger GEMMs and launches).
+
+    orda-kernel's constructors share these names; on the class they construct (on an instance the
+    names read the fields):
+
+    - ``ChunkSize.nrows(n)``: exactly ``n`` rows per chunk, ``ChunkSize(nrows=n, dynamic=False)``;
+    - ``ChunkSize.dynamic()``: rows from the workspace, ``ChunkSize()``;
+    - ``ChunkSize.fast()``: ``ChunkSize(fast=True)``.
+    """
+
+    nrows: int | None = None
+    dynamic: bool = True
+    fast: bool = False
+
+    def __post_init__(self) -> None:
+        _require_flags(self, "dynamic", "fast")
+        if self.nrows is not None:
+            _require(
+                isinstance(self.nrows, int) and not isinstance(self.nrows, bool) and self.nrows > 0,
+                f"ChunkSize.nrows must be a positive int or None, got {self.nrows!r}",
+            )
+
+    # orda-kernel's read-only properties.
+    @property
+    def is_dynamic(self) -> bool:
+        """orda-kernel's reading: the rows per chunk are chosen for the call (no ``nrows``, not
+        ``fast``). Not the ``dynamic`` field, which only matters with an ``nrows``."""
+        return self.nrows is None and not self.fast
+
+    @property
+    def is_fast(self) -> bool:
+        """orda-kernel's reading of ``fast``."""
+        return self.fast
+
+    @property
+    def value(self) -> int:
+        """orda-kernel's reading: the fixed ``nrows`` (``TypeError`` when there is none)."""
+        if self.nrows is None:
+            raise TypeError(f"{self!r} has no nrows value")
+        return self.nrows
+
+
+class _ClassConstructor:
+    """A :class:`ChunkSize` field name that is also an orda-kernel constructor: read on the class
+    it is the constructor (``ChunkSize.nrows(512)``); an instance keeps its fields in its
+    ``__dict__``, which a descriptor without ``__set__`` does not shadow
+    (``ChunkSize(nrows=512).nrows == 512``)."""
+
+    def __init__(self, build: Callable[..., ChunkSize]) -> None:
+        self.build = build
+        self.__doc__ = build.__doc__
+
+    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., ChunkSize]:
+        return self.build
+
+
+def _exact_rows(n: int) -> ChunkSize:
+    """``ChunkSize.nrows(n)``: exactly ``n`` rows per chunk (at most the call's rows), never
+    lowered to fit a workspace: ``ChunkSize(nrows=n, dynamic=False)``."""
+    return ChunkSize(nrows=n, dynamic=False)
+
+
+def _workspace_rows() -> ChunkSize:
+    """``ChunkSize.dynamic()``: rows per chunk from the workspace: ``ChunkSize()``."""
+    return ChunkSize()
+
+
+def _fast_rows() -> ChunkSize:
+    """``ChunkSize.fast()``: four times the workspace and the minimum rows: ``ChunkSize(fast=True)``."""
+    return ChunkSize(fast=True)
+
+
+# Installed after @dataclass, which would otherwise read them as the fields' default values.
+ChunkSize.nrows = _ClassConstructor(_exact_rows)  # type: ignore[assignment]
+ChunkSize.dynamic = _ClassConstructor(_workspace_rows)  # type: ignore[assignment]
+ChunkSize.fast = _ClassConstructor(_fast_rows)  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
+    ``group_rows`` (a multiple of ``chunk_rows``) share one pair of gradient GEMMs."""
+
+    chunk_rows: int
+    group_rows: int
+
+
+_ROLE = "orda_tp.role"  # metadata key: what an orda-kernel field of KernelConfig does here
+_NO_AUTOTUNER = "orda_tp autotunes nothing at run time (its Triton kernels take their tiles from a fixed table)"
+
+
+def _loss_keyword() -> Any:
+    """A field that overrides the loss keyword of the same name (:func:`apply_loss_overrides`)."""
+    return field(default=None, kw_only=True, metadata={_ROLE: "loss keyword"})
+
+
+def _ignored(reason: str) -> Any:
+    """A field accepted and checked as orda-kernel checks it, with no effect here (``reason``);
+    :func:`resolve_config` warns once per use."""
+    return field(default=None, kw_only=True, metadata={_ROLE: "ignored", "reason": reason})
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Execution knobs of the chunked backends.
+
+    - ``chunk_size``: rows per chunk (see :class:`ChunkSize`). A chunk keeps its fp32 logits
+      (student and teacher); when a gradient is formed, the logit gradients of 3 chunks are staged
+      for one pair of gradient GEMMs. Workspace per row and local vocabulary column: 8 + 3 × 2
+      bytes for bf16 inputs (fp32 staging: 4 bytes), e.g. 438 MiB for 256 rows at V = 128256.
+      Rows per chunk depend on the vocabulary and the dtypes, never on the number of rows of a
+      call (no re-tuning or recompiling for a new sequence length), unless ``num_chunks`` or
+      ``max_chunks`` asks for it.
+    - ``vocab_block``: columns per statistics block of the torch backend; the records of the blocks
+      are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
+      columns themselves).
+    - ``workspace_mib``: ``None`` (default): as many rows (a multiple of 64) as fit 448 MiB, and
+      at least 256, below which launches cost more than memory saves (so 438 MiB at V = 128256,
+      875 MiB at V = 256000, 1024 rows at V = 32768); an int: a hard cap, in MiB.
+    - ``grad_weight_accumulation``: the dtype in which a head weight's gradient is summed over
+      row groups: ``"fp32"`` (an fp32 buffer of the weight's size), ``"compute"`` (the weight's
+      own dtype: no extra memory, one rounding per group), ``"auto"`` (``"compute"`` for bf16
+      weights, ``"fp32"`` otherwise).
+    - ``assume_valid_labels``: skip the range check of ``labels`` wherever it would run. A label
+      outside ``[0, V)`` then gives a NaN row (never another class).
+    - ``host_checks``: whether checks that read tensor values on the host run (the label range,
+      a cached teacher's NaN/+inf): ``None`` runs them for CPU tensors only, where reading a value
+      costs nothing; on CUDA they would synchronize with the device, so there a bad label or a
+      non-finite cache shows as NaN rows instead (the ``debug`` profile sets True).
+    - ``check_finite_inputs``: raise if a hidden state or weight holds NaN/inf instead of letting
+      the affected rows come out NaN (the ``debug`` profile turns it on; it synchronizes).
+
+    orda-kernel 0.1.0's fields (keyword-only; ``None`` leaves each at its default, and ``None`` is
+    also accepted for ``chunk_size``, ``grad_weight_accumulation`` and ``assume_valid_labels``):
+
+    - ``num_chunks``: split the rows into this many chunks (``ceil(rows / num_chunks)`` rows each);
+      not with a ``ChunkSize`` that has ``nrows``.
+    - ``max_chunks``: at most this many chunks: the workspace's rows per chunk are raised to
+      ``ceil(rows / max_chunks)`` where they would give more (no effect with ``nrows`` or
+      ``num_chunks``). A row count asked for this way or by ``num_chunks`` is lowered to fit an
+      explicit ``workspace_mib`` when ``chunk_size.dynamic``, as a given ``nrows`` is.
+    - ``max_fused_size`` (a power of two ≤ 32768), ``autotune`` (a bool or ``"Max"``),
+      ``refresh_autotune`` (a bool): orda-kernel's Triton tile and autotuner settings; checked as
+      there, ignored here with one ``IgnoredArgumentWarning`` per use.
+    - ``kl_weight``, ``kl_temperature``, ``kl_teacher_temperature``, ``kl_divergence``,
+      ``kl_alpha``, ``kl_beta``, ``entropy_gate``: override the call's keyword of the same name
+      (:func:`apply_loss_overrides`); their values are checked as the call's keywords are.
+    """
+
+    chunk_size: ChunkSize = field(default_factory=ChunkSize)
+    vocab_block: int = 8192
+    workspace_mib: int | None = None
+    grad_weight_accumulation: str = "auto"
+    assume_valid_labels: bool = False
+    host_checks: bool | None = None
+    check_finite_inputs: bool = False
+    num_chunks: int | None = field(default=None, kw_only=True)
+    max_chunks: int | None = field(default=None, kw_only=True)
+    max_fused_size: int | None = _ignored(
+        "orda_tp's Triton kernels tile a chunk's columns themselves and the torch backend's column block is vocab_block"
+    )
+    autotune: bool | str | None = _ignored(_NO_AUTOTUNER)
+    refresh_autotune: bool | None = _ignored(_NO_AUTOTUNER)
+    kl_weight: float | None = _loss_keyword()
+    kl_temperature: float | None = _loss_keyword()
+    kl_teacher_temperature: float | None = _loss_keyword()
+    kl_divergence: str | None = _loss_keyword()
+    kl_alpha: float | None = _loss_keyword()
+    kl_beta: float | None = _loss_keyword()
+    entropy_gate: EntropyGate | None = _loss_keyword()
+
+    def __post_init__(self) -> None:
+        # orda-kernel's None ("the profile's value") for three of our fields: their default.
+        defaults = {"chunk_size": ChunkSize(), "grad_weight_accumulation": "auto", "assume_valid_labels": False}
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        _require(
+            isinstance(self.chunk_size, ChunkSize),
+            f"KernelConfig.chunk_size must be a ChunkSize, got {type(self.chunk_size).__name__}",
+        )
+        _require_flags(self, "assume_valid_labels", "check_finite_inputs")
+        if self.host_checks is not None:
+            _require_flags(self, "host_checks")
+        _require(
+            self.grad_weight_accumulation in GRAD_WEIGHT_ACCUMULATIONS,
+            f"KernelConfig.grad_weight_accumulation must be one of {GRAD_WEIGHT_ACCUMULATIONS}, "
+            f"got {self.grad_weight_accumulation!r}",
+        )
+        for name in ("vocab_block", "workspace_mib"):
+            value = getattr(self, name)
+            if name == "workspace_mib" and value is None:
+                continue
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"KernelConfig.{name} must be a positive int{' or None' if name == 'workspace_mib' else ''}, "
+                f"got {value!r}",
+            )
+        self._check_orda_kernel_fields()
+
+    def _check_orda_kernel_fields(self) -> None:
+        """orda-kernel's fields, checked as it checks them (at the call there, at construction here)."""
+        for name in ("num_chunks", "max_chunks"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(_is_count(value), f"KernelConfig.{name} must be a positive int or None, got {value!r}")
+                object.__setattr__(self, name, int(value))
+        _require(
+            self.num_chunks is None or self.chunk_size.nrows is None,
+            f"KernelConfig.num_chunks={self.num_chunks} and chunk_size={self.chunk_size!r} both set the rows per "
+            "chunk; give one of them (orda-kernel: chunk_size and num_chunks are mutually exclusive)",
+        )
+        size = self.max_fused_size
+        _require(
+            size is None or (_is_count(size) and int(size) <= MAX_FUSED_SIZE and int(size) & (int(size) - 1) == 0),
+            f"KernelConfig.max_fused_size must be a power of two <= {MAX_FUSED_SIZE} or None, got {size!r}",
+        )
+        autotune = self.autotune
+        _require(
+            autotune is None or isinstance(autotune, bool) or (isinstance(autotune, str) and autotune == "Max"),
+            f"KernelConfig.autotune must be a bool, 'Max' or None, got {autotune!r}",
+        )
+        if self.refresh_autotune is not None:
+            _require_flags(self, "refresh_autotune")
+        if self.entropy_gate is not None and not isinstance(self.entropy_gate, EntropyGate):
+            raise TypeError(
+                f"KernelConfig.entropy_gate must be an EntropyGate or None, got {type(self.entropy_gate).__name__}"
+            )
+
+    def loss_overrides(self) -> dict[str, object]:
+        """The loss keywords this config overrides, by name (the fields that are not None)."""
+        return {name: getattr(self, name) for name in LOSS_OVERRIDES if getattr(self, name) is not None}
+
+    def without_loss_overrides(self) -> KernelConfig:
+        """This config with no loss keyword overridden."""
+        return replace(self, **dict.fromkeys(LOSS_OVERRIDES))
+
+    def ignored_fields(self) -> dict[str, str]:
+        """The orda-kernel fields set here that have no effect, each with the reason."""
+        return {
+            spec.name: spec.metadata["reason"]
+            for spec in fields(self)
+            if spec.metadata.get(_ROLE) == "ignored" and getattr(self, spec.name) is not None
+        }
+
+    def runs_host_checks(self, on_cpu: bool) -> bool:
+        """Whether value checks that read tensors on the host run for tensors on this device."""
+        return on_cpu if self.host_checks is None else self.host_checks
+
+    def row_layout(
+        self, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int, shards: int = 1
+    ) -> RowLayout:
+        """Rows per chunk and per gradient group for ``local_vocab`` columns.
+
+        ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
+        ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
+        ``shards``: the tensor-parallel group's size. The default's minimum rows grow with it, so
+        that a shard's chunk does a single device's work per record exchange (two collectives
+        per chunk) in no more memory than a single device's chunk.
+        """
+        size = self.chunk_size
+        factor = FAST_FACTOR if size.fast else 1
+        per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
+        if self.workspace_mib is None:
+            fitting = DEFAULT_WORKSPACE_MIB * factor * (1 << 20) // per_row
+            default = max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
+            cap = None
+        else:
+            fitting = self.workspace_mib * factor * (1 << 20) // per_row
+            default = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
+            cap = default if size.dynamic else None
+        requested = self._requested_rows(total_rows, default)
+        rows = default if requested is None else requested if cap is None else min(requested, cap)
+        rows = max(1, min(rows, max(total_rows, 1)))
+        chunks = min(CHUNKS_PER_GROUP, -(-total_rows // rows)) if staged_bytes > 0 else 1
+        return RowLayout(chunk_rows=rows, group_rows=rows * max(1, chunks))
+
+    def _requested_rows(self, total_rows: int, default: int) -> int | None:
+        """Rows per chunk asked for instead of ``default``: ``chunk_size.nrows``, or
+        ``ceil(rows / num_chunks)``, or ``ceil(rows / max_chunks)`` where ``default`` rows would
+        make more than ``max_chunks`` chunks; None when nothing is asked."""
+        rows = max(total_rows, 1)
+        if self.chunk_size.nrows is not None:
+            return self.chunk_size.nrows
+        if self.num_chunks is not None:
+            return -(-rows // self.num_chunks)
+        if self.max_chunks is not None and -(-rows // default) > self.max_chunks:
+            return -(-rows // self.max_chunks)
+        return None
+
+
+LOSS_OVERRIDES = tuple(spec.name for spec in fields(KernelConfig) if spec.metadata.get(_ROLE) == "loss keyword")
+
+PROFILES: dict[str, KernelConfig] = {
+    "balanced": KernelConfig(),
+    "fast": KernelConfig(chunk_size=ChunkSize(fast=True), vocab_block=32768),
+    "debug": KernelConfig(workspace_mib=4, vocab_block=1024, host_checks=True, check_finite_inputs=True),
+}
+
+
+def _spelled(config: KernelConfig, names: Mapping[str, object]) -> str:
+    return "KernelConfig(" + ", ".join(f"{name}={getattr(config, name)!r}" for name in names) + ")"
+
+
+def resolve_config(profile: str, config: KernelConfig | None) -> KernelConfig:
+    """The profile's preset, or ``config`` when given (the profile name is still validated).
+
+    Each orda-kernel field of ``config`` that has no effect gives one ``IgnoredArgumentWarning``,
+    attributed to the caller's line. A ``config`` that still overrides loss keywords raises: the
+    entry point must apply them first (:func:`apply_loss_overrides`), or they would be ignored
+    without a word.
+    """
+    if not isinstance(profile, str) or profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    if config is None:
+        return PROFILES[profile]
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+    overrides = config.loss_overrides()
+    if overrides:
+        raise ValueError(
+            f"{_spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
+            f"pass {', '.join(overrides)} to the call instead"
+        )
+    ignored = config.ignored_fields()
+    if ignored:
+        from .validation import IgnoredArgumentWarning, _caller_stacklevel  # validation imports this module
+
+        for name, reason in ignored.items():
+            warnings.warn(
+                f"{_spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
+                IgnoredArgumentWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+    return replace(config)
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Equality of plain keyword values (numbers, strings, gates, None); anything else differs."""
+    plain = (type(None), int, float, str, EntropyGate)
+    return isinstance(a, plain) and isinstance(b, plain) and a == b
+
+
+def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, object]:
+    """The keywords of a :func:`distillation_loss` call (or :class:`DistillationLoss`
+    construction) with orda-kernel's precedence applied: a loss keyword that ``keywords["config"]``
+    sets (:data:`LOSS_OVERRIDES`) replaces the call's keyword of the same name, whatever the call
+    gave, and the returned ``config`` no longer carries it.
+
+    ``defaults``: the keywords' default values. A keyword the call gave (not its default) that the
+    config replaces by another value gives one ``IgnoredArgumentWarning``, attributed to the
+    caller's line. The values are checked afterwards, as the call's keywords.
+    """
+    merged = dict(keywords)
+    config = merged.get("config")
+    if not isinstance(config, KernelConfig) or not config.loss_overrides():
+        return merged
+    from .validation import IgnoredArgumentWarning, _caller_stacklevel  # validation imports this module
+
+    for name, value in config.loss_overrides().items():
+        given = merged[name]
+        if not _same_value(given, defaults[name]) and not _same_value(given, value):
+            warnings.warn(
+                f"{name}={given!r} is ignored: config={_spelled(config, [name])} overrides it (as in orda-kernel); "
+                f"leave {name} at its default ({defaults[name]!r}) to silence this warning",
+                IgnoredArgumentWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+        merged[name] = value
+    merged["config"] = config.without_loss_overrides()
+    return merged
+
+
+def reset_autotune_cache() -> None:
+    """orda-kernel's ``reset_autotune_cache()`` clears its autotuner's winners, in memory and on
+    disk. orda_tp autotunes nothing at run time (its Triton kernels take their tiles from a fixed
+    table), so there is nothing to clear: a no-op, kept so that ported code runs. The ``triton``
+    backend's generated kernel sources (``ORDA_TP_KERNEL_CACHE``) are not tuning state and stay."""
+
+
+def begin_autotune_run() -> None:
+    """orda-kernel's ``begin_autotune_run()`` starts a new autotuning run (shapes are tuned again
+    once per run). orda_tp autotunes nothing at run time: a no-op, kept so that ported code runs."""

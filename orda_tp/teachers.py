@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .parallel.dtensor import is_dtensor
+
 __all__ = ["TiedTeacher", "SeparateTeacher", "PrecomputedTeacher", "TeacherHead", "Teacher", "TEACHER_MODES"]
 
 TEACHER_MODES = ("trained", "frozen", "cotrained")
@@ -78,6 +80,9 @@ class SeparateTeacher:
         return self.hidden, self.weight, None
 
 
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 @dataclass(frozen=True)
 class PrecomputedTeacher:
     """Cached teacher outputs: ``logits`` (BT, V), or ``teacher_hidden`` (BT, D_t) with
@@ -87,16 +92,27 @@ class PrecomputedTeacher:
     declares logits that were already divided by T (e.g. by ``project_teacher_logits``): the KL then
     uses them as they are (the teacher temperature defaults to 1 instead of ``kl_temperature``).
     The tensors' version counters are recorded here; a cache modified in place afterwards is
-    rejected when the loss reads it.
+    rejected when the loss reads it. A tensor without a version counter (made under
+    ``torch.inference_mode()``) cannot be watched: it is refused unless
+    ``trust_cache_immutability=True`` promises that it stays unchanged (orda-kernel's meaning; the
+    other tensors are still watched).
     """
 
     logits: torch.Tensor | None = None
     teacher_hidden: torch.Tensor | None = None
     teacher_weight: torch.Tensor | None = None
+    trust_cache_immutability: bool = False
     logits_temperature: float | None = None
-    _versions: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _versions: tuple[int | None, ...] = field(init=False, repr=False, compare=False)
+    # Set by prepare_logits when it shifted the rows of plain (not DTensor) logits by their
+    # maximum: right for whole rows, wrong for one vocabulary shard of them.
+    _rows_shifted_locally: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.trust_cache_immutability, bool):
+            raise TypeError(
+                f"PrecomputedTeacher.trust_cache_immutability must be a bool, got {self.trust_cache_immutability!r}"
+            )
         has_logits = self.logits is not None
         has_hidden = self.teacher_hidden is not None or self.teacher_weight is not None
         if has_logits == has_hidden:
@@ -124,7 +140,21 @@ class PrecomputedTeacher:
             value = self.logits_temperature
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"PrecomputedTeacher.logits_temperature must be a finite float > 0, got {value!r}")
-        object.__setattr__(self, "_versions", tuple(t._version for _, t in self.named_tensors()))
+        object.__setattr__(self, "_versions", tuple(self._version_of(name, t) for name, t in self.named_tensors()))
+
+    def _version_of(self, name: str, tensor: torch.Tensor) -> int | None:
+        """The tensor's version counter, or None for a tensor without one, which only a cache
+        declared immutable may hold."""
+        try:
+            return tensor._version
+        except RuntimeError as error:  # an inference tensor
+            if not self.trust_cache_immutability:
+                raise ValueError(
+                    f"PrecomputedTeacher.{name} has no version counter (a tensor made under "
+                    "torch.inference_mode()), so an in-place change to it could not be detected; build it outside "
+                    "inference mode, or pass trust_cache_immutability=True to promise that it stays unchanged"
+                ) from error
+            return None
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The cached tensors with their field names."""
@@ -132,14 +162,17 @@ class PrecomputedTeacher:
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
 
     def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(hidden, head weight, logits)``: either the cached logits or the cached hidden and head."""
-        return self.teacher_hidden, self.teacher_weight, self.logits
+        """``(hidden, head weight, logits)``: either the cached logits or the cached hidden and head
+        (a trusted inference tensor as an ordinary tensor over the same memory, see
+        :func:`_savable`)."""
+        hidden, weight, logits = self.teacher_hidden, self.teacher_weight, self.logits
+        return _savable(hidden), _savable(weight), _savable(logits)
 
     def modified_tensor(self) -> tuple[str, int, int] | None:
         """``(name, recorded version, current version)`` of a tensor modified in place since
-        construction, or None."""
+        construction, or None (a tensor without a version counter is trusted, not watched)."""
         for (name, tensor), version in zip(self.named_tensors(), self._versions):
-            if tensor._version != version:
+            if version is not None and tensor._version != version:
                 return name, version, tensor._version
         return None
 
@@ -152,6 +185,73 @@ class PrecomputedTeacher:
                 f"PrecomputedTeacher.{name} was modified in place after the PrecomputedTeacher was built "
                 f"(version {version} -> {current}); build a new PrecomputedTeacher"
             )
+
+    @property
+    def rows_shifted_locally(self) -> bool:
+        """Whether :meth:`prepare_logits` shifted each row of these (plain, not DTensor) logits by
+        the row's maximum over the columns they hold: on a vocabulary shard, a shift that differs
+        from the other shards' (the tensor-parallel loss rejects such a cache)."""
+        return self._rows_shifted_locally
+
+    def prepare_logits(self, dtype: torch.dtype) -> PrecomputedTeacher:
+        """orda-kernel's method: a descriptor whose cached logits are ``dtype`` and contiguous
+        (``self`` when they already are), with the same ``trust_cache_immutability`` and
+        ``logits_temperature``; a logits cache only.
+
+        As in orda-kernel, a cast to another dtype first shifts each row by its largest finite
+        value (softmax and the cross-entropy do not see a shift per row), so that a narrower dtype
+        neither overflows nor spends its precision on the row's offset; finite values below the
+        dtype's range become its lowest finite value. NaN and ±inf stay as they are. The shift is
+        taken over the columns the tensor holds: on a DTensor the whole row; plain logits of one
+        vocabulary shard are shifted by the shard's own maximum, which the tensor-parallel loss
+        rejects (cast such a shard with ``logits.to(dtype)`` instead). Made outside inference
+        mode, so the new tensor's changes are watched.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"PrecomputedTeacher.prepare_logits dtype must be a torch.dtype, got {dtype!r}")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"PrecomputedTeacher.prepare_logits dtype must be one of {CACHE_DTYPES}, got {dtype}")
+        self.check_unmodified()
+        if self.logits is None:
+            raise ValueError(
+                "PrecomputedTeacher.prepare_logits needs a logits cache; this one holds teacher_hidden and "
+                "teacher_weight (pass PrecomputedTeacher(logits=...))"
+            )
+        logits = self.logits
+        if logits.dtype == dtype and logits.is_contiguous():
+            return self
+        shifted = logits.dtype != dtype
+        with torch.inference_mode(False):
+            prepared = (_shift_rows_and_cast(logits, dtype) if shifted else logits).contiguous()
+        teacher = PrecomputedTeacher(
+            logits=prepared,
+            trust_cache_immutability=self.trust_cache_immutability,
+            logits_temperature=self.logits_temperature,
+        )
+        local_shift = self._rows_shifted_locally or (shifted and not is_dtensor(logits))
+        object.__setattr__(teacher, "_rows_shifted_locally", local_shift)
+        return teacher
+
+
+def _savable(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor``, or for an inference tensor (only in a cache declared immutable) an ordinary
+    tensor over the same memory, no copy: autograd refuses to save an inference tensor for the
+    backward, and the cache is promised not to change."""
+    if tensor is None or not tensor.is_inference():
+        return tensor
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+def _shift_rows_and_cast(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``logits − m`` per row, ``m`` the row's largest finite value (0 for a row with none),
+    finite results clamped at ``dtype``'s lowest finite value, cast to ``dtype``: orda-kernel's
+    conversion of a cache (for a cache of finite values and −inf, bitwise the same)."""
+    finite = torch.isfinite(logits)
+    top = torch.where(finite, logits, float("-inf")).amax(dim=-1, keepdim=True)
+    shifted = logits - torch.where(torch.isneginf(top), 0.0, top)
+    lowest = torch.finfo(dtype).min
+    return torch.where(finite, shifted.clamp_min(lowest), shifted).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,19 @@ def local_error(
     layout: VocabLayout,
 ) -> LocalError | None:
     """Tensor-parallel shard: the first failed check of :func:`check_values` on this rank's
-    tensors, as a :class:`LocalError` (global column numbers), or None."""
+    tensors, as a :class:`LocalError` (global column numbers), or None.
+
+    A cache whose rows :meth:`PrecomputedTeacher.prepare_logits` shifted by this shard's own
+    maximum raises at once: that is a property of how the program built its descriptor, not of
+    the shard's values, so every rank of the group built it alike and raises here (after the
+    handshake, before the first record exchange)."""
+    if isinstance(original_teacher, PrecomputedTeacher) and original_teacher.rows_shifted_locally:
+        raise ValueError(
+            "PrecomputedTeacher.prepare_logits shifted each row of this rank's teacher.logits shard by the "
+            "shard's own maximum, a shift that differs between the vocabulary shards and so changes the teacher's "
+            "distribution; on a tensor-parallel group cast the shard itself (PrecomputedTeacher(logits=shard.to("
+            "dtype))), or call prepare_logits on a DTensor of the logits (its rows are whole)"
+        )
     if isinstance(original_teacher, PrecomputedTeacher) and original_teacher.modified_tensor() is not None:
         return LocalError(2)
     host_checks = config.runs_host_checks(student_hidden.device.type == "cpu")

@@ -623,8 +623,8 @@ def _construction_cases() -> list[Any]:
         ValueError,
         contains("KernelConfig.chunk_size must be a ChunkSize", "got int"),
     )
-    for name in ("assume_valid_labels", "check_finite_inputs"):
-        for value in ["no", 1, None]:
+    for name, values in (("assume_valid_labels", ["no", 1]), ("check_finite_inputs", ["no", 1, None])):
+        for value in values:
             add(
                 f"{name}={value!r}",
                 lambda t, name=name, value=value: KernelConfig(**{name: value}),

@@ -31,6 +31,7 @@ __all__ = [
     "AlignedLikelihoodConfig",
     "AlignedSpanLossOutput",
     "AlignedSpanPairs",
+    "CrossVocabTeacher",
     "PrecomputedSpanTeacher",
     "aligned_span_distillation_loss",
     "build_precomputed_span_teacher",
@@ -214,6 +215,33 @@ class PrecomputedSpanTeacher:
         return self.ranges.shape[0]
 
 
+@dataclass(frozen=True)
+class CrossVocabTeacher:
+    """orda-kernel's live span teacher: its hidden states ``hidden`` (BT_t, D_t), head ``weight``
+    (V_t, D_t) and ``labels`` (BT_t,) over its own vocabulary. Given to
+    :func:`aligned_span_distillation_loss` in place of a :class:`PrecomputedSpanTeacher`, it is
+    scored at each call, as :func:`build_precomputed_span_teacher` would score it on
+    ``pairs.teacher_ranges`` with the config's ``ignore_index``; its likelihoods are detached, so
+    none of its tensors receives a gradient.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "weight", "labels"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"CrossVocabTeacher.{name} must be a torch.Tensor, got {type(value).__name__}")
+
+    def scored(self, ranges: torch.Tensor, ignore_index: int) -> PrecomputedSpanTeacher:
+        """Its span log-likelihoods over ``ranges``, detached."""
+        return build_precomputed_span_teacher(
+            self.hidden.detach(), self.weight.detach(), self.labels, ranges, ignore_index=ignore_index
+        )
+
+
 class AlignedSpanLossOutput(NamedTuple):
     """Result of :func:`aligned_span_distillation_loss`: 0-d tensors; only ``loss`` is differentiable.
 
@@ -280,7 +308,7 @@ def aligned_span_distillation_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
     student_labels: torch.Tensor,
-    span_teacher: PrecomputedSpanTeacher,
+    span_teacher: PrecomputedSpanTeacher | CrossVocabTeacher,
     pairs: AlignedSpanPairs,
     config: AlignedLikelihoodConfig | None = None,
 ) -> AlignedSpanLossOutput:
@@ -297,16 +325,20 @@ def aligned_span_distillation_loss(
     - ``loss = student_ce_weight · CE + span_kl_weight · span_term``; a term whose weight is 0 is left
       out of ``loss`` (so an infinite component cannot make it NaN). An empty mean is 0.
 
-    ``span_teacher`` must have been built on ``pairs.teacher_ranges``. Gradients flow to
-    ``student_hidden`` and ``student_weight`` only.
+    ``span_teacher`` must have been built on ``pairs.teacher_ranges``; a :class:`CrossVocabTeacher`
+    is scored on them at the call. Gradients flow to ``student_hidden`` and ``student_weight`` only.
     """
     config = AlignedLikelihoodConfig() if config is None else config
     if not isinstance(config, AlignedLikelihoodConfig):
         raise TypeError(f"config must be an AlignedLikelihoodConfig or None, got {type(config).__name__}")
     if not isinstance(pairs, AlignedSpanPairs):
         raise TypeError(f"pairs must be an AlignedSpanPairs, got {type(pairs).__name__}")
+    if isinstance(span_teacher, CrossVocabTeacher):
+        span_teacher = span_teacher.scored(pairs.teacher_ranges, config.ignore_index)
     if not isinstance(span_teacher, PrecomputedSpanTeacher):
-        raise TypeError(f"span_teacher must be a PrecomputedSpanTeacher, got {type(span_teacher).__name__}")
+        raise TypeError(
+            f"span_teacher must be a PrecomputedSpanTeacher or CrossVocabTeacher, got {type(span_teacher).__name__}"
+        )
     if not torch.equal(span_teacher.ranges.cpu(), pairs.teacher_ranges.cpu()):
         raise ValueError(
             "span_teacher must be built on pairs.teacher_ranges, got ranges of shape "

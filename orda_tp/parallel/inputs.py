@@ -7,7 +7,7 @@ one device and the layout covers the whole head (minus padding past ``vocab_size
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import Tensor
@@ -75,12 +75,12 @@ def _local_teacher(teacher: Teacher, axis: MeshAxis, hidden_sharded: bool) -> Te
             if not sharded:  # replicated cache: keep this rank's columns
                 start, stop = chunk_range(logits.shape[1], axis.size, axis.coordinate)
                 logits = logits[:, start:stop]
-        return PrecomputedTeacher(logits=logits, logits_temperature=teacher.logits_temperature)
+        return replace(teacher, logits=logits)
     assert teacher.teacher_hidden is not None and teacher.teacher_weight is not None
-    return PrecomputedTeacher(
+    return replace(
+        teacher,
         teacher_hidden=hidden(teacher.teacher_hidden, "teacher.teacher_hidden"),
         teacher_weight=head(teacher.teacher_weight, "teacher.teacher_weight"),
-        logits_temperature=teacher.logits_temperature,
     )
 
 
