@@ -6,15 +6,92 @@
 - :func:`reduce_scatter_rows`: under sequence parallelism, sum the hidden gradients over the
   shards and keep this rank's rows, in one collective (without it, the row walk all-reduces each
   row group's hidden gradients as they complete: ``ShardExchange.start_row_gradient_sum``).
+- :class:`BackendLoan`: how a collective's host tensors are handed to the process group, so
+  that none is still held by its worker threads when the call returns (below).
+
+Host collectives and interpreter exit
+-------------------------------------
+A process group on host tensors (gloo) runs each collective on a worker thread, and that thread
+drops its reference to the finished collective, and with it to the tensors, only *after*
+``wait()`` has returned on the calling thread. Dropping a reference to a tensor that has a Python
+object takes the GIL (``TensorImpl::decref_pyobject``). When that happens once the interpreter is
+finalizing (a script that ends right after its last collective, on a loaded machine where the
+worker runs late), CPython ends the worker thread inside the C++ destructor and the process aborts
+with "terminate called without an active exception" (pytorch/pytorch#190489 describes the same
+in torch). ``destroy_process_group()`` prevents it only when it drops the last reference to the
+group (the group's destructor joins its threads); a script that keeps the group, a mesh or a
+loss's autograd graph in module globals does not.
+
+So every collective here hands the backend fresh aliases of its tensors (same memory, new
+tensor objects that nothing else references) and waits, after the collective, until the backend
+has dropped them: when a call returns, no worker thread holds anything of it. Collectives that a
+script issues itself stay exposed: calling ``destroy_process_group()`` when nothing else
+references the group any more (so that it joins the worker threads) protects those.
 """
 
 from __future__ import annotations
+
+import time
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_rows", "gather_sequence_rows", "reduce_scatter_rows"]
+__all__ = ["BackendLoan", "all_gather_rows", "gather_sequence_rows", "reduce_scatter_rows"]
+
+# Newer torch names these all_gather_single / reduce_scatter_single and warns (FutureWarning) on
+# the old names, which are all that older torch has.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# How long :meth:`BackendLoan.settle` waits for a worker thread to let go (microseconds, unless
+# the thread is descheduled); past it the call warns and returns.
+SETTLE_TIMEOUT_S = 10.0
+_LONGEST_POLL_S = 1e-3
+
+
+class BackendLoan:
+    """The host tensors lent to collectives, as aliases whose release can be seen.
+
+    ``alias(t)`` is what a collective receives instead of ``t``; the caller keeps no reference to
+    it. A weak reference to each alias dies when the last strong one goes, which, once the caller
+    has dropped its own and waited for the collective, is the backend's worker thread letting go.
+    :meth:`settle` waits for that. Device (CUDA) tensors are lent as they are: their backend's
+    threads hold them until the device finishes, and waiting for that would stall the host.
+    """
+
+    def __init__(self) -> None:
+        self._aliases: list[weakref.ref[Tensor]] = []
+
+    def alias(self, tensor: Tensor) -> Tensor:
+        """``tensor``'s memory as a new tensor object, to hand to a collective (host tensors)."""
+        if tensor.device.type != "cpu":
+            return tensor
+        alias = tensor.detach()
+        self._aliases.append(weakref.ref(alias))
+        return alias
+
+    def settle(self) -> None:
+        """Wait until the backend has dropped every alias lent so far (their collectives must
+        have been waited, and the caller must hold none); the GIL is released while waiting,
+        since the worker takes it to drop them."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        pause = 0.0
+        while any(alias() is not None for alias in self._aliases):
+            if time.monotonic() > deadline:
+                warnings.warn(
+                    f"tensors lent to a collective are still referenced {SETTLE_TIMEOUT_S:.0f} s after it "
+                    "completed; if a process group's thread drops them while the interpreter exits, "
+                    "the process aborts",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                break
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-5, _LONGEST_POLL_S)
+        self._aliases = []
 
 
 def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -23,7 +100,9 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
     local = local.contiguous()
     world = dist.get_world_size(group)
     gathered = local.new_empty(world * local.shape[0], *local.shape[1:])  # concatenated along rows
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    loan = BackendLoan()
+    all_gather_single(loan.alias(gathered), loan.alias(local), group=group)
+    loan.settle()
     return gathered.view(world, *local.shape)
 
 
@@ -48,12 +127,14 @@ def reduce_scatter_rows(grads: list[Tensor], group: dist.ProcessGroup) -> list[T
     packed, widths = _pack_columns(grads)
     world = dist.get_world_size(group)
     rows = packed.shape[0] // world
+    loan = BackendLoan()
     if dist.get_backend(group) == dist.Backend.NCCL:
         local = torch.empty(rows, packed.shape[1], dtype=packed.dtype, device=packed.device)
-        dist.reduce_scatter_tensor(local, packed, group=group)
+        reduce_scatter_single(loan.alias(local), loan.alias(packed), group=group)
         packed = local
     else:
-        dist.all_reduce(packed, group=group)
+        dist.all_reduce(loan.alias(packed), group=group)
         start = dist.get_rank(group) * rows
         packed = packed[start : start + rows]
+    loan.settle()
     return list(packed.split(widths, dim=1))

@@ -7,6 +7,12 @@ The first round of a call also carries each rank's *local error* (a check that o
 could make, e.g. NaN in its shard of a cached teacher) in three extra columns; after the gather
 every rank sees every rank's error and raises the same ValueError. A call with no rows to process
 (all ignored) exchanges just the errors.
+
+No collective of a call is left to the process group when the call returns: the row-group
+gradient sums started during the row walk are waited by the end of the forward (:meth:`finish`)
+or of the backward (:meth:`reduce_row_gradients`), and their tensors are lent through a
+:class:`~.collectives.BackendLoan` that is settled then (why: the module docstring of
+:mod:`.collectives`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..statistics import PartitionRecord
-from .collectives import all_gather_rows, gather_sequence_rows, reduce_scatter_rows
+from .collectives import BackendLoan, all_gather_rows, gather_sequence_rows, reduce_scatter_rows
 
 __all__ = ["LocalError", "ShardExchange"]
 
@@ -54,6 +60,7 @@ class ShardExchange:
         self.local_error = local_error
         self.errors_exchanged = False
         self.pending_sums: list[dist.Work] = []  # row-group gradient sums in flight
+        self.summed_rows = BackendLoan()  # the rows those sums were handed
 
     def _header(self, rows: int, like: Tensor) -> Tensor:
         error = self.local_error or LocalError(0)
@@ -84,7 +91,10 @@ class ShardExchange:
         return all_gather_rows(local, self.group).sum(dim=0)
 
     def finish(self, like: Tensor) -> None:
-        """Exchange the errors if no round did (a call with no rows to process)."""
+        """Exchange the errors if no round did (a call with no rows to process), and wait for the
+        gradient sums the forward started: a forward returns with no collective in flight,
+        whether or not a backward follows."""
+        self._wait_for_sums()
         if not self.errors_exchanged:
             gathered = all_gather_rows(self._header(1, like), self.group)
             self._raise_gathered_errors(gathered)
@@ -98,18 +108,24 @@ class ShardExchange:
         """Without sequence parallelism, an asynchronous all-reduce of each gradient's rows
         ``[begin, end)`` (they overlap the next row groups' work); under it, the single
         reduce-scatter of :meth:`reduce_row_gradients` keeps this rank's rows instead (a row
-        group's rows are not one rank's rows). The works
-        are waited by :meth:`reduce_row_gradients` (the backward); if no backward comes, the
-        process group keeps the buffers alive until its collectives finish."""
+        group's rows are not one rank's rows). The sums are waited by the end of the row walk:
+        :meth:`finish` in the forward, :meth:`reduce_row_gradients` in the backward."""
         if self.sequence_parallel:
             return
         for grad in grads:
-            self.pending_sums.append(dist.all_reduce(grad[begin:end], group=self.group, async_op=True))
+            rows = self.summed_rows.alias(grad[begin:end])
+            self.pending_sums.append(dist.all_reduce(rows, group=self.group, async_op=True))
+
+    def _wait_for_sums(self) -> None:
+        """Wait for every gradient sum in flight, then for the process group to let go of their
+        rows."""
+        works, self.pending_sums = self.pending_sums, []
+        while works:
+            works.pop().wait()  # no name keeps a waited work (and its rows) alive
+        self.summed_rows.settle()
 
     def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
-        if not self.sequence_parallel:  # the row walk started every row group's sum: wait for them
-            for work in self.pending_sums:
-                work.wait()
-            self.pending_sums = []
+        if not self.sequence_parallel:  # the row walk started every row group's sum
+            self._wait_for_sums()
             return grads
         return reduce_scatter_rows(grads, self.group) if grads else grads

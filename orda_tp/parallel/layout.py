@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_rows
+
 __all__ = ["HeadShard", "ShardClaim", "VocabLayout", "resolve_layout", "shard_fingerprint"]
 
 
@@ -251,9 +253,7 @@ def resolve_layout(
         shard_fingerprint(head.tensor, head.vocab_dim) if head is not None else torch.zeros(3, dtype=torch.int64)
     )
     mine = torch.cat([claim.as_tensor().to(device), checksum.to(device), fingerprint.to(device)])
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [t.tolist() for t in gathered]
+    rows = all_gather_rows(mine.view(1, -1), group).view(world, -1).tolist()
     claims = [ShardClaim(*(int(v) for v in values[:-5])) for values in rows]
     _raise_local_failures(claims, problem, group)
     if len({tuple(values[-5:-3]) for values in rows}) != 1:
