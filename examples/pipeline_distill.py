@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -355,4 +357,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # Leave without interpreter shutdown: gloo's worker threads release a finished collective's tensors
+    # only after wait() has returned, and a release during shutdown aborts the process ("terminate
+    # called without an active exception"; docs/integrations.md §10).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
