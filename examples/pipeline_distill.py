@@ -319,6 +319,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def say(line: str) -> None:
+    """One line on stdout in one write: the ranks that print (the first and the last stage) share
+    torchrun's stdout, and ``print`` writes a line's text and its newline separately."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -342,15 +349,14 @@ def main() -> int:
             want = reference_step(reference, ref_teacher, tokens, labels)
             error = check_errors(stage, student, reference, loss, want)
         if loss is not None and mesh.get_local_rank("tp") == 0 and step in (1, args.steps):
-            print(f"step {step}: loss {loss.item():.4f} (last stage, {MICROBATCHES} micro-batches)", flush=True)
+            say(f"step {step}: loss {loss.item():.4f} (last stage, {MICROBATCHES} micro-batches)")
         optimizer.step()
 
     passed = error <= 1e-12
     if dist.get_rank() == 0:
-        print(
+        say(
             f"pp=2 tp={args.tp} teacher={args.teacher} schedule={args.schedule}: "
-            f"check {'PASS' if passed else 'FAIL'} max_rel_err {error:.2e}",
-            flush=True,
+            f"check {'PASS' if passed else 'FAIL'} max_rel_err {error:.2e}"
         )
     dist.destroy_process_group()
     return 0 if passed else 1
