@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orda_tp.divergences import get_divergence  # noqa: E402
 from orda_tp.divergences.base import DivergenceParams  # noqa: E402
 from orda_tp.kernels import ops, tiles  # noqa: E402
-from orda_tp.statistics import LogitFamily  # noqa: E402
+from orda_tp.records import LogitFamily  # noqa: E402
 
 CANDIDATES = [
     tiles.Tiles(block_r=r, block_c=c, num_warps=w, programs=p)

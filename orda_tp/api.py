@@ -20,12 +20,12 @@ from .backends.reference import reference_loss
 from .config import EntropyGate, KernelConfig, apply_loss_overrides
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
-from .parallel.exchange import ShardExchange
 from .parallel.fsdp import check_not_fsdp_sharded, unsharded_head_weight
 from .parallel.inputs import LocalInputs, agree_layout, localize, tp_group_of
 from .parallel.layout import VocabLayout
+from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
-from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
+from .teachers import SeparateTeacher, Teacher, TeacherHead
 from .validation import (
     LossOptions,
     ParallelOptions,
@@ -41,7 +41,6 @@ from .value_checks import check_values, local_error
 
 __all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
-Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 TeacherArgument = Teacher | TeacherHead
 
 

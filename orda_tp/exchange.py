@@ -1,7 +1,7 @@
 """How this device's statistics and gradients meet those of the other vocabulary shards.
 
 On one device the local record already covers the whole vocabulary, so every method is the
-identity. The tensor-parallel layer (:class:`orda_tp.parallel.exchange.ShardExchange`) gathers
+identity. The tensor-parallel layer (:class:`orda_tp.parallel.shard_exchange.ShardExchange`) gathers
 every rank's record and merges them identically on every rank, gathers sequence-parallel rows and sums the
 hidden gradients; the loss code is the same in both cases.
 """
@@ -13,7 +13,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from .statistics import PartitionRecord
+from .records import PartitionRecord
 
 __all__ = ["RecordExchange", "LocalExchange"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .config import KernelConfig
 from .divergences import Divergence, DivergenceParams
-from .statistics import LogitFamily
+from .records import LogitFamily
 
 __all__ = ["LossPlan", "REDUCTIONS"]
 
@@ -21,7 +21,7 @@ REDUCTIONS = ("mean", "sum", "none")
 class LossPlan:
     """What to compute for ``loss = w_s·CE_s + w_t·CE_t + w_kl·T_s²·D(p, q)``.
 
-    ``teacher_role`` follows SPEC §2: "cotrained" when a co-training variant (mutual, cojeffreys)
+    ``teacher_role`` follows docs/variants.md §2: "cotrained" when a co-training variant (mutual, cojeffreys)
     has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
     ``families`` lists the distinct logit families whose log-partitions round 1 computes.
     """

@@ -402,7 +402,7 @@ def _teacher_kind(teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher) -
 def build_plan(
     options: LossOptions, teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher, vocab_size: int
 ) -> LossPlan:
-    """Resolve the teacher-dependent defaults and the routing (SPEC §2)."""
+    """Resolve the teacher-dependent defaults and the routing (docs/variants.md §2)."""
     divergence = get_divergence(options.kl_divergence)
     kind = _teacher_kind(teacher)
     precomputed = kind.startswith("precomputed")
@@ -472,7 +472,7 @@ def build_plan(
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """The validated tensor-parallel keywords (see SPEC §1 additions)."""
+    """The validated tensor-parallel keywords (docs/reference.md §1, tensor-parallel keywords)."""
 
     tp_group: object
     vocab_range: tuple[int, int] | None

@@ -9,15 +9,13 @@ from __future__ import annotations
 from torch import Tensor
 
 from .config import KernelConfig
-from .parallel.exchange import LocalError
 from .parallel.layout import VocabLayout
+from .parallel.shard_exchange import LocalError
 from .plan import LossPlan
-from .teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from .teachers import PrecomputedTeacher, Teacher
 from .validation import check_finite, first_non_finite
 
 __all__ = ["check_values", "local_error"]
-
-Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 
 
 def _head_tensors(student_hidden: Tensor, weight: Tensor, teacher: Teacher) -> list[tuple[str, Tensor]]:

@@ -1,4 +1,4 @@
-"""Drop-in compatibility with orda-kernel 0.1.0 (SPEC §1): a call it accepts is accepted here.
+"""Drop-in compatibility with orda-kernel 0.1.0 (docs/reference.md §1): a call it accepts is accepted here.
 
 - A variant parameter the variant does not read (``kl_alpha`` with ``"forward"``, ...), which
   orda-kernel ignores, gives one :class:`orda_tp.IgnoredArgumentWarning` per call (per

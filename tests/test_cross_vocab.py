@@ -1,4 +1,4 @@
-"""Cross-vocabulary tools (SPEC §6) against independent float64 formulas written here."""
+"""Cross-vocabulary tools (docs/cross_vocab.md) against independent float64 formulas written here."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""SPEC §7: every bad input raises a ValueError/TypeError whose message names the argument, what
+"""docs/reference.md §8: every bad input raises a ValueError/TypeError whose message names the argument, what
 was expected and what was received, before anything is computed; nothing is silently clamped or
 reinterpreted (an invalid label is never read as class 0).
 
 Each case asserts the exception type and a regex on the message. Call-time cases run through both
 the functional and the module API and must give the same message; keyword cases must also fail at
-``DistillationLoss(...)`` construction. Boundary values that the SPEC allows are checked to pass.
+``DistillationLoss(...)`` construction. Boundary values that the reference allows are checked to pass.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def _keyword_cases() -> list[Any]:
     return cases
 
 
-# The SPEC §3 parameter table: which keywords each variant reads, and their allowed ranges.
+# The parameter table of docs/variants.md §4: which keywords each variant reads, and their allowed ranges.
 SPEC_PARAMETERS: dict[str, tuple[str, ...]] = {
     "forward": (),
     "reverse": (),

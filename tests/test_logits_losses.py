@@ -1,8 +1,8 @@
-"""``KDLoss`` and ``flash_ce_kd_loss`` (SPEC §5) against fp64 formulas written here from the seeds.
+"""``KDLoss`` and ``flash_ce_kd_loss`` (docs/reference.md §10) against fp64 formulas written here from the seeds.
 
 - NeMo's KDLoss (seeds/004): ``T²·KL(q‖p)`` per valid token, ``p = softmax(s/T)``, ``q =
   softmax(t/T)``, mean over valid tokens or sum / ``num_batch_labels``; the other 14 variants from
-  the table of SPEC §3, each written out below on full fp64 logits, their gradients by autograd.
+  the table of docs/variants.md §4, each written out below on full fp64 logits, their gradients by autograd.
 - flash_kd (seeds/001): ``ce = LSE(s) − s_y`` (0 at ``ignore_index``), ``kd = KL(q_T‖p_T)`` not
   multiplied by ``T²``, the teacher's logits ``teacher_hidden · weightᵀ``.
 
@@ -40,7 +40,7 @@ def kl(log_a: Tensor, log_b: Tensor) -> Tensor:
 
 
 def divergence(variant: str, logp: Tensor, logq: Tensor, labels: Tensor, kwargs: dict[str, object]) -> Tensor:
-    """Per-row ``D(p, q)`` of SPEC §3 (rows × V log-probabilities, fp64), without the ``T²``."""
+    """Per-row ``D(p, q)`` of docs/variants.md §4 (rows × V log-probabilities, fp64), without the ``T²``."""
     p, q = logp.exp(), logq.exp()
     alpha, beta = kwargs.get("kl_alpha"), kwargs.get("kl_beta")
     if variant == "forward":

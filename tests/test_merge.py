@@ -19,7 +19,7 @@ from orda_tp.backends.chunk_grads import block_logit_grads
 from orda_tp.backends.chunk_stats import chunk_row_stats, grad_row_constants
 from orda_tp.backends.reference import reference_loss
 from orda_tp.exchange import LocalExchange
-from orda_tp.statistics import (
+from orda_tp.records import (
     PartitionRecord,
     block_partition_record,
     merge_partition_records,

@@ -1,4 +1,4 @@
-"""Loss semantics of SPEC §2: routing, reductions, ignored rows, zero support, known values."""
+"""Loss semantics (docs/variants.md §1–§2): routing, reductions, ignored rows, zero support, known values."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §4 on real torch.distributed process groups (gloo, 2–4 ranks, tests/distributed.py).
+"""The tensor-parallel contract (docs/guide.md §12.7) on real gloo process groups (2–4 ranks, tests/distributed.py).
 
 Every tensor-parallel call is compared, in the same process, with the single-device call on the
 full tensors: loss and components bitwise identical on every rank and equal to the single-device

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..divergences.expr import evaluate_rows
 from ..plan import LossPlan
-from ..statistics import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
+from ..records import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
 from .chunk_grads import block_logit_grads
 from .chunk_stats import kl_block_terms
 from .row_formulas import RowProgram

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..divergences import BlockTerms, RowTargets
 from ..exchange import RecordExchange
 from ..plan import LossPlan
-from ..statistics import PartitionRecord, merge_partition_records, sum_records
+from ..records import PartitionRecord, merge_partition_records, sum_records
 from .row_formulas import (
     StepKey,
     finish_step,

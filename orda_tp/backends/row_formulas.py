@@ -31,7 +31,7 @@ from functools import cache
 from ..divergences import Divergence, DivergenceParams
 from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, row_names, where
 from ..plan import LossPlan
-from ..statistics import LogitFamily
+from ..records import LogitFamily
 
 __all__ = ["RowProgram", "finish_step", "grad_row_names", "grad_step", "is_set", "partition_step"]
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..kernels import ops
 from ..plan import LossPlan
-from ..statistics import LogitFamily, PartitionRecord
+from ..records import LogitFamily, PartitionRecord
 from .row_formulas import RowProgram
 
 __all__ = ["TritonBlockMath"]

@@ -14,7 +14,7 @@ the first statistics round (the log-partitions) is merged. A variant then
 
 Tensors are (rows, cols) for blocks and (rows,) for rows; all arithmetic is in the statistics
 dtype (fp32, or fp64 for fp64 inputs). Zero-support columns (p = 0 or q = 0, from −inf logits)
-follow the conventions of SPEC §2: ``0·log 0 = 0`` and ``p·log(p/0) = +inf``.
+follow the conventions of docs/variants.md §1: ``0·log 0 = 0`` and ``p·log(p/0) = +inf``.
 """
 
 from __future__ import annotations

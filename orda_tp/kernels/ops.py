@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..divergences import Divergence, DivergenceParams
 from ..divergences.expr import Expr
-from ..statistics import LogitFamily, PartitionRecord
+from ..records import LogitFamily, PartitionRecord
 from .codegen import compile_exprs
 from .templates import (
     GRADS_TEMPLATE,
@@ -78,11 +78,11 @@ def _merge_module(families: int) -> ModuleType:
 def partition_record(
     student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
 ) -> PartitionRecord:
-    """Round-1 record of a block (see :func:`orda_tp.statistics.block_partition_record`)."""
+    """Round-1 record of a block (see :func:`orda_tp.records.block_partition_record`)."""
     rows, cols = student.shape
     count = len(families)
     if count == 0:
-        from ..statistics import block_partition_record
+        from ..records import block_partition_record
 
         return block_partition_record(student, teacher, labels, col_start, families)
     tiles = tiles_for("partition", cols)

@@ -12,13 +12,11 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 from torch import Tensor
 
-from ..teachers import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from ..teachers import PrecomputedTeacher, SeparateTeacher, Teacher, TiedTeacher
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
 from .layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
 
 __all__ = ["LocalInputs", "agree_layout", "check_group", "localize", "same_ranks", "tp_group_of"]
-
-Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 
 
 @dataclass(frozen=True)
