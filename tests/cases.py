@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,12 @@ COTRAINED = ("mutual", "cojeffreys")
 TEACHER_MODES = ("tied", "separate", "precomputed")
 # Small chunks so that every call has several row chunks and uneven column blocks (203 = 3·64 + 11).
 SMALL_CHUNKS = KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=7), vocab_block=64)
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed from ``parts`` that is the same in every process, so that a failure reproduces
+    (``hash`` of a string changes with PYTHONHASHSEED)."""
+    return zlib.crc32(repr(parts).encode()) % 100_000
 
 
 @dataclass

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -37,7 +36,7 @@ from orda_tp import KL_VARIANTS, ChunkSize, KernelConfig
 from orda_tp.config import CHUNKS_PER_GROUP
 
 from . import cases
-from .cases import COTRAINED, TEACHER_MODES, Problem, loss_and_grads, make_problem, relative_error
+from .cases import COTRAINED, TEACHER_MODES, Problem, loss_and_grads, make_problem, relative_error, stable_seed
 from .distributed import note
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -56,11 +55,6 @@ Rows = tuple[int, int] | None
 
 
 # ---------------------------------------------------------------------------- problems and shards
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed that is the same in every process (``hash`` of a string is not)."""
-    return zlib.crc32(repr(parts).encode()) % 100_000
 
 
 def call_kwargs(variant: str, mode: str, reduction: str) -> dict[str, object]:
