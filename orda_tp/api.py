@@ -20,7 +20,7 @@ from .backends.reference import reference_loss
 from .config import EntropyGate, KernelConfig, apply_loss_overrides
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
-from .parallel.fsdp import check_not_fsdp_sharded, unsharded_head_weight
+from .parallel.fsdp import check_not_fsdp_sharded, head_weight, unsharded_head_weight
 from .parallel.inputs import LocalInputs, agree_layout, localize, tp_group_of
 from .parallel.layout import VocabLayout
 from .parallel.shard_exchange import ShardExchange
@@ -128,7 +128,7 @@ def _gradient_scale(options: LossOptions) -> float | Tensor | None:
     scale = getattr(scaler, "_scale", None)
     if isinstance(scale, Tensor):
         return scale.reshape(())
-    return float(scaler.get_scale())  # type: ignore[attr-defined]  # not yet initialized: its init scale
+    return float(scaler.get_scale())  # not yet initialized: its init scale
 
 
 def _local_inputs(
@@ -166,7 +166,7 @@ def _readable_teacher(teacher: TeacherArgument, reduction: str) -> Iterator[Teac
         yield teacher
         return
     grad_on = torch.is_grad_enabled()
-    receives_grad = grad_on and teacher.head.weight.requires_grad
+    receives_grad = grad_on and head_weight(teacher.head).requires_grad
     read_after_call = grad_on and reduction == "none"
     with unsharded_head_weight(teacher.head, receives_grad, read_after_call) as weight:
         yield SeparateTeacher(teacher.hidden, weight)
@@ -202,7 +202,7 @@ def _run_on_tensors(
     for name, tensor in [("weight", weight), *teacher_tensors(teacher)]:
         check_not_fsdp_sharded(name, tensor)
     group = tp_group_of(weight, parallel.tp_group)
-    local, problem = None, None
+    local, failure = None, None
     try:
         local = _local_inputs(options, parallel, student_hidden, weight, labels, teacher)
         # checked before any collective
@@ -210,8 +210,8 @@ def _run_on_tensors(
     except (ValueError, TypeError) as error:
         if group is None:
             raise
-        problem = error  # every rank of the group raises it after the handshake
-    layout = agree_layout(group, local, parallel.vocab_size, problem)
+        failure = error  # every rank of the group raises it after the handshake
+    layout = agree_layout(group, local, parallel.vocab_size, failure)
     assert local is not None
     plan = build_plan(options, local.teacher, layout.vocab_size)
     device = local.student_hidden.device
@@ -251,7 +251,7 @@ def _resolve_keywords(keywords: dict[str, object]) -> tuple[LossOptions, Paralle
     both raise the same error for the same keywords)."""
     keywords = apply_loss_overrides(keywords, _KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
     parallel = {name: keywords.pop(name) for name in _PARALLEL_KEYWORDS}
-    return resolve_options(**keywords), resolve_parallel_options(**parallel)  # type: ignore[arg-type]
+    return resolve_options(**keywords), resolve_parallel_options(**parallel)
 
 
 # Inside torch.compile'd code the call runs eagerly behind one graph break (its keyword handling

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from numbers import Integral
 from typing import Any
@@ -168,7 +168,9 @@ def _fast_rows() -> ChunkSize:
     return ChunkSize(fast=True)
 
 
-# Installed after @dataclass, which would otherwise read them as the fields' default values.
+# Installed after @dataclass, which would otherwise read them as the fields' default values. The
+# class attribute becomes a descriptor while the instances keep the fields' types, which mypy
+# cannot express: hence the ignores.
 ChunkSize.nrows = _ClassConstructor(_exact_rows)  # type: ignore[assignment]
 ChunkSize.dynamic = _ClassConstructor(_workspace_rows)  # type: ignore[assignment]
 ChunkSize.fast = _ClassConstructor(_fast_rows)  # type: ignore[assignment]
@@ -331,7 +333,8 @@ class KernelConfig:
 
     def without_loss_overrides(self) -> KernelConfig:
         """This config with no loss keyword overridden."""
-        return replace(self, **dict.fromkeys(LOSS_OVERRIDES))
+        cleared: dict[str, Any] = dict.fromkeys(LOSS_OVERRIDES)  # every loss-keyword field is `X | None`
+        return replace(self, **cleared)
 
     def ignored_fields(self) -> dict[str, str]:
         """The orda-kernel fields set here that have no effect, each with the reason."""
@@ -396,11 +399,11 @@ PROFILES: dict[str, KernelConfig] = {
 }
 
 
-def _spelled(config: KernelConfig, names: Mapping[str, object]) -> str:
+def _spelled(config: KernelConfig, names: Iterable[str]) -> str:
     return "KernelConfig(" + ", ".join(f"{name}={getattr(config, name)!r}" for name in names) + ")"
 
 
-def resolve_config(profile: str, config: KernelConfig | None) -> KernelConfig:
+def resolve_config(profile: object, config: object) -> KernelConfig:
     """The profile's preset, or ``config`` when given (the profile name is still validated).
 
     Each orda-kernel field of ``config`` that has no effect gives one ``IgnoredArgumentWarning``,

@@ -17,6 +17,7 @@ after the backward, ``parallelize_module`` with :class:`orda_tp.VocabParallel` (
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +81,13 @@ class DistillationHead(nn.Linear):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        **loss_options: object,
+        **loss_options: Any,
     ) -> None:
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
-        self.loss = DistillationLoss(**loss_options)  # type: ignore[arg-type]
+        self.loss = DistillationLoss(**loss_options)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **loss_options: object) -> DistillationHead:
+    def from_linear(cls, linear: nn.Linear, **loss_options: Any) -> DistillationHead:
         """A head around ``linear``'s own weight Parameter (so a weight tied to the embeddings
         stays tied, and an optimizer holding it keeps training it)."""
         if not isinstance(linear, nn.Linear):
@@ -108,6 +109,7 @@ class DistillationHead(nn.Linear):
             )
         return SeparateTeacher(rows.detach(), self.weight.detach())  # no term has weight: never read
 
+    # Not nn.Linear's signature: the input is named ``hidden``, and the keywords select the loss.
     def forward(  # type: ignore[override]
         self,
         hidden: Tensor,

@@ -10,7 +10,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Literal
+from types import FrameType
+from typing import Literal, Protocol, TypeGuard
 
 import torch
 from torch import Tensor
@@ -36,24 +37,24 @@ BACKENDS = ("auto", "triton", "torch", "reference")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[Real]:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[Integral]:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def check_loss_weight(name: str, value: object) -> float:
-    if not _is_real(value) or not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
+    if not _is_real(value) or not math.isfinite(float(value)) or float(value) < 0:
         raise ValueError(f"{name} must be a finite real number >= 0, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return float(value)
 
 
 def check_temperature(name: str, value: object) -> float:
-    if not _is_real(value) or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
+    if not _is_real(value) or not math.isfinite(float(value)) or float(value) <= 0:
         raise ValueError(f"{name} must be a finite real number > 0, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return float(value)
 
 
 class IgnoredArgumentWarning(UserWarning):
@@ -71,7 +72,8 @@ def _caller_stacklevel() -> int:
     """``stacklevel`` for a ``warnings.warn`` in the calling function that names the first frame
     outside orda_tp and torch: the user's line, so that Python's default filter shows the warning
     once per call site."""
-    level, frame = 1, sys._getframe(1)
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         level, frame = level + 1, frame.f_back
     return level
@@ -114,7 +116,7 @@ def resolve_divergence(
             stacklevel=_caller_stacklevel(),
         )
         given[keyword] = None
-    return divergence, divergence.resolve(*given.values())  # type: ignore[arg-type]
+    return divergence, divergence.resolve(*given.values())
 
 
 def check_ignore_index(ignore_index: object) -> int:
@@ -122,9 +124,9 @@ def check_ignore_index(ignore_index: object) -> int:
     torch.long, like the labels it is compared with; returned as an ``int``."""
     if not _is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not INT64_MIN <= int(ignore_index) <= INT64_MAX:  # type: ignore[call-overload]
+    if not INT64_MIN <= int(ignore_index) <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in torch.long (int64) like the labels, got {ignore_index!r}")
-    return int(ignore_index)  # type: ignore[call-overload]
+    return int(ignore_index)
 
 
 def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
@@ -155,7 +157,18 @@ class LossOptions:
     config: KernelConfig
     backend: str
     gradient_materialization_scale: float | Tensor | None
-    grad_scaler: object | None
+    grad_scaler: GradScalerLike | None
+
+
+class GradScalerLike(Protocol):
+    """What the loss reads of a ``torch.amp.GradScaler``: its scale (``get_scale``)."""
+
+    def get_scale(self) -> float: ...
+
+
+def _is_grad_scaler(value: object) -> TypeGuard[GradScalerLike]:
+    """A GradScaler instance (or one alike): not a class, with a callable ``get_scale``."""
+    return not isinstance(value, type) and callable(getattr(value, "get_scale", None))
 
 
 def check_materialization_scale(value: object) -> float | Tensor:
@@ -175,17 +188,16 @@ def check_materialization_scale(value: object) -> float | Tensor:
 
 def check_precision(
     gradient_materialization_scale: object, grad_scaler: object
-) -> tuple[float | Tensor | None, object]:
+) -> tuple[float | Tensor | None, GradScalerLike | None]:
     """``gradient_materialization_scale`` (None or :func:`check_materialization_scale`'s forms) and
     ``grad_scaler`` (None or a GradScaler instance), checked."""
+    scale = None
     if gradient_materialization_scale is not None:
-        gradient_materialization_scale = check_materialization_scale(gradient_materialization_scale)
-    if grad_scaler is not None and (
-        isinstance(grad_scaler, type) or not callable(getattr(grad_scaler, "get_scale", None))
-    ):
-        received = f"the class {grad_scaler.__name__}" if isinstance(grad_scaler, type) else type(grad_scaler).__name__
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler instance or None, got {received}")
-    return gradient_materialization_scale, grad_scaler  # type: ignore[return-value]
+        scale = check_materialization_scale(gradient_materialization_scale)
+    if grad_scaler is None or _is_grad_scaler(grad_scaler):
+        return scale, grad_scaler
+    received = f"the class {grad_scaler.__name__}" if isinstance(grad_scaler, type) else type(grad_scaler).__name__
+    raise TypeError(f"grad_scaler must be a torch.amp.GradScaler instance or None, got {received}")
 
 
 def resolve_options(
@@ -215,7 +227,15 @@ def resolve_options(
         raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    gradient_materialization_scale, grad_scaler = check_precision(gradient_materialization_scale, grad_scaler)
+    scale, scaler = check_precision(gradient_materialization_scale, grad_scaler)
+    # A parameter the variant does not read was warned about above and is dropped here; one that it
+    # reads was checked by resolve_divergence (a real number, an EntropyGate).
+    alpha = kl_alpha if "kl_alpha" in divergence.parameters else None
+    beta = kl_beta if "kl_beta" in divergence.parameters else None
+    gate = entropy_gate if "entropy_gate" in divergence.parameters else None
+    assert alpha is None or isinstance(alpha, (int, float))
+    assert beta is None or isinstance(beta, (int, float))
+    assert gate is None or isinstance(gate, EntropyGate)
     options = LossOptions(
         student_ce_weight=check_loss_weight("student_ce_weight", student_ce_weight),
         teacher_ce_weight=None
@@ -227,16 +247,15 @@ def resolve_options(
         if kl_teacher_temperature is None
         else check_temperature("kl_teacher_temperature", kl_teacher_temperature),
         kl_divergence=divergence.name,
-        # A parameter the variant does not read was warned about above and is dropped here.
-        kl_alpha=kl_alpha if "kl_alpha" in divergence.parameters else None,  # type: ignore[arg-type]
-        kl_beta=kl_beta if "kl_beta" in divergence.parameters else None,  # type: ignore[arg-type]
-        entropy_gate=entropy_gate if "entropy_gate" in divergence.parameters else None,  # type: ignore[arg-type]
+        kl_alpha=alpha,
+        kl_beta=beta,
+        entropy_gate=gate,
         ignore_index=label_to_ignore,
-        reduction=reduction,  # type: ignore[arg-type]
-        config=resolve_config(profile, config),  # type: ignore[arg-type]
-        backend=backend,  # type: ignore[arg-type]
-        gradient_materialization_scale=gradient_materialization_scale,  # type: ignore[arg-type]
-        grad_scaler=grad_scaler,
+        reduction=reduction,
+        config=resolve_config(profile, config),
+        backend=backend,
+        gradient_materialization_scale=scale,
+        grad_scaler=scaler,
     )
     if options.kl_teacher_temperature is not None:
         _check_cotrained_temperatures(divergence, options.kl_temperature, options.kl_teacher_temperature)
@@ -496,13 +515,13 @@ def resolve_parallel_options(
                 f"vocab_range must be a pair of ints (start, stop) with 0 <= start <= stop, got {vocab_range!r}"
             )
         vocab_range = (int(vocab_range[0]), int(vocab_range[1]))
-    if vocab_size is not None and (not _is_int(vocab_size) or int(vocab_size) < 1):  # type: ignore[call-overload]
+    if vocab_size is not None and (not _is_int(vocab_size) or int(vocab_size) < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be a bool or None, got {sequence_parallel!r}")
     return ParallelOptions(
         tp_group=tp_group,
-        vocab_range=vocab_range,  # type: ignore[arg-type]
-        vocab_size=None if vocab_size is None else int(vocab_size),  # type: ignore[call-overload]
+        vocab_range=vocab_range,
+        vocab_size=None if vocab_size is None else int(vocab_size),
         sequence_parallel=sequence_parallel,
     )

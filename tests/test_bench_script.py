@@ -1,4 +1,4 @@
-"""The benchmark script end to end on the CPU: ``launch/bench.py --small --device cpu`` in a subprocess,
+"""The benchmark script end to end on the CPU: ``benchmarks/bench.py --small --device cpu`` in a subprocess,
 then its JSON rows and its markdown tables."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH = str(REPO_ROOT / "launch" / "bench.py")
+BENCH = str(REPO_ROOT / "benchmarks" / "bench.py")
 SMALL_SHAPES = ("BT64_H32_V203", "BT64_H32_V512")
 
 

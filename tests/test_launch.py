@@ -1,6 +1,6 @@
-"""End-to-end runs of the launch scripts: the distillation job (one plain process, and a 2-rank
-torchrun job with vocab-parallel heads on gloo) and the memory measurement, each in a subprocess with
-small settings."""
+"""End-to-end runs of the main job, ``launch/distill.py`` (one plain process, and a 2-rank torchrun job
+with vocab-parallel heads on gloo), and of the memory measurement ``benchmarks/measure_memory.py``,
+each in a subprocess with small settings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DISTILL = str(REPO_ROOT / "launch" / "distill.py")
-MEASURE_MEMORY = str(REPO_ROOT / "launch" / "measure_memory.py")
+MEASURE_MEMORY = str(REPO_ROOT / "benchmarks" / "measure_memory.py")
 SMALL_DEMO = [
     "--steps", "40", "--teacher-steps", "30", "--batch", "16", "--seq", "32", "--vocab", "256",
     "--teacher-hidden", "64", "--student-hidden", "32", "--lr", "1e-2", "--log-every", "10",

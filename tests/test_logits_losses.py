@@ -433,9 +433,9 @@ def test_tensor_parallel_equals_single_device(world_size: int) -> None:
 
 
 def test_memory_script_kd_loss_workspace_below_one_fp32_copy() -> None:
-    """launch/measure_logits_memory.py on a small shape: KDLoss with chunk_size set adds, forward
+    """benchmarks/measure_logits_memory.py on a small shape: KDLoss with chunk_size set adds, forward
     and backward (beyond the student's gradient), less than one fp32 copy of the logits."""
-    script = Path(__file__).resolve().parents[1] / "launch" / "measure_logits_memory.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "measure_logits_memory.py"
     command = [sys.executable, str(script), "--bt", "1024", "--vocab", "4096", "--chunk-size", "64"]
     completed = subprocess.run([*command, "--dtype", "float32"], capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout + completed.stderr

@@ -83,7 +83,9 @@ class GradientStaging:
     teacher: Tensor | None
 
     @staticmethod
-    def allocate(begin: int, rows: int, columns: int, dtype: torch.dtype, device: torch.device, with_teacher: bool):
+    def allocate(
+        begin: int, rows: int, columns: int, dtype: torch.dtype, device: torch.device, with_teacher: bool
+    ) -> GradientStaging:
         def buffer() -> Tensor:
             return torch.empty(rows, columns, dtype=dtype, device=device)
 

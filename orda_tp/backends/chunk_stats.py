@@ -8,6 +8,7 @@ same code runs on one device and on a vocabulary shard. Each round ends in a row
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,7 +111,7 @@ def kl_block_terms(
 
 def chunk_row_stats(
     plan: LossPlan,
-    blocks: list[tuple[int, Tensor, Tensor | None]],
+    blocks: Sequence[tuple[int, Tensor, Tensor | None]],
     labels: Tensor,
     exchange: RecordExchange,
     math: BlockMath,

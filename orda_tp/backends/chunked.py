@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..config import RowLayout
 from ..exchange import RecordExchange
@@ -33,6 +33,10 @@ from .gemm import GemmPolicy
 from .head import HeadTensors, RowChunk, block_logits, column_blocks, statistics_dtype
 
 __all__ = ["ChunkedProblem", "chunked_loss"]
+
+# The differentiable tensors of a call: (student_hidden, weight, teacher_hidden, teacher_weight,
+# teacher_logits).
+InputTensors = tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class ChunkedProblem:
     def wants_grad(self) -> bool:
         return any(self.grad_needs)
 
-    def head(self, tensors: tuple[Tensor | None, ...]) -> HeadTensors:
+    def head(self, tensors: InputTensors) -> HeadTensors:
         return HeadTensors(*tensors, vocab_start=self.layout.vocab_start, real_columns=self.layout.real_local_columns)
 
     def allocate_gradients(self, head: HeadTensors, statistics: torch.dtype) -> GradientBuffers:
@@ -192,7 +196,7 @@ def _reduce(problem: ChunkedProblem, per_row: Tensor) -> Tensor:
     return total / problem.denominator if reduction == "mean" else total
 
 
-def _full_rows(problem: ChunkedProblem, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+def _full_rows(problem: ChunkedProblem, inputs: InputTensors) -> InputTensors:
     """The inputs with hidden states holding every row of the batch (gathered under sequence
     parallelism; a cache's hidden states are gathered like the others)."""
     student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits = inputs
@@ -203,10 +207,21 @@ def _full_rows(problem: ChunkedProblem, inputs: tuple[Tensor | None, ...]) -> tu
     return student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits
 
 
+class _ChunkedContext(FunctionCtx):
+    """What :class:`_ChunkedDistillation` keeps on its autograd context (annotations only: torch
+    declares ``saved_tensors`` on its C base class alone, as a one-element tuple)."""
+
+    problem: ChunkedProblem
+    eager_buffers: GradientBuffers | None
+    saved_stats: list[RowStats] | None
+    gathered_hidden: tuple[Tensor, Tensor | None] | None
+    saved_tensors: InputTensors
+
+
 class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: _ChunkedContext,
         problem: ChunkedProblem,
         student_hidden: Tensor,
         weight: Tensor,
@@ -214,7 +229,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         teacher_weight: Tensor | None,
         teacher_logits: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        inputs = (student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
+        inputs: InputTensors = (student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
         full = _full_rows(problem, inputs)
         head = problem.head(full)
         statistics = statistics_dtype(*inputs)
@@ -231,7 +246,12 @@ class _ChunkedDistillation(torch.autograd.Function):
             for name in ("student_ce", "teacher_ce", "kl")
         )
         per_row = plan.student_ce_weight * student_ce + plan.teacher_ce_weight * teacher_ce + plan.kl_weight * kl
-        outputs = tuple(_reduce(problem, values) for values in (per_row, student_ce, teacher_ce, kl))
+        outputs = (
+            _reduce(problem, per_row),
+            _reduce(problem, student_ce),
+            _reduce(problem, teacher_ce),
+            _reduce(problem, kl),
+        )
 
         ctx.problem = problem
         ctx.eager_buffers = buffers
@@ -239,14 +259,15 @@ class _ChunkedDistillation(torch.autograd.Function):
         # The deferred backward (reduction "none") recomputes logits from the gathered rows; a
         # repeated backward of an eager call gathers them again.
         ctx.gathered_hidden = (full[0], full[2]) if problem.layout.sequence_parallel and buffers is None else None
-        ctx.save_for_backward(*inputs)
+        # torch's stub takes tensors only; save_for_backward documents None as accepted (a no-op).
+        ctx.save_for_backward(*inputs)  # type: ignore[arg-type]
         ctx.mark_non_differentiable(*outputs[1:])
-        return outputs  # type: ignore[return-value]
+        return outputs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        problem: ChunkedProblem = ctx.problem
+    def backward(ctx: _ChunkedContext, grad_loss: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        problem = ctx.problem
         inputs = ctx.saved_tensors
         with torch.autocast(inputs[0].device.type, enabled=False):
             grads = _input_gradients(ctx, problem, inputs, grad_loss)
@@ -254,33 +275,40 @@ class _ChunkedDistillation(torch.autograd.Function):
 
 
 def _input_gradients(
-    ctx: torch.autograd.function.FunctionCtx, problem: ChunkedProblem, inputs: tuple, grad_loss: Tensor
+    ctx: _ChunkedContext, problem: ChunkedProblem, inputs: InputTensors, grad_loss: Tensor
 ) -> tuple[Tensor | None, ...]:
     """Gradients of (student_hidden, weight, teacher_hidden, teacher_weight), in their dtypes.
 
     An eager call's buffers are scaled in place and handed over by the first backward; a later
     backward through the same call (``retain_graph=True``) recomputes them like the deferred path."""
     statistics = statistics_dtype(*inputs)
-    buffers: GradientBuffers | None = ctx.eager_buffers
+    buffers = ctx.eager_buffers
     if buffers is not None:
         ctx.eager_buffers = None
         grads = buffers.as_list()
     else:
         if ctx.gathered_hidden is not None:
-            full = (ctx.gathered_hidden[0], inputs[1], ctx.gathered_hidden[1], *inputs[3:])
+            full: InputTensors = (ctx.gathered_hidden[0], inputs[1], ctx.gathered_hidden[1], inputs[3], inputs[4])
         else:
             full = _full_rows(problem, inputs)
         head = problem.head(full)
         fresh = problem.allocate_gradients(head, statistics)
         _walk_rows(problem, head, statistics, (fresh, grad_loss.to(statistics)), ctx.saved_stats)
         grads = fresh.as_list()
-    hidden_slots = [i for i in (0, 2) if grads[i] is not None]
-    reduced = problem.exchange.reduce_row_gradients([grads[i] for i in hidden_slots])
-    for slot, grad in zip(hidden_slots, reduced):
+    hidden = [(slot, grad) for slot, grad in enumerate(grads) if slot in (0, 2) and grad is not None]
+    reduced = problem.exchange.reduce_row_gradients([grad for _, grad in hidden])
+    for (slot, _), grad in zip(hidden, reduced):
         grads[slot] = grad
     if buffers is not None:  # the eager buffers hold the gradient of a unit upstream (summed over shards)
         _scale_in_place([grad for grad in grads if grad is not None], grad_loss)
-    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs[:4]))
+    return tuple(_in_dtype_of(grad, tensor) for grad, tensor in zip(grads, inputs[:4]))
+
+
+def _in_dtype_of(grad: Tensor | None, tensor: Tensor | None) -> Tensor | None:
+    if grad is None:
+        return None
+    assert tensor is not None  # only a given input has a gradient
+    return grad.to(tensor.dtype)
 
 
 def _scale_in_place(tensors: list[Tensor], scale: Tensor) -> None:

@@ -56,7 +56,7 @@ class HeadTensors:
 
     def gemm_operands(self, teacher_trained: bool) -> list[Tensor]:
         """The tensors the gradient GEMMs multiply staged logit gradients with."""
-        tensors = [self.student_hidden, self.weight]
+        tensors: list[Tensor | None] = [self.student_hidden, self.weight]
         if teacher_trained:
             tensors += [self.teacher_hidden, self.teacher_head]
         return [t for t in tensors if t is not None]

@@ -61,10 +61,26 @@ def _triangular(p: Tensor, q: Tensor) -> Tensor:
     return _where_zero(empty, (p - q) ** 2 / torch.where(empty, torch.ones_like(total), total)).sum(-1)
 
 
+def _alpha_divergence(p: Tensor, q: Tensor, alpha: float) -> Tensor:
+    """``(1 − Σ p^α q^{1−α}) / (α (1 − α))``."""
+    return (1 - (p**alpha * q ** (1 - alpha)).sum(-1)) / (alpha * (1 - alpha))
+
+
 def _skew(p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, beta: float) -> tuple[Tensor, Tensor]:
     """``(KL(q‖m), KL(p‖m))`` with ``m = (1−β) q + β p``."""
     log_m = torch.log((1 - beta) * q + beta * p)
     return _kl(q, logq, log_m), _kl(p, logp, log_m)
+
+
+def _skew_js(p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, beta: float) -> Tensor:
+    """``(1−β) KL(q‖m) + β KL(p‖m)``."""
+    return (1 - beta) * _skew(p, q, logp, logq, beta)[0] + beta * _skew(p, q, logp, logq, beta)[1]
+
+
+def _given(value: float | None) -> float:
+    """A parameter that the variant reads (its ``resolve`` filled it in)."""
+    assert value is not None
+    return value
 
 
 def reference_divergence(name: str, logp: Tensor, logq: Tensor, labels: Tensor, params: DivergenceParams) -> Tensor:
@@ -81,19 +97,13 @@ def reference_divergence(name: str, logp: Tensor, logq: Tensor, labels: Tensor, 
         "jeffreys": lambda: forward + reverse,
         "cojeffreys": lambda: forward + reverse,
         "mutual": lambda: _kl(q.detach(), logq.detach(), logp) + _kl(p.detach(), logp.detach(), logq),
-        "alpha_divergence": lambda: (
-            (1 - (p**params.alpha * q ** (1 - params.alpha)).sum(-1))  # type: ignore[operator]
-            / (params.alpha * (1 - params.alpha))
-        ),  # type: ignore[operator]
-        "skew_forward": lambda: _skew(p, q, logp, logq, params.beta)[0],  # type: ignore[arg-type]
-        "skew_reverse": lambda: _skew(p, q, logp, logq, params.beta)[1],  # type: ignore[arg-type]
-        "skew_js": lambda: (
-            (1 - params.beta) * _skew(p, q, logp, logq, params.beta)[0]  # type: ignore[operator]
-            + params.beta * _skew(p, q, logp, logq, params.beta)[1]
-        ),  # type: ignore[operator, arg-type]
+        "alpha_divergence": lambda: _alpha_divergence(p, q, _given(params.alpha)),
+        "skew_forward": lambda: _skew(p, q, logp, logq, _given(params.beta))[0],
+        "skew_reverse": lambda: _skew(p, q, logp, logq, _given(params.beta))[1],
+        "skew_js": lambda: _skew_js(p, q, logp, logq, _given(params.beta)),
         "entropy_adaptive": lambda: _entropy_adaptive(forward, reverse, q, logq, params),
-        "renyi": lambda: _renyi(logq, logp, params.alpha),  # type: ignore[arg-type]
-        "renyi_reverse": lambda: _renyi(logp, logq, params.alpha),  # type: ignore[arg-type]
+        "renyi": lambda: _renyi(logq, logp, _given(params.alpha)),
+        "renyi_reverse": lambda: _renyi(logp, logq, _given(params.alpha)),
         "dkd": lambda: _dkd(logp, logq, labels, params),
         "abkd": lambda: _abkd(p, q, params),
         "triangular": lambda: _triangular(p, q),
@@ -175,12 +185,12 @@ def reference_loss(
     per_row = [torch.where(valid, values, zeros) for values in per_row]
     loss = plan.student_ce_weight * per_row[0] + plan.teacher_ce_weight * per_row[1] + plan.kl_weight * per_row[2]
     outputs = [loss] + [values.detach() for values in per_row]
-    if plan.reduction == "none":
-        return tuple(outputs)  # type: ignore[return-value]
-    totals = [values.sum() for values in outputs]
-    if plan.reduction == "mean":
-        totals = [total / denominator for total in totals]
-    return tuple(totals)  # type: ignore[return-value]
+    if plan.reduction != "none":
+        outputs = [values.sum() for values in outputs]
+        if plan.reduction == "mean":
+            outputs = [total / denominator for total in outputs]
+    loss, student_ce, teacher_ce, kl = outputs
+    return loss, student_ce, teacher_ce, kl
 
 
 def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tensor, absent: Tensor) -> Tensor:

@@ -23,8 +23,13 @@ __all__ = [
 def check_real(value: object, name: str, *, positive: bool = False) -> float:
     """``value`` as a float; it must be a finite real ``>= 0`` (``> 0`` when ``positive``)."""
     bound = "> 0" if positive else ">= 0"
-    is_real = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_real or not math.isfinite(value) or value < 0 or (positive and value == 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
         raise ValueError(f"{name} must be a finite real number {bound}, got {value!r}")
     return float(value)
 

@@ -95,8 +95,9 @@ class Divergence:
     """True when the block sums need to know which column is the label (dkd)."""
     num_sums: int = 1
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
-        """Fill defaults and validate the ranges of the parameters this variant uses."""
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
+        """Fill defaults and validate the parameters this variant uses (the keywords as given:
+        a bad type raises like a bad range)."""
         return DivergenceParams()
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
@@ -153,9 +154,9 @@ def power_gap(log_a: Expr, log_b: Expr, a: Expr, b: Expr, r: float) -> Expr:
 
 
 def check_range(
-    name: str, value: float, low: float, high: float, *, low_open: bool, high_open: bool, variant: str
-) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is a finite real in the interval."""
+    name: str, value: object, low: float, high: float, *, low_open: bool, high_open: bool, variant: str
+) -> float:
+    """``value``, checked: raise a ValueError naming ``name`` unless it is a finite real in the interval."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite real number for kl_divergence={variant!r}, got {value!r}")
     above = value > low if low_open else value >= low
@@ -163,3 +164,4 @@ def check_range(
     if not (above and below):
         interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise ValueError(f"{name} must lie in {interval} for kl_divergence={variant!r}, got {value!r}")
+    return value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import EntropyGate
 from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
 from .expr import IS_TARGET, LOGP, LOGQ, Expr, P, Q, equal, row, where
 
@@ -30,11 +29,15 @@ class DecoupledKD(Divergence):
     parameters = ("kl_alpha", "kl_beta")
     needs_target = True
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
-        target_weight = 1.0 if kl_alpha is None else kl_alpha
-        nontarget_weight = 1.0 if kl_beta is None else kl_beta
-        check_range("kl_alpha", target_weight, 0.0, 16.0, low_open=True, high_open=False, variant=self.name)
-        check_range("kl_beta", nontarget_weight, 0.0, 16.0, low_open=True, high_open=False, variant=self.name)
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
+        given_target = 1.0 if kl_alpha is None else kl_alpha
+        given_nontarget = 1.0 if kl_beta is None else kl_beta
+        target_weight = check_range(
+            "kl_alpha", given_target, 0.0, 16.0, low_open=True, high_open=False, variant=self.name
+        )
+        nontarget_weight = check_range(
+            "kl_beta", given_nontarget, 0.0, 16.0, low_open=True, high_open=False, variant=self.name
+        )
         return DivergenceParams(alpha=float(target_weight), beta=float(nontarget_weight))
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:

@@ -15,7 +15,7 @@ Shared subtrees (the same Python object used twice) are computed once by both ev
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,14 +150,14 @@ def where(condition: Expr, a: Expr | float, b: Expr | float) -> Expr:
     return Expr("where", (condition, wrap(a), wrap(b)))
 
 
-_TORCH_UNARY = {
+_TORCH_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "exp": torch.exp,
     "log": torch.log,
     "expm1": torch.expm1,
     "abs": torch.abs,
     "neg": torch.neg,
 }
-_TORCH_BINARY = {
+_TORCH_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "add": torch.add,
     "sub": torch.sub,
     "mul": torch.mul,
@@ -195,7 +195,7 @@ def _run(
     else:
         args = [_run(arg, memo, columns, rows, reference, as_columns) for arg in node.args]
         if node.op == "where":
-            result = torch.where(*args)
+            result = torch.where(args[0], args[1], args[2])
         elif node.op in _TORCH_UNARY:
             result = _TORCH_UNARY[node.op](args[0])
         else:

@@ -115,7 +115,7 @@ class EntropyAdaptive(Divergence):
     parameters = ("entropy_gate",)
     num_sums = 3
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
         if gate is None:
             gate = EntropyGate()
         if not isinstance(gate, EntropyGate):

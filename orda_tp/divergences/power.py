@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import EntropyGate
 from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, power_gap, zero_where_both_zero
 from .expr import LOGP, LOGQ, Expr, P, Q, absolute, equal, exp, expm1, greater, less, row, where
 
@@ -25,9 +24,9 @@ class AlphaDivergence(Divergence):
     name = "alpha_divergence"
     parameters = ("kl_alpha",)
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
-        alpha = 0.5 if kl_alpha is None else kl_alpha
-        check_range("kl_alpha", alpha, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
+        given = 0.5 if kl_alpha is None else kl_alpha
+        alpha = check_range("kl_alpha", given, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
         return DivergenceParams(alpha=float(alpha))
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
@@ -46,9 +45,9 @@ class AlphaDivergence(Divergence):
         return (row("A") * P - power_product(LOGP, LOGQ, P, Q, alpha)) / (1.0 - alpha)
 
 
-def resolve_renyi_order(kl_alpha: float | None, variant: str) -> DivergenceParams:
-    order = 0.5 if kl_alpha is None else kl_alpha
-    check_range("kl_alpha", order, 0.0, 2.0, low_open=True, high_open=False, variant=variant)
+def resolve_renyi_order(kl_alpha: object, variant: str) -> DivergenceParams:
+    given = 0.5 if kl_alpha is None else kl_alpha
+    order = check_range("kl_alpha", given, 0.0, 2.0, low_open=True, high_open=False, variant=variant)
     if abs(order - 1.0) < 0.01:
         raise ValueError(
             f"kl_alpha (the Rényi order r) must satisfy |r − 1| >= 0.01 for kl_divergence={variant!r}, got {order!r}; "
@@ -63,7 +62,7 @@ class Renyi(Divergence):
     name = "renyi"
     parameters = ("kl_alpha",)
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
         return resolve_renyi_order(kl_alpha, self.name)
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
@@ -86,7 +85,7 @@ class RenyiReverse(Divergence):
     name = "renyi_reverse"
     parameters = ("kl_alpha",)
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
         return resolve_renyi_order(kl_alpha, self.name)
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
@@ -133,11 +132,11 @@ class ABDivergence(Divergence):
     parameters = ("kl_alpha", "kl_beta")
     num_sums = 2
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
-        alpha = 0.5 if kl_alpha is None else kl_alpha
-        beta = 0.5 if kl_beta is None else kl_beta
-        check_range("kl_alpha", alpha, 0.05, 2.0, low_open=False, high_open=False, variant=self.name)
-        check_range("kl_beta", beta, 0.05, 2.0, low_open=False, high_open=False, variant=self.name)
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
+        given_alpha = 0.5 if kl_alpha is None else kl_alpha
+        given_beta = 0.5 if kl_beta is None else kl_beta
+        alpha = check_range("kl_alpha", given_alpha, 0.05, 2.0, low_open=False, high_open=False, variant=self.name)
+        beta = check_range("kl_beta", given_beta, 0.05, 2.0, low_open=False, high_open=False, variant=self.name)
         return DivergenceParams(alpha=float(alpha), beta=float(beta))
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:

@@ -10,7 +10,6 @@ import math
 
 from torch import Tensor
 
-from ..config import EntropyGate
 from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
 from .expr import LOGP, LOGQ, Expr, P, Q, equal, exp, logaddexp, row, where
 
@@ -29,9 +28,9 @@ class SkewBase(Divergence):
     parameters = ("kl_beta",)
     num_sums = 2
 
-    def resolve(self, kl_alpha: float | None, kl_beta: float | None, gate: EntropyGate | None) -> DivergenceParams:
-        beta = 0.5 if kl_beta is None else kl_beta
-        check_range("kl_beta", beta, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
+    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
+        given = 0.5 if kl_beta is None else kl_beta
+        beta = check_range("kl_beta", given, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
         return DivergenceParams(beta=float(beta))
 
     @staticmethod

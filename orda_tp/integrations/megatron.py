@@ -38,7 +38,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,14 @@ ADAPTER_KEYWORDS = (
 # Variants that train the teacher; a teacher GPTModel runs under torch.no_grad().
 COTRAINING_VARIANTS = ("mutual", "cojeffreys")
 
+if TYPE_CHECKING:
+    # The mixins below only ever join these classes (:func:`_swap_class`): typed as their
+    # subclasses, their ``super()`` calls and attributes are checked against Megatron's.
+    _OutputLayerBase = ColumnParallelLinear
+    _ModelBase = GPTModel
+else:
+    _OutputLayerBase = _ModelBase = object
+
 
 @dataclass(frozen=True)
 class HeadInputs:
@@ -78,7 +86,7 @@ class HeadInputs:
     weight: Tensor
 
 
-class HeadInputsOutputLayer:
+class HeadInputsOutputLayer(_OutputLayerBase):
     """Mixin for GPTModel's ``ColumnParallelLinear`` output layer: inside
     :meth:`returning_head_inputs`, ``forward`` returns ``(HeadInputs(input_, weight), None)``
     without running the logits GEMM; otherwise it is ``ColumnParallelLinear.forward``."""
@@ -89,8 +97,8 @@ class HeadInputsOutputLayer:
         self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[Any, Tensor | None]:
         if not self.returns_head_inputs:
-            return super().forward(input_, weight, runtime_gather_output)  # type: ignore[misc]
-        return HeadInputs(input_, self.weight if weight is None else weight), None  # type: ignore[attr-defined]
+            return super().forward(input_, weight, runtime_gather_output)
+        return HeadInputs(input_, self.weight if weight is None else weight), None
 
     @contextmanager
     def returning_head_inputs(self) -> Iterator[None]:
@@ -102,20 +110,22 @@ class HeadInputsOutputLayer:
             self.returns_head_inputs = previous
 
 
-class HeadInputsModel:
+class HeadInputsModel(_ModelBase):
     """Mixin for GPTModel: :meth:`head_inputs` runs the model up to its output layer."""
 
     def megatron_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
         """``args``, ``kwargs`` bound to GPTModel.forward's parameters (a TypeError as Megatron's)."""
-        return inspect.signature(super().forward).bind(*args, **kwargs)  # type: ignore[misc]
+        return inspect.signature(super().forward).bind(*args, **kwargs)
 
     def head_inputs(self, *args: Any, **kwargs: Any) -> HeadInputs:
         """GPTModel.forward(*args, **kwargs), which must have ``labels``, with the output layer
         returning its inputs: the ``[s, b, h]`` hidden states and the weight, no logits."""
         if self.megatron_arguments(args, kwargs).arguments.get("labels") is None:
             raise ValueError("head_inputs needs labels=...: without them GPTModel returns logits")
-        with self.output_layer.returning_head_inputs():  # type: ignore[attr-defined]
-            result = super().forward(*args, **kwargs)  # type: ignore[misc]
+        layer = self.output_layer
+        assert isinstance(layer, HeadInputsOutputLayer)  # installed with this mixin
+        with layer.returning_head_inputs():
+            result = super().forward(*args, **kwargs)
         # The Megatron behaviour this adapter relies on, checked here and nowhere else.
         if not isinstance(result, HeadInputs):
             raise RuntimeError(
@@ -130,7 +140,7 @@ class HeadInputsModel:
         """Megatron's per-token cross entropy, except that :class:`HeadInputs` pass through."""
         if isinstance(logits, HeadInputs):
             return logits
-        return super().compute_language_model_loss(labels, logits)  # type: ignore[misc]
+        return super().compute_language_model_loss(labels, logits)
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,7 @@ class DistillationSetup:
     that neither module becomes a submodule of the student."""
 
     loss: DistillationLoss
-    teacher: GPTModel | None
+    teacher: HeadInputsModel | None
     sequence_parallel: bool
     tp_size: int
 
@@ -175,7 +185,7 @@ class DistillationModel(HeadInputsModel):
                 raise ValueError(
                     "teacher_logits= and return_components= need labels=...; without labels the model returns logits"
                 )
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
+            return super().forward(*args, **kwargs)
         setup = self.orda_distillation
         check_teacher_choice(setup, teacher_logits, call.arguments.get("decoder_input"))
         student = self.head_inputs(*args, **kwargs)
@@ -208,10 +218,10 @@ def check_teacher_choice(setup: DistillationSetup, teacher_logits: Tensor | None
         )
 
 
-def frozen_head_inputs(teacher: GPTModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HeadInputs:
+def frozen_head_inputs(teacher: HeadInputsModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HeadInputs:
     """The teacher's output-layer inputs on the student's arguments, under ``torch.no_grad()``."""
     with torch.no_grad():
-        head = teacher.head_inputs(*args, **kwargs)  # type: ignore[attr-defined]
+        head = teacher.head_inputs(*args, **kwargs)
     return HeadInputs(head.hidden, head.weight.detach())
 
 
@@ -352,23 +362,24 @@ def install_distillation_head(
     )
     teacher_model = None
     if teacher is not None:
-        teacher_model = _gpt_model(teacher, "teacher")
-        _check_teacher(student, teacher_model, loss)
-        _swap_class(teacher_model.output_layer, HeadInputsOutputLayer)
-        _swap_class(teacher_model, HeadInputsModel)
+        teacher_gpt = _gpt_model(teacher, "teacher")
+        _check_teacher(student, teacher_gpt, loss)
+        _swap_class(teacher_gpt.output_layer, HeadInputsOutputLayer)
+        teacher_model = _swap_class(teacher_gpt, HeadInputsModel)
     _swap_class(layer, HeadInputsOutputLayer)
-    _swap_class(student, DistillationModel)
-    student.orda_distillation = DistillationSetup(  # type: ignore[assignment]
-        loss, teacher_model, layer.sequence_parallel, tp_size
-    )
+    distilling = _swap_class(student, DistillationModel)
+    distilling.orda_distillation = DistillationSetup(loss, teacher_model, layer.sequence_parallel, tp_size)
     return model
 
 
 def _gpt_model(model: object, name: str) -> GPTModel:
     """``model`` itself or the GPTModel a wrapper holds (``Float16Module``, DDP: ``.module``)."""
     found = model
-    while not isinstance(found, GPTModel) and isinstance(getattr(found, "module", None), nn.Module):
-        found = found.module  # type: ignore[attr-defined]
+    while not isinstance(found, GPTModel):
+        inner = getattr(found, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        found = inner
     if not isinstance(found, GPTModel):
         raise TypeError(f"{name} must be a megatron.core GPTModel (or a wrapper of one), got {type(model).__name__}")
     return found
@@ -430,18 +441,22 @@ def _check_teacher(student: GPTModel, teacher: GPTModel, loss: DistillationLoss)
 # Subclasses created by _swap_class, one per (mixin, original class).
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
+Mixin = TypeVar("Mixin")
 
-def _swap_class(module: nn.Module, mixin: type) -> None:
+
+def _swap_class(module: nn.Module, mixin: type[Mixin]) -> Mixin:
     """Give ``module`` the class ``(mixin, its original class)`` unless it has ``mixin`` already;
-    its state (parameters, buffers, hooks, attributes) is untouched."""
+    its state (parameters, buffers, hooks, attributes) is untouched. Returns ``module``."""
     if isinstance(module, mixin):
-        return
+        return module
     original = getattr(type(module), "orda_original_class", type(module))
     key = (mixin, original)
     if key not in _SUBCLASSES:
         name = mixin.__name__.removesuffix("Model").removesuffix("OutputLayer") + original.__name__
         _SUBCLASSES[key] = type(name, (mixin, original), {"__module__": __name__, "orda_original_class": original})
     module.__class__ = _SUBCLASSES[key]
+    assert isinstance(module, mixin)
+    return module
 
 
 def _shape(value: object) -> str:

@@ -57,7 +57,8 @@ def compile_exprs(exprs: Sequence[Expr], prefix: str) -> tuple[list[str], list[s
         if key in names:
             return names[key]
         if node.op == "const":
-            return _literal(float(node.value))  # type: ignore[arg-type]
+            assert isinstance(node.value, float)  # wrap() stores every constant as a float
+            return _literal(node.value)
         if node.op == "column":
             name = str(node.value)
         elif node.op == "row":

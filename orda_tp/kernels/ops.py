@@ -90,7 +90,7 @@ def partition_record(
     width = 2 * count + 3
     partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
     has_teacher = teacher is not None
-    other = teacher if has_teacher else student
+    other = student if teacher is None else teacher
     _partition_module(tuple(f.side for f in families)).kernel[launch](
         student,
         other,
@@ -268,7 +268,7 @@ def logit_grads(
     trains_teacher = terms.key[2] or terms.key[3]
     assert (grad_t is not None) == trains_teacher
     has_teacher = teacher is not None
-    other = teacher if has_teacher else student
+    other = student if teacher is None else teacher
     tiles = tiles_for("grads", cols)
     launch, per_split = grid(tiles, rows, cols)
     out_t = grad_t if grad_t is not None else grad_s

@@ -4,7 +4,7 @@ A kernel walks (BLOCK_R rows × BLOCK_C columns) tiles; the columns of a block a
 ``program_id(1)`` so that about ``programs`` programs run (their partial records and sums are
 merged afterwards). The choice depends only on which bucket the block's columns fall in and on
 whether the kernels are interpreted, never on the exact row count, so a new sequence length
-neither re-tunes nor recompiles. The CUDA entries were chosen with ``launch/tune_kernels.py`` on
+neither re-tunes nor recompiles. The CUDA entries were chosen with ``benchmarks/tune_kernels.py`` on
 an H200 (see docs/benchmarks.md); the interpreter's small tiles keep CPU tests quick.
 """
 
@@ -30,7 +30,7 @@ class Tiles:
 INTERPRETED = Tiles(block_r=16, block_c=128, num_warps=4, programs=256)
 
 #: (kernel kind, wide block: at least 2**15 columns) -> tiles on a CUDA device. Measured on an H200
-#: (launch/tune_kernels.py, 256 rows of fp32 logits, 16064 / 128256 / 256000 columns): the wide
+#: (benchmarks/tune_kernels.py, 256 rows of fp32 logits, 16064 / 128256 / 256000 columns): the wide
 #: entries move 2.7 (partition), 3.4 (sums) and 3.4 (grads) TB/s at 128256 columns.
 CUDA_TILES: dict[tuple[str, bool], Tiles] = {
     ("partition", True): Tiles(block_r=1, block_c=2048, num_warps=4, programs=528),

@@ -32,8 +32,10 @@ from .row_walk import HeadLogits, StoredLogits, build_problem, row_statistics
 __all__ = ["flash_ce_kd_loss"]
 
 
-def _check_scoring_inputs(student: object, hidden: object, weight: object, labels: object) -> None:
-    """Types, shapes and devices of this rank's tensors (no value is read)."""
+def _check_scoring_inputs(
+    student: object, hidden: object, weight: object, labels: object
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Types, shapes and devices of this rank's tensors (no value is read); returns them."""
     specs = (("student_logits", student, "[N, V]"), ("teacher_hidden", hidden, "[N, D]"),
              ("teacher_lm_head_weight", weight, "[V, D]"))  # fmt: skip
     for name, value, shape in specs:  # every type first, then every shape
@@ -52,6 +54,7 @@ def _check_scoring_inputs(student: object, hidden: object, weight: object, label
     labels = check_labels(labels, (rows,), "one label per row of student_logits")
     named = [("teacher_hidden", hidden), ("teacher_lm_head_weight", weight), ("labels", labels)]
     check_same_device("student_logits", student.device, named)
+    return student, hidden, weight, labels
 
 
 # Inside torch.compile'd code the scoring runs eagerly behind one graph break.
@@ -101,13 +104,15 @@ def flash_ce_kd_loss(
     group, axis = logits_group(student_logits, options.tp_group)
     local, shard, failure = None, None, None
     try:
-        hidden = local_companion(teacher_hidden, student_logits, axis, "teacher_hidden", vocabulary=False)
-        weight = local_head_weight(teacher_lm_head_weight, axis, "teacher_lm_head_weight")
-        local_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
-        student, vocab_range = local_student(student_logits, axis)
-        _check_scoring_inputs(student, hidden, weight, local_labels)
+        given_hidden = local_companion(teacher_hidden, student_logits, axis, "teacher_hidden", vocabulary=False)
+        given_weight = local_head_weight(teacher_lm_head_weight, axis, "teacher_lm_head_weight")
+        given_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
+        given_student, vocab_range = local_student(student_logits, axis)
+        student, hidden, weight, local_labels = _check_scoring_inputs(
+            given_student, given_hidden, given_weight, given_labels
+        )
         local = (student, hidden, weight)
-        shard = ShardShape(student, weight.shape[0], local_labels, vocab_range)  # type: ignore[union-attr]
+        shard = ShardShape(student, weight.shape[0], local_labels, vocab_range)
     except (ValueError, TypeError) as error:
         if group is None:
             raise

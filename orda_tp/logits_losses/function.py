@@ -14,34 +14,47 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..backends.chunk_stats import RowStats
 from ..backends.head import statistics_dtype
 from .row_walk import LogitsProblem, StoredLogits, row_statistics, stage_student_grads
 
 __all__ = ["logits_distillation"]
 
 
+class _LogitsContext(FunctionCtx):
+    """What :class:`_LogitsDistillation` keeps on its autograd context (annotations only: torch
+    declares ``needs_input_grad`` and ``saved_tensors`` on its C base class alone, as one-element
+    tuples)."""
+
+    needs_input_grad: tuple[bool, ...]
+    problem: LogitsProblem
+    denominator: float | Tensor
+    walked: list[RowStats]
+    saved_tensors: tuple[Tensor, Tensor]
+
+
 class _LogitsDistillation(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: FunctionCtx, problem: LogitsProblem, denominator: float | Tensor, student: Tensor, teacher: Tensor
+    def forward(
+        ctx: _LogitsContext, problem: LogitsProblem, denominator: float | Tensor, student: Tensor, teacher: Tensor
     ) -> Tensor:
         dtype = statistics_dtype(student, teacher)
         walked = row_statistics(problem, StoredLogits(student), StoredLogits(teacher), dtype)
         per_row = torch.cat([stats.kl for stats in walked]) if walked else student.new_zeros(0, dtype=dtype)
         loss = torch.where(problem.valid, per_row, 0.0).sum() / denominator
         if ctx.needs_input_grad[2]:
-            ctx.problem = problem  # type: ignore[attr-defined]
-            ctx.denominator = denominator  # type: ignore[attr-defined]
-            ctx.walked = walked  # type: ignore[attr-defined]
+            ctx.problem = problem
+            ctx.denominator = denominator
+            ctx.walked = walked
             ctx.save_for_backward(student, teacher)
         return loss
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        student, teacher = ctx.saved_tensors  # type: ignore[attr-defined]
-        problem, walked = ctx.problem, ctx.walked  # type: ignore[attr-defined]
-        scale = (grad_loss / ctx.denominator).to(statistics_dtype(student, teacher))  # type: ignore[attr-defined]
+    def backward(ctx: _LogitsContext, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        student, teacher = ctx.saved_tensors
+        problem, walked = ctx.problem, ctx.walked
+        scale = (grad_loss / ctx.denominator).to(statistics_dtype(student, teacher))
         grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
         with torch.autocast(student.device.type, enabled=False):
             stage_student_grads(problem, StoredLogits(student), StoredLogits(teacher), walked, scale, grad)

@@ -14,6 +14,7 @@ error on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import Tensor
@@ -25,7 +26,10 @@ from ..parallel.layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
 try:
     from torch.distributed.tensor import Replicate, Shard
 except ImportError:  # torch without DTensor: is_dtensor is always False
-    Replicate = Shard = None  # type: ignore[assignment, misc]
+    Replicate = Shard = None  # type: ignore[assignment, misc]  # the fallback binding; mypy reads the installed torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "LocalLogits",
@@ -39,12 +43,12 @@ __all__ = [
 ]
 
 
-def _vocab_axis(logits: Tensor, name: str) -> MeshAxis | None:
+def _vocab_axis(logits: DTensor, name: str) -> MeshAxis | None:
     """The mesh dimension along which a logits DTensor is sharded on its last dimension (None when
     the vocabulary is not sharded); placements other than Replicate and row shards raise."""
     last = logits.ndim - 1
     vocab_dims = []
-    for mesh_dim, placement in enumerate(logits.placements):  # type: ignore[attr-defined]
+    for mesh_dim, placement in enumerate(logits.placements):
         if isinstance(placement, Shard) and placement.dim % logits.ndim == last:
             vocab_dims.append(mesh_dim)
         elif not isinstance(placement, (Replicate, Shard)):
@@ -56,7 +60,7 @@ def _vocab_axis(logits: Tensor, name: str) -> MeshAxis | None:
         )
     if not vocab_dims:
         return None
-    mesh = logits.device_mesh  # type: ignore[attr-defined]
+    mesh = logits.device_mesh
     dim = vocab_dims[0]
     return MeshAxis(mesh.get_group(dim), dim, mesh.size(dim), mesh.get_local_rank(dim), mesh)
 
@@ -69,12 +73,12 @@ def logits_group(student_logits: object, tp_group: object) -> tuple[dist.Process
     tp_group = check_group(tp_group)
     if not is_dtensor(student_logits):
         return tp_group, None
-    axis = _vocab_axis(student_logits, "student_logits")  # type: ignore[arg-type]
+    axis = _vocab_axis(student_logits, "student_logits")
     if axis is None:
         if tp_group is not None:
             raise ValueError(
                 "tp_group is given but student_logits is a DTensor whose last (vocabulary) dimension is not "
-                f"sharded: {placement_text(student_logits)}"  # type: ignore[arg-type]
+                f"sharded: {placement_text(student_logits)}"
             )
         return None, None
     if tp_group is not None and not same_ranks(tp_group, axis.group):
@@ -86,16 +90,17 @@ def logits_group(student_logits: object, tp_group: object) -> tuple[dist.Process
 
 @dataclass(frozen=True)
 class LocalLogits:
-    """This rank's tensors and its global columns ``[start, stop)`` when a DTensor says so (None:
-    the shards lie in rank order)."""
+    """This rank's parts of the arguments (not checked yet: anything but a DTensor passes through
+    as given) and its global columns ``[start, stop)`` when a DTensor says so (None: the shards lie
+    in rank order)."""
 
-    student: Tensor
-    teacher: Tensor
-    labels: Tensor
+    student: object
+    teacher: object
+    labels: object
     vocab_range: tuple[int, int] | None
 
 
-def local_companion(tensor: object, student: Tensor, axis: MeshAxis | None, name: str, vocabulary: bool) -> object:
+def local_companion(tensor: object, student: object, axis: MeshAxis | None, name: str, vocabulary: bool) -> object:
     """The local part of a tensor that accompanies ``student_logits`` (plain tensors pass through).
 
     A DTensor must live on the student's mesh with its placements, except on the vocabulary's
@@ -109,20 +114,20 @@ def local_companion(tensor: object, student: Tensor, axis: MeshAxis | None, name
             f"{name} is a DTensor but student_logits is not: pass both as DTensors, or plain local tensors "
             "with tp_group"
         )
-    placements = list(tensor.placements)  # type: ignore[attr-defined]
-    expected = list(student.placements)  # type: ignore[attr-defined]
+    placements = list(tensor.placements)
+    expected = list(student.placements)
     replicated = axis is not None and (not vocabulary or isinstance(placements[axis.dim], Replicate))
     if replicated:
         assert axis is not None
         expected[axis.dim] = Replicate()
-    if tensor.device_mesh != student.device_mesh or placements != expected:  # type: ignore[attr-defined]
+    if tensor.device_mesh != student.device_mesh or placements != expected:
         allowed = "Shard(-1) or Replicate" if vocabulary else "Replicate"
         raise ValueError(
             f"{name} as a DTensor must live on student_logits' mesh with its placements ({allowed} on the "
-            f"vocabulary's mesh dimension), got {placement_text(tensor)} next to student_logits' "  # type: ignore[arg-type]
+            f"vocabulary's mesh dimension), got {placement_text(tensor)} next to student_logits' "
             f"{placement_text(student)}"
         )
-    local = tensor.to_local()  # type: ignore[attr-defined]
+    local = tensor.to_local()
     if replicated and vocabulary:
         assert axis is not None
         start, stop = chunk_range(local.shape[-1], axis.size, axis.coordinate)
@@ -135,13 +140,13 @@ def local_head_weight(weight: object, axis: MeshAxis | None, name: str) -> objec
     of ``student_logits`` and Replicate on the others (plain tensors pass through)."""
     if not is_dtensor(weight):
         return weight
-    weight_axis = shard_axis(weight, name)  # type: ignore[arg-type]
+    weight_axis = shard_axis(weight, name)
     if axis is None or weight_axis.mesh != axis.mesh or weight_axis.dim != axis.dim:
         raise ValueError(
             f"{name} as a DTensor must be sharded on the mesh dimension along which student_logits is sharded "
-            f"on its last dimension, got {placement_text(weight)}"  # type: ignore[arg-type]
+            f"on its last dimension, got {placement_text(weight)}"
         )
-    return weight.to_local()  # type: ignore[attr-defined]
+    return weight.to_local()
 
 
 def local_student(student_logits: object, axis: MeshAxis | None) -> tuple[object, tuple[int, int] | None]:
@@ -152,16 +157,16 @@ def local_student(student_logits: object, axis: MeshAxis | None) -> tuple[object
         return student_logits, None
     vocab_range = None
     if axis is not None:
-        vocab_range = chunk_range(student_logits.shape[-1], axis.size, axis.coordinate)  # type: ignore[attr-defined]
-    return student_logits.to_local(), vocab_range  # type: ignore[attr-defined]
+        vocab_range = chunk_range(student_logits.shape[-1], axis.size, axis.coordinate)
+    return student_logits.to_local(), vocab_range
 
 
 def local_logits(student_logits: object, teacher_logits: object, labels: object, axis: MeshAxis | None) -> LocalLogits:
     """Local shards of DTensor inputs (plain tensors pass through: they are this rank's shards)."""
-    teacher = local_companion(teacher_logits, student_logits, axis, "teacher_logits", vocabulary=True)  # type: ignore[arg-type]
-    local_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)  # type: ignore[arg-type]
+    teacher = local_companion(teacher_logits, student_logits, axis, "teacher_logits", vocabulary=True)
+    local_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
     student, vocab_range = local_student(student_logits, axis)
-    return LocalLogits(student, teacher, local_labels, vocab_range)  # type: ignore[arg-type]
+    return LocalLogits(student, teacher, local_labels, vocab_range)
 
 
 @dataclass(frozen=True)

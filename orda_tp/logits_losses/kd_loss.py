@@ -48,8 +48,8 @@ def _check_batch_labels(num_batch_labels: object, device: torch.device) -> float
     return float(num_batch_labels)
 
 
-def _check_logits(student: object, teacher: object, labels: object) -> None:
-    """Types, shapes and devices of this rank's tensors (no value is read)."""
+def _check_logits(student: object, teacher: object, labels: object) -> tuple[Tensor, Tensor, Tensor]:
+    """Types, shapes and devices of this rank's tensors (no value is read); returns them."""
     student = check_floating("student_logits", student, "[..., vocab]")
     teacher = check_floating("teacher_logits", teacher, "[..., vocab]")
     if student.dim() < 1:
@@ -61,6 +61,7 @@ def _check_logits(student: object, teacher: object, labels: object) -> None:
         )
     labels = check_labels(labels, tuple(student.shape[:-1]), "student_logits' leading dimensions")
     check_same_device("student_logits", student.device, [("teacher_logits", teacher), ("labels", labels)])
+    return student, teacher, labels
 
 
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
@@ -74,18 +75,18 @@ def _kd_loss(
     num_batch_labels: float | Tensor | None,
 ) -> Tensor:
     group, axis = logits_group(student_logits, options.tp_group)
-    local, shard, given_denominator, failure = None, None, None, None
+    shard, given_denominator, failure = None, None, None
     try:
         local = local_logits(student_logits, teacher_logits, labels, axis)
-        _check_logits(local.student, local.teacher, local.labels)
-        given_denominator = _check_batch_labels(num_batch_labels, local.student.device)
-        shard = ShardShape(local.student, local.student.shape[-1], local.labels.reshape(-1), local.vocab_range)
+        local_student, local_teacher, local_labels = _check_logits(local.student, local.teacher, local.labels)
+        given_denominator = _check_batch_labels(num_batch_labels, local_student.device)
+        shard = ShardShape(local_student, local_student.shape[-1], local_labels.reshape(-1), local.vocab_range)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
     layout = agree_vocabulary(group, shard, failure)
-    assert local is not None and shard is not None
+    assert shard is not None  # set last: this rank's checks passed
     plan = logits_plan(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
     flat_labels = shard.labels
     valid = flat_labels != options.ignore_index
@@ -96,8 +97,8 @@ def _kd_loss(
     else:
         # The label only marks the row as valid: any column that one rank owns reads the same.
         stats_labels = torch.where(valid, 0, flat_labels)
-    student = local.student.reshape(-1, shard.columns)
-    teacher = local.teacher.detach().reshape(-1, shard.columns)
+    student = local_student.reshape(-1, shard.columns)
+    teacher = local_teacher.detach().reshape(-1, shard.columns)
     dtype = statistics_dtype(student, teacher)
     problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
     denominator = valid.sum().clamp_min(1) if given_denominator is None else given_denominator

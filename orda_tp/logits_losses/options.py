@@ -77,7 +77,7 @@ def resolve_logits_options(
         params=params,
         ignore_index=check_ignore_index(ignore_index),
         chunk_rows=chunk_rows,
-        backend=backend,  # type: ignore[arg-type]
+        backend=backend,
         tp_group=tp_group,
         config=config,
     )

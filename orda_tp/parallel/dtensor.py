@@ -14,19 +14,23 @@ with the inputs' placements.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch.distributed as dist
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch without DTensor
-    DTensor = None  # type: ignore[assignment, misc]
+    DTensor = None  # type: ignore[assignment, misc]  # the fallback binding; mypy reads the installed torch
 
 __all__ = ["MeshAxis", "chunk_range", "is_dtensor", "local_shard", "placement_text", "shard_axis"]
 
 
-def is_dtensor(value: object) -> bool:
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
     return DTensor is not None and isinstance(value, DTensor)
 
 
@@ -38,20 +42,20 @@ class MeshAxis:
     dim: int
     size: int
     coordinate: int
-    mesh: object
+    mesh: DeviceMesh
 
 
-def placement_text(tensor: Tensor) -> str:
-    return f"{tuple(tensor.placements)} on mesh {tensor.device_mesh}"  # type: ignore[attr-defined]
+def placement_text(tensor: DTensor) -> str:
+    return f"{tuple(tensor.placements)} on mesh {tensor.device_mesh}"
 
 
 def _is_shard(placement: object, dims: tuple[int, ...]) -> bool:
     return isinstance(placement, Shard) and placement.dim in dims
 
 
-def shard_axis(weight: Tensor, name: str) -> MeshAxis:
+def shard_axis(weight: DTensor, name: str) -> MeshAxis:
     """The mesh dimension along which a head ``weight`` DTensor is sharded on its rows."""
-    placements = tuple(weight.placements)  # type: ignore[attr-defined]
+    placements = tuple(weight.placements)
     sharded = [i for i, p in enumerate(placements) if _is_shard(p, (0,))]
     others_ok = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in sharded)
     if len(sharded) != 1 or not others_ok:
@@ -59,7 +63,7 @@ def shard_axis(weight: Tensor, name: str) -> MeshAxis:
             f"{name} as a DTensor must be Shard(0) on exactly one mesh dimension (the tensor-parallel one) and "
             f"Replicate on the others, got {placement_text(weight)}"
         )
-    mesh = weight.device_mesh  # type: ignore[attr-defined]
+    mesh = weight.device_mesh
     dim = sharded[0]
     return MeshAxis(mesh.get_group(dim), dim, mesh.size(dim), mesh.get_local_rank(dim), mesh)
 
@@ -71,15 +75,15 @@ def chunk_range(total: int, parts: int, coordinate: int) -> tuple[int, int]:
     return start, min(start + size, total)
 
 
-def local_shard(tensor: Tensor, axis: MeshAxis, name: str, shard_dims: tuple[int, ...]) -> tuple[Tensor, bool]:
+def local_shard(tensor: DTensor, axis: MeshAxis, name: str, shard_dims: tuple[int, ...]) -> tuple[Tensor, bool]:
     """``(local tensor, sharded on the tp axis)`` of a DTensor that lives on ``axis``'s mesh.
 
     On the tp axis it may be Replicate or Shard on one of ``shard_dims``; elsewhere Replicate or
     Shard(0) (rows split over data parallelism).
     """
-    if tensor.device_mesh != axis.mesh:  # type: ignore[attr-defined]
+    if tensor.device_mesh != axis.mesh:
         raise ValueError(f"{name} is a DTensor on another mesh than the head weight: {placement_text(tensor)}")
-    placements = tuple(tensor.placements)  # type: ignore[attr-defined]
+    placements = tuple(tensor.placements)
     tp_placement = placements[axis.dim]
     others_ok = all(isinstance(p, Replicate) or _is_shard(p, (0,)) for i, p in enumerate(placements) if i != axis.dim)
     sharded = _is_shard(tp_placement, shard_dims)
@@ -89,4 +93,4 @@ def local_shard(tensor: Tensor, axis: MeshAxis, name: str, shard_dims: tuple[int
         raise ValueError(
             f"{name} is row-sharded on two mesh dimensions, which this loss cannot handle: {placement_text(tensor)}"
         )
-    return tensor.to_local(), sharded  # type: ignore[attr-defined]
+    return tensor.to_local(), sharded

@@ -18,6 +18,7 @@ only place in the library that does. ``tests/test_training_stacks.py`` fails if 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,16 +31,16 @@ try:  # the public name since torch 2.6
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - torch 2.4/2.5 keep FSDP2 under _composable
     try:
-        from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        from torch.distributed._composable.fsdp import FSDPModule
     except ImportError:
-        FSDPModule = None  # type: ignore[assignment, misc]
+        FSDPModule = None  # type: ignore[assignment, misc]  # the fallback binding; mypy reads the installed torch
 
 try:
     from torch.distributed._composable_state import _module_state_mapping
 except ImportError:  # pragma: no cover
-    _module_state_mapping = {}  # type: ignore[assignment]
+    _module_state_mapping = weakref.WeakKeyDictionary()
 
-__all__ = ["FsdpShard", "check_not_fsdp_sharded", "fsdp_shard_of", "unsharded_head_weight"]
+__all__ = ["FsdpShard", "check_not_fsdp_sharded", "fsdp_shard_of", "head_weight", "unsharded_head_weight"]
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,10 @@ class FsdpShard:
     """``tensor`` is the FSDP-sharded form of a parameter of ``module`` (the module ``fully_shard``
     wrapped, whose forward gathers it)."""
 
-    module: nn.Module
+    module: FSDPModule
 
 
-def _fsdp_modules() -> Iterator[nn.Module]:
+def _fsdp_modules() -> Iterator[FSDPModule]:
     if FSDPModule is None:
         return
     for module in list(_module_state_mapping.keys()):
@@ -58,8 +59,8 @@ def _fsdp_modules() -> Iterator[nn.Module]:
             yield module
 
 
-def _sharded_parameters(module: nn.Module) -> Iterator[Tensor]:
-    state = module._get_fsdp_state()  # type: ignore[operator]
+def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
+    state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch < 2.7: a single optional group
         group = getattr(state, "_fsdp_param_group", None)
@@ -90,6 +91,7 @@ def check_not_fsdp_sharded(name: str, tensor: object) -> None:
     shard = fsdp_shard_of(tensor)
     if shard is None:
         return
+    assert is_dtensor(tensor)  # FSDP2 shards parameters as DTensors
     owner = type(shard.module).__name__
     raise ValueError(
         f"{name} is a parameter that FSDP2 (fully_shard) holds sharded over data parallelism "
@@ -102,6 +104,13 @@ def check_not_fsdp_sharded(name: str, tensor: object) -> None:
     )
 
 
+def head_weight(head: nn.Module) -> Tensor:
+    """``head.weight``, a tensor (:class:`orda_tp.TeacherHead` checks it at construction)."""
+    weight = head.weight
+    assert isinstance(weight, Tensor)
+    return weight
+
+
 @contextmanager
 def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block: bool) -> Iterator[Tensor]:
     """``head.weight`` as FSDP's forward of its owner would read it: gathered for the duration
@@ -111,10 +120,10 @@ def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block
     gradient (``receives_grad``) raises instead: it must compute inside its own forward. When the
     weight is ``read_after_block`` (a backward that recomputes logits), the block gets a copy
     that outlives FSDP's release of the gathered storage."""
-    weight = head.weight
+    weight = head_weight(head)
     shard = fsdp_shard_of(weight)
     if shard is None:
-        yield weight  # type: ignore[misc]
+        yield weight
         return
     if receives_grad:
         raise ValueError(
@@ -124,9 +133,9 @@ def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block
             "(orda_tp.DistillationHead)"
         )
     owner = shard.module
-    owner.unshard()  # type: ignore[operator]
+    owner.unshard()
     try:
-        gathered = head.weight.detach()
-        yield gathered.clone() if read_after_block else gathered  # type: ignore[misc]
+        gathered = head_weight(head).detach()  # the unsharded parameter, until reshard()
+        yield gathered.clone() if read_after_block else gathered
     finally:
-        owner.reshard()  # type: ignore[operator]
+        owner.reshard()

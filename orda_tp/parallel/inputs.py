@@ -60,7 +60,7 @@ def _local_teacher(teacher: Teacher, axis: MeshAxis, hidden_sharded: bool) -> Te
             return tensor
         if shard_axis(tensor, name).dim != axis.dim:
             raise ValueError(f"{name} must be sharded on the same mesh dimension as the student's weight")
-        return tensor.to_local()  # type: ignore[attr-defined]
+        return tensor.to_local()
 
     if isinstance(teacher, TiedTeacher):
         return TiedTeacher(hidden(teacher.hidden, "teacher.hidden"), teacher.mode)
@@ -130,7 +130,7 @@ def localize(
         assert not labels_sharded
     return LocalInputs(
         student_hidden=hidden,
-        weight=weight.to_local(),  # type: ignore[attr-defined]
+        weight=weight.to_local(),
         labels=local_labels,
         teacher=_local_teacher(teacher, axis, sharded),
         group=axis.group,
@@ -143,7 +143,10 @@ def _teacher_columns(teacher: Teacher) -> int:
     if isinstance(teacher, SeparateTeacher):
         return teacher.weight.shape[0]
     if isinstance(teacher, PrecomputedTeacher):
-        return teacher.logits.shape[1] if teacher.logits is not None else teacher.teacher_weight.shape[0]  # type: ignore[union-attr]
+        if teacher.logits is not None:
+            return teacher.logits.shape[1]
+        assert teacher.teacher_weight is not None  # a cache holds logits, or hidden states and a head
+        return teacher.teacher_weight.shape[0]
     return -1
 
 
@@ -181,5 +184,5 @@ def tp_group_of(weight: object, tp_group: object) -> dist.ProcessGroup | None:
     sharded over (placements are the same on every rank, so every rank decides alike)."""
     group = check_group(tp_group)
     if group is None and is_dtensor(weight):
-        return shard_axis(weight, "weight").group  # type: ignore[arg-type]
+        return shard_axis(weight, "weight").group
     return group

@@ -20,14 +20,14 @@ try:
     from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
 except ImportError:  # pragma: no cover - torch without DTensor
-    ParallelStyle = object  # type: ignore[assignment, misc]
+    ParallelStyle = object  # type: ignore[assignment, misc]  # the fallback binding; mypy reads the installed torch
 
 from ..api import DistillationLossOutput
 
 __all__ = ["VocabParallel"]
 
 
-class VocabParallel(ParallelStyle):  # type: ignore[misc, valid-type]
+class VocabParallel(ParallelStyle):
     """Shard an LM head (a module with a 2-D ``weight`` and no bias: :class:`orda_tp.DistillationHead`,
     or an ``nn.Linear(H, V, bias=False)`` for logits) along the vocabulary over a 1-D mesh.
 
@@ -76,4 +76,12 @@ class VocabParallel(ParallelStyle):  # type: ignore[misc, valid-type]
             raise ValueError(
                 f"VocabParallel needs the 1-D tensor-parallel mesh (e.g. mesh['tp']), got a {device_mesh.ndim}-D mesh"
             )
-        return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
+        # torch types input_fn as returning None, but installs it as a forward pre-hook, whose
+        # return value replaces the inputs (as torch's own ColwiseParallel uses it).
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            self._prepare_input,  # type: ignore[arg-type]
+            self._prepare_output,
+        )

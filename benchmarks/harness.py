@@ -1,9 +1,10 @@
-"""What the GPU correctness checker (``gpu_check.py``) and the benchmark (``bench.py``) share: the
-command-line options both take, the run's output (printed, logged, one JSON document), guarded steps,
-the environment record and the tensor-parallel runtime (torchrun, NCCL on GPUs, gloo on the CPU).
+"""The run harness that ``benchmarks/bench.py`` and ``checks/gpu_check.py`` share: the command-line
+options both take, the run's output (printed, logged, one JSON document), guarded steps, the
+environment record and the tensor-parallel runtime (torchrun, NCCL on GPUs, gloo on the CPU). The
+problems they run are built from the tests' helpers (``tests/cases.py``).
 
-Import it before ``torch.distributed`` is set up: it turns NVLink multicast off for NCCL, PyTorch and
-NVSHMEM, and puts the repository root on ``sys.path`` so that ``orda_tp`` imports from a checkout.
+Import it before ``orda_tp`` and ``torch.distributed`` are set up: it turns NVLink multicast off for
+NCCL, PyTorch and NVSHMEM, and chooses Triton's interpreter when no GPU is visible.
 """
 
 from __future__ import annotations
@@ -32,36 +33,17 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-# Run from a checkout without installing: the repository root holds `orda_tp`.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Without a GPU, Triton's kernels run in its interpreter, which must be chosen before they are defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import orda_tp  # noqa: E402
-from orda_tp import EntropyGate  # noqa: E402
 
-# Copied from tests/cases.py (launch/ does not import tests/).
-VARIANT_KWARGS: dict[str, dict[str, object]] = {
-    "forward": {},
-    "reverse": {},
-    "jeffreys": {},
-    "mutual": {},
-    "cojeffreys": {},
-    "alpha_divergence": {"kl_alpha": 0.3},
-    "skew_forward": {"kl_beta": 0.3},
-    "skew_reverse": {"kl_beta": 0.7},
-    "skew_js": {"kl_beta": 0.4},
-    "entropy_adaptive": {"entropy_gate": EntropyGate(alpha_min=0.1, alpha_max=0.9, tau=0.5, scale=0.3)},
-    "renyi": {"kl_alpha": 1.5},
-    "renyi_reverse": {"kl_alpha": 0.6},
-    "dkd": {"kl_alpha": 2.0, "kl_beta": 0.5},
-    "abkd": {"kl_alpha": 0.7, "kl_beta": 1.3},
-    "triangular": {},
-}
+# The problems of both scripts: labels of ignored rows, and 1 row in IGNORE_EVERY ignored.
 IGNORE_INDEX = -100
-IGNORE_EVERY = 7  # 1 row in 7 is ignored
+IGNORE_EVERY = 7
 
 
 def add_common_args(parser: argparse.ArgumentParser, default_out: str) -> None:
@@ -186,8 +168,7 @@ def _checkout_commit() -> str | None:
     """HEAD of the checkout; a copied tree whose .git lags its files reports the wrong commit, so
     a run can name its commit in ``ORDA_TP_COMMIT`` instead."""
     try:
-        root = Path(__file__).resolve().parents[1]
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     except OSError:
         return None
     return commit.stdout.strip() or None
@@ -206,8 +187,9 @@ class Runtime:
 def init_distributed(args: argparse.Namespace) -> Runtime:
     """The process group of a torchrun launch: NCCL with one GPU per rank, or gloo on the CPU."""
     if "RANK" not in os.environ:
-        script = Path(sys.argv[0]).name
-        raise SystemExit(f"--tp runs under torchrun: torchrun --standalone --nproc-per-node 2 launch/{script} --tp")
+        script = Path(sys.argv[0]).resolve()
+        shown = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else script
+        raise SystemExit(f"--tp runs under torchrun: torchrun --standalone --nproc-per-node 2 {shown} --tp")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(seconds=args.collective_timeout)
     if args.device == "cuda":

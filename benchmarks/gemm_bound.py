@@ -1,6 +1,6 @@
 """What the loss's GEMMs alone cost on this GPU, as cuBLAS runs them: the bound under the loss's time.
 
-    python3 launch/gemm_bound.py            # the two benchmark shapes, bf16, one CUDA device
+    python3 benchmarks/gemm_bound.py        # the two benchmark shapes, bf16, one CUDA device
 
 For each shape (BT, H, V) it times, with CUDA events (median of 5 after a warm-up):
 

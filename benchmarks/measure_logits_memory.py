@@ -35,9 +35,8 @@ import torch.nn.functional as F
 # Run from a checkout without installing: the repository root holds `orda_tp`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from measure_memory import DTYPES, RESULT_PREFIX, read_rss_kib, reset_peak_rss, run_json_worker  # noqa: E402
-
 import orda_tp  # noqa: E402
+from benchmarks.measure_memory import DTYPES, RESULT_PREFIX, read_rss_kib, reset_peak_rss, run_json_worker  # noqa: E402
 
 LOSSES = ("kdloss", "textbook")
 MIB = 1 << 20

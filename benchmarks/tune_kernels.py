@@ -1,7 +1,7 @@
 """Time the generated kernels over candidate tile shapes on a CUDA device: how the entries of
 ``orda_tp/kernels/tiles.py`` were chosen.
 
-    python3 launch/tune_kernels.py [--rows 256,1024] [--cols 64128,128256,256000]
+    python3 benchmarks/tune_kernels.py [--rows 256,1024] [--cols 64128,128256,256000]
 
 For each kernel (round-1 partition, round-2 sums and logit gradients of forward KL + CE, fp32
 logits, bf16 gradients) and each (rows, columns) shape, every candidate's median time over 20

@@ -1,5 +1,7 @@
 """GPU validation of orda_tp: correctness against the fp64 reference, and tensor-parallel TP=2 against
-TP=1, in one command. Speed and memory are measured by ``launch/bench.py``.
+TP=1, in one command. Speed and memory are measured by ``benchmarks/bench.py``. The problems are the
+tests' (``tests/cases.py``: ``Problem``, the loss keywords of ``call_kwargs``, ``loss_and_grads``,
+``relative_error``) on a larger, padded shape; the harness is ``benchmarks/harness.py``.
 
 Parts (each step is guarded: a failure is printed, counted as FAIL, and the script goes on):
 
@@ -22,9 +24,9 @@ Results go to stdout (a table row per case, a summary last) and to ``--out`` (de
 The exit status is 1 when any check failed.
 
 Commands (``--check-time-limit S``: start no new case after S seconds):
-  python3 launch/gpu_check.py --check --out $OUT                                      # (a) on one GPU
-  torchrun --standalone --nproc-per-node 2 launch/gpu_check.py --tp --check --out $OUT  # (b)
-  TRITON_INTERPRET=1 python launch/gpu_check.py --device cpu --small --variants forward,dkd   # CPU debug
+  python3 checks/gpu_check.py --check --out $OUT                                      # (a) on one GPU
+  torchrun --standalone --nproc-per-node 2 checks/gpu_check.py --tp --check --out $OUT  # (b)
+  TRITON_INTERPRET=1 python checks/gpu_check.py --device cpu --small --variants forward,dkd   # CPU debug
 """
 
 from __future__ import annotations
@@ -36,14 +38,20 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_common import (
+from torch import Tensor
+
+# Run from a checkout without installing: the repository root holds `orda_tp`, the harness this script
+# shares with the benchmark (`benchmarks/harness.py`) and the tests' problems (`tests/cases.py`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import (  # noqa: E402  (first: it sets the NCCL and Triton environment)
     IGNORE_EVERY,
     IGNORE_INDEX,
-    VARIANT_KWARGS,
     Reporter,
     Runtime,
     add_common_args,
@@ -54,20 +62,23 @@ from gpu_common import (
     run_script,
     sync_device,
 )
-from torch import Tensor
-
-import orda_tp
-from orda_tp import (
+from orda_tp import (  # noqa: E402
     KL_VARIANTS,
     ChunkSize,
+    DistillationLossOutput,
     KernelConfig,
-    PrecomputedTeacher,
-    SeparateTeacher,
     TiedTeacher,
+    distillation_loss,
+)
+from tests.cases import (  # noqa: E402
+    COTRAINED,
+    TEACHER_MODES,
+    Problem,
+    call_kwargs,
+    loss_and_grads,
+    relative_error,
 )
 
-COTRAINED = ("mutual", "cojeffreys")
-TEACHER_MODES = ("tied", "separate", "precomputed")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 REDUCTIONS = ("mean", "sum", "none")
 CHECK_BACKENDS = ("triton", "torch")
@@ -162,88 +173,16 @@ def check_shape(args: argparse.Namespace) -> CheckShape:
 # ------------------------------------------------------------------------------------------------ problems
 
 
-def stable_seed(*parts: object) -> int:
-    """A seed that is the same in every process (``hash`` of a string is not)."""
+def stable_seed(*parts: object) -> int:  # STEP-A: the old seed, for a bitwise comparison; removed after
     return zlib.crc32(repr(parts).encode()) % 1_000_003
 
 
-@dataclass
-class Inputs:
-    """One problem's tensors; ``separate_hidden`` feeds the separate teacher's own head."""
-
-    student_hidden: Tensor
-    weight: Tensor
-    labels: Tensor
-    teacher_hidden: Tensor
-    separate_hidden: Tensor
-    teacher_weight: Tensor
-    teacher_logits: Tensor
-    upstream: Tensor  # the gradient of a per-row loss (reduction="none")
-
-    def teacher(self, mode: str) -> TiedTeacher | SeparateTeacher | PrecomputedTeacher:
-        if mode == "tied":
-            return TiedTeacher(self.teacher_hidden)
-        if mode == "separate":
-            return SeparateTeacher(self.separate_hidden, self.teacher_weight)
-        return PrecomputedTeacher(logits=self.teacher_logits)
-
-    def trainable(self, mode: str) -> list[Tensor]:
-        """The tensors a call with this teacher mode may differentiate (order of GRAD_NAMES)."""
-        if mode == "tied":
-            return [self.student_hidden, self.weight, self.teacher_hidden]
-        if mode == "separate":
-            return [self.student_hidden, self.weight, self.separate_hidden, self.teacher_weight]
-        return [self.student_hidden, self.weight]
-
-    def tensors(self) -> list[Tensor]:
-        return [
-            self.student_hidden,
-            self.weight,
-            self.teacher_hidden,
-            self.separate_hidden,
-            self.teacher_weight,
-            self.teacher_logits,
-            self.upstream,
-        ]
-
-    def cast(self, dtype: torch.dtype) -> Inputs:
-        """Fresh leaves in ``dtype`` (hidden states and heads require grad; the cache does not)."""
-
-        def leaf(t: Tensor) -> Tensor:
-            return t.detach().to(dtype).requires_grad_()
-
-        return Inputs(
-            student_hidden=leaf(self.student_hidden),
-            weight=leaf(self.weight),
-            labels=self.labels,
-            teacher_hidden=leaf(self.teacher_hidden),
-            separate_hidden=leaf(self.separate_hidden),
-            teacher_weight=leaf(self.teacher_weight),
-            teacher_logits=self.teacher_logits.detach().to(dtype),
-            upstream=self.upstream,
-        )
-
-    def shard(self, start: int, stop: int) -> Inputs:
-        """This rank's inputs: head rows and cache columns ``[start, stop)``, every hidden row."""
-
-        def leaf(t: Tensor) -> Tensor:
-            return t.detach().clone().requires_grad_(t.requires_grad)
-
-        return Inputs(
-            student_hidden=leaf(self.student_hidden),
-            weight=leaf(self.weight[start:stop]),
-            labels=self.labels.clone(),
-            teacher_hidden=leaf(self.teacher_hidden),
-            separate_hidden=leaf(self.separate_hidden),
-            teacher_weight=leaf(self.teacher_weight[start:stop]),
-            teacher_logits=self.teacher_logits[:, start:stop].contiguous(),
-            upstream=self.upstream,
-        )
-
-
-def make_inputs(shape: CheckShape, seed: int, device: torch.device) -> Inputs:
-    """fp64 inputs with logits of standard deviation ≈ 2, 1 row in 7 ignored, labels below
-    vocab_size, cached logits of PAD_FILL on the padding columns."""
+def make_check_problem(shape: CheckShape, seed: int, device: torch.device, mode: str) -> tuple[Problem, Tensor]:
+    """The problem of one case as the tests hold it (``tests.cases.Problem``; a separate teacher reads
+    its own hidden states, of width H + 3, as in ``tests.cases.separate_problem``), in fp64 on
+    ``device``: logits of standard deviation ≈ 2, 1 row in 7 ignored, labels below vocab_size, cached
+    logits of PAD_FILL on the padding columns. Also returned: the weights of a per-row loss's
+    gradient (reduction="none"), exact in fp32."""
     generator = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*size: int, scale: float = 1.0) -> Tensor:
@@ -255,60 +194,52 @@ def make_inputs(shape: CheckShape, seed: int, device: torch.device) -> Inputs:
     teacher_weight = randn(shape.vocab, width, scale=2.0 / width**0.5)
     logits = randn(rows, width) @ teacher_weight.T
     logits[:, shape.vocab_size :] = PAD_FILL
-    return Inputs(
-        student_hidden=randn(rows, hidden),
-        weight=randn(shape.vocab, hidden, scale=2.0 / hidden**0.5),
+    student_hidden = randn(rows, hidden)
+    weight = randn(shape.vocab, hidden, scale=2.0 / hidden**0.5)
+    tied_hidden, separate_hidden = randn(rows, hidden), randn(rows, width)
+    upstream = torch.rand(rows, generator=generator, device=device, dtype=torch.float64).float().double()
+    problem = Problem(
+        student_hidden=student_hidden.requires_grad_(),
+        weight=weight.requires_grad_(),
         labels=labels,
-        teacher_hidden=randn(rows, hidden),
-        separate_hidden=randn(rows, width),
-        teacher_weight=teacher_weight,
+        teacher_hidden=(separate_hidden if mode == "separate" else tied_hidden).requires_grad_(),
+        teacher_weight=teacher_weight.requires_grad_(),
         teacher_logits=logits,
-        upstream=torch.rand(rows, generator=generator, device=device, dtype=torch.float64).float().double(),
+    )
+    return problem, upstream
+
+
+def shard(problem: Problem, start: int, stop: int) -> Problem:
+    """This rank's problem: head rows and cache columns ``[start, stop)``, every hidden row."""
+
+    def leaf(t: Tensor) -> Tensor:
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    return Problem(
+        student_hidden=leaf(problem.student_hidden),
+        weight=leaf(problem.weight[start:stop]),
+        labels=problem.labels.clone(),
+        teacher_hidden=leaf(problem.teacher_hidden),
+        teacher_weight=leaf(problem.teacher_weight[start:stop]),
+        teacher_logits=problem.teacher_logits[:, start:stop].contiguous(),
     )
 
 
-def call_kwargs(variant: str, mode: str, shape: CheckShape) -> dict[str, object]:
-    """As tests/test_equivalence.py: every term on, T_s ≠ T_t where the variant allows it."""
-    kwargs: dict[str, object] = dict(
-        student_ce_weight=0.7,
-        kl_weight=1.3,
-        kl_temperature=2.0,
-        kl_divergence=variant,
-        vocab_size=shape.vocab_size,
-        config=shape.config(),
-        **VARIANT_KWARGS[variant],
-    )
-    if variant not in COTRAINED:
-        kwargs["kl_teacher_temperature"] = 1.5
-    if mode == "separate":
-        kwargs["teacher_ce_weight"] = 0.4
-    elif mode == "precomputed":
-        kwargs["teacher_ce_weight"] = 0.2
-    return kwargs
+def check_kwargs(variant: str, mode: str, reduction: str, shape: CheckShape) -> dict[str, object]:
+    """The tests' loss keywords (``tests.cases.call_kwargs``: every term on, T_s ≠ T_t where the
+    variant allows it) on this shape's padded vocabulary and chunks."""
+    return {**call_kwargs(variant, mode, reduction), "vocab_size": shape.vocab_size, "config": shape.config()}
 
 
-Outcome = tuple[orda_tp.DistillationLossOutput, list[Tensor | None]]
+def loss_weights(upstream: Tensor, problem: Problem, reduction: str) -> Tensor | None:
+    """The gradient of a per-row loss (reduction="none") in the loss's dtype (fp32, or fp64 for fp64
+    inputs); None for a scalar loss."""
+    if reduction != "none":
+        return None
+    return upstream.to(torch.promote_types(problem.student_hidden.dtype, torch.float32))
 
 
-def loss_and_grads(inputs: Inputs, mode: str, reduction: str, **kwargs: object) -> Outcome:
-    """The loss and the gradients of ``loss`` (weighted by ``inputs.upstream`` for "none")."""
-    out = orda_tp.distillation_loss(
-        inputs.student_hidden, inputs.weight, inputs.labels, inputs.teacher(mode), reduction=reduction, **kwargs
-    )
-    params = inputs.trainable(mode)
-    if not out.loss.requires_grad:
-        return out, [None] * len(params)
-    upstream = inputs.upstream.to(out.loss.dtype) if reduction == "none" else None
-    grads = torch.autograd.grad(out.loss, params, grad_outputs=upstream, allow_unused=True)
-    return out, list(grads)
-
-
-def relative_error(actual: Tensor, expected: Tensor) -> float:
-    """‖actual − expected‖ / ‖expected‖ (absolute when expected is 0), in fp64; NaN stays NaN."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    scale = expected.norm().item()
-    difference = (actual - expected).norm().item()
-    return difference / scale if scale > 0 else difference
+Outcome = tuple[DistillationLossOutput, list[Tensor | None]]
 
 
 def _within(error: float, tolerance: float) -> bool:
@@ -450,26 +381,30 @@ def check_case(
 ) -> list[dict[str, Any]]:
     """One (dtype, mode, variant, reduction): the reference once, then each backend."""
     dtype = DTYPES[dtype_name]
-    kwargs = call_kwargs(variant, mode, shape)
+    kwargs = check_kwargs(variant, mode, reduction, shape)
     label = f"{dtype_name}/{mode}/{variant}/{reduction}"
     results: list[dict[str, Any]] = []
-    ok, prepared = guarded(reporter, f"{label} inputs", lambda: _prepare(shape, label, dtype, device))
+    ok, prepared = guarded(reporter, f"{label} inputs", lambda: _prepare(shape, label, mode, dtype, device))
     if not ok:
         for backend in backends:
             results.append(_record(reporter, dtype_name, mode, variant, reduction, backend, None, 0.0, [prepared]))
         return results
-    rounded, exact = prepared
+    rounded, exact, upstream = prepared
+    rounded_weights = loss_weights(upstream, rounded, reduction)
+    exact_weights = loss_weights(upstream, exact, reduction)
     if variant in COTRAINED and mode == "precomputed":
         for backend in backends:
             started = time.perf_counter()
             problems = _expect_value_error(
-                lambda b=backend: loss_and_grads(rounded, mode, reduction, backend=b, **kwargs)
+                lambda b=backend: loss_and_grads(rounded, mode, rounded_weights, backend=b, **kwargs)
             )
             seconds = time.perf_counter() - started
             results.append(_record(reporter, dtype_name, mode, variant, reduction, backend, None, seconds, problems))
         return results
     ok, expected = guarded(
-        reporter, f"{label} reference", lambda: loss_and_grads(exact, mode, reduction, backend="reference", **kwargs)
+        reporter,
+        f"{label} reference",
+        lambda: loss_and_grads(exact, mode, exact_weights, backend="reference", **kwargs),
     )
     for backend in backends:
         started = time.perf_counter()
@@ -480,7 +415,7 @@ def check_case(
             continue
 
         def run(b: str = backend) -> Comparison:
-            actual = loss_and_grads(rounded, mode, reduction, backend=b, **kwargs)
+            actual = loss_and_grads(rounded, mode, rounded_weights, backend=b, **kwargs)
             sync_device(device)
             return compare(actual, expected, mode, CHECK_TOLERANCE[dtype_name], dtype)
 
@@ -499,11 +434,13 @@ def check_case(
     return results
 
 
-def _prepare(shape: CheckShape, label: str, dtype: torch.dtype, device: torch.device) -> tuple[Inputs, Inputs]:
-    """The inputs rounded to ``dtype`` and the same values upcast to fp64."""
-    base = make_inputs(shape, stable_seed(label), device)
-    rounded = base.cast(dtype)
-    return rounded, rounded.cast(torch.float64)
+def _prepare(
+    shape: CheckShape, label: str, mode: str, dtype: torch.dtype, device: torch.device
+) -> tuple[Problem, Problem, Tensor]:
+    """The problem rounded to ``dtype``, the same values upcast to fp64, and the per-row loss weights."""
+    base, upstream = make_check_problem(shape, stable_seed(label), device, mode)
+    rounded = base.to(dtype)
+    return rounded, rounded.to(torch.float64), upstream
 
 
 def _expect_value_error(call: Callable[[], Any]) -> list[str]:
@@ -556,15 +493,15 @@ def _record(
 def sync_probe(reporter: Reporter, device: torch.device, shape: CheckShape) -> None:
     """Informational (not counted): does one triton call (bf16, tied, forward, labels assumed valid)
     run under torch.cuda.set_sync_debug_mode("error")?"""
-    inputs = make_inputs(shape, 11, device).cast(torch.bfloat16)
+    problem = make_check_problem(shape, 11, device, "tied")[0].to(torch.bfloat16)
     config = KernelConfig(assume_valid_labels=True)
 
     def call() -> None:
-        out = orda_tp.distillation_loss(
-            inputs.student_hidden, inputs.weight, inputs.labels, TiedTeacher(inputs.teacher_hidden.detach()),
+        out = distillation_loss(
+            problem.student_hidden, problem.weight, problem.labels, TiedTeacher(problem.teacher_hidden.detach()),
             teacher_ce_weight=0.0, kl_weight=1.0, backend="triton", config=config,
         )  # fmt: skip
-        torch.autograd.grad(out.loss, [inputs.student_hidden, inputs.weight])
+        torch.autograd.grad(out.loss, [problem.student_hidden, problem.weight])
 
     try:
         call()  # warm-up (compilation may synchronize)
@@ -602,7 +539,7 @@ def summarize_checks(reporter: Reporter, rows: list[dict[str, Any]], elapsed: fl
 # ------------------------------------------------------------------------------------------------ (b) TP
 
 
-def _pack(out: orda_tp.DistillationLossOutput | None, capacity: int, device: torch.device) -> Tensor:
+def _pack(out: DistillationLossOutput | None, capacity: int, device: torch.device) -> Tensor:
     """Loss and components as one fp64 vector of fixed length (count, values, zeros); −1 when absent."""
     packed = torch.zeros(1 + capacity, dtype=torch.float64, device=device)
     if out is None:
@@ -671,23 +608,26 @@ def tp_case(
     device = runtime.device
     dtype = DTYPES[dtype_name]
     label = f"tp {dtype_name}/{mode}/{variant}/{reduction}/{backend}"
-    kwargs = call_kwargs(variant, mode, shape)
+    kwargs = check_kwargs(variant, mode, reduction, shape)
     columns = ranges[runtime.rank]
     problems: list[str] = []
-    full = local = None
+    full = local = weights = None
     try:
-        base = make_inputs(shape, stable_seed(label), device)
-        for tensor in base.tensors() + [base.labels]:
-            dist.broadcast(tensor, src=0)  # bitwise the same problem on every rank
-        full = base.cast(dtype)
-        local = full.shard(*columns)
+        base, upstream = make_check_problem(shape, stable_seed(label), device, mode)
+        with torch.no_grad():  # bitwise the same problem on every rank
+            for tensor in (base.student_hidden, base.weight, base.teacher_hidden, base.teacher_weight,
+                           base.teacher_logits, base.labels, upstream):  # fmt: skip
+                dist.broadcast(tensor, src=0)
+        full = base.to(dtype)
+        local = shard(full, *columns)
+        weights = loss_weights(upstream, full, reduction)
     except Exception as error:  # noqa: BLE001
         problems.append(f"inputs: {type(error).__name__}: {error}"[:300])
     expect_error = variant in COTRAINED and mode == "precomputed"
     single = sharded = None
     if full is not None and local is not None and not expect_error:
         ok, single = guarded(
-            reporter, f"{label} TP=1", lambda: loss_and_grads(full, mode, reduction, backend=backend, **kwargs)
+            reporter, f"{label} TP=1", lambda: loss_and_grads(full, mode, weights, backend=backend, **kwargs)
         )
         if not ok:
             problems.append(f"TP=1 raised {single}")
@@ -695,14 +635,14 @@ def tp_case(
         ok, sharded = guarded(
             reporter,
             f"{label} TP={runtime.world}",
-            lambda: loss_and_grads(local, mode, reduction, backend=backend, tp_group=dist.group.WORLD, **kwargs),
+            lambda: loss_and_grads(local, mode, weights, backend=backend, tp_group=dist.group.WORLD, **kwargs),
         )
         if not ok:
             problems.append(f"TP raised {sharded}")
             sharded = None
     elif expect_error and local is not None:
         problems += _expect_value_error(
-            lambda: loss_and_grads(local, mode, reduction, backend=backend, tp_group=dist.group.WORLD, **kwargs)
+            lambda: loss_and_grads(local, mode, weights, backend=backend, tp_group=dist.group.WORLD, **kwargs)
         )
     # Collectives every rank reaches: the outputs of every rank, bitwise.
     packed = _pack(sharded[0] if sharded is not None else None, 4 * shape.rows, device)

@@ -1,5 +1,5 @@
 """Speed and memory of orda_tp's loss beside a naive torch loss and other libraries ("peers"), in one
-command. Correctness is checked by ``launch/gpu_check.py``.
+command. Correctness is checked by ``checks/gpu_check.py``.
 
 What is timed: forward and backward of the loss only, inputs already on the device: one loss call and
 ``torch.autograd.grad(loss, (hidden, weight))``. bf16 inputs (fp32 with ``--small``); labels random with
@@ -32,9 +32,9 @@ failure) or a loss failed its sanity check.
 Peers are made importable from their wheels in .whl/: ``pip install --no-deps --target /tmp/site .whl/*.whl``.
 
 Commands (with the peers' wheels installed as above and PYTHONPATH=/tmp/site):
-  python3 launch/bench.py --out $OUT                                        # one GPU
-  torchrun --standalone --nproc-per-node 2 launch/bench.py --tp --out $OUT   # two GPUs
-  python3 launch/bench.py --small --device cpu                               # the CPU: tiny shapes
+  python3 benchmarks/bench.py --out $OUT                                        # one GPU
+  torchrun --standalone --nproc-per-node 2 benchmarks/bench.py --tp --out $OUT   # two GPUs
+  python3 benchmarks/bench.py --small --device cpu                               # the CPU: tiny shapes
 """
 
 from __future__ import annotations
@@ -56,10 +56,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_common import (
+from torch import Tensor
+
+# Run from a checkout without installing: the repository root holds `orda_tp`, this script's harness
+# (`benchmarks/harness.py`, shared with `checks/gpu_check.py`) and the tests' variant keywords.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import (  # noqa: E402  (first: it sets the NCCL and Triton environment)
     IGNORE_EVERY,
     IGNORE_INDEX,
-    VARIANT_KWARGS,
     Reporter,
     Runtime,
     add_common_args,
@@ -71,10 +76,8 @@ from gpu_common import (
     run_script,
     sync_device,
 )
-from torch import Tensor
-
-import orda_tp
-from orda_tp import KL_VARIANTS, PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from orda_tp import KL_VARIANTS, PrecomputedTeacher, SeparateTeacher, TiedTeacher, distillation_loss  # noqa: E402
+from tests.cases import VARIANT_KWARGS  # noqa: E402
 
 MATMUL_TFLOPS = 788.0  # bf16 8192³ on an H200, measured (shared/ANCHORS.md)
 WARMUP, REPEATS = 3, 10  # on a GPU; the CPU takes CPU_WARMUP, CPU_REPEATS
@@ -247,7 +250,7 @@ def orda_step(
     if teacher is None:
         teacher = TiedTeacher(inputs.teacher_hidden)
     return loss_step(
-        inputs, lambda: orda_tp.distillation_loss(inputs.hidden, inputs.weight, inputs.labels, teacher, **kwargs).loss
+        inputs, lambda: distillation_loss(inputs.hidden, inputs.weight, inputs.labels, teacher, **kwargs).loss
     )
 
 

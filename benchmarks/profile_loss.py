@@ -1,6 +1,6 @@
 """Profile one forward+backward of the loss on a CUDA device: where the time goes.
 
-    python3 launch/profile_loss.py --backend triton --bt 8192 --hidden 4096 --vocab 128256
+    python3 benchmarks/profile_loss.py --backend triton --bt 8192 --hidden 4096 --vocab 128256
 
 Prints the wall time of a warm call, the number of kernel launches, and the top operations by
 self CUDA time and by self CPU time (torch.profiler), for the tied-frozen-teacher KD task of the
