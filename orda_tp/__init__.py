@@ -10,7 +10,8 @@ logits the caller already holds.
 """
 
 from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
-from .config import PROFILES, ChunkSize, EntropyGate, KernelConfig, begin_autotune_run, reset_autotune_cache
+from .arguments import IgnoredArgumentWarning
+from .config import PROFILES, ChunkSize, KernelConfig, begin_autotune_run, reset_autotune_cache
 from .cross_vocab import (
     AlignedLikelihoodConfig,
     AlignedSpanLossOutput,
@@ -24,12 +25,11 @@ from .cross_vocab import (
     mix_teacher_logits,
     project_teacher_logits,
 )
-from .divergences import KL_VARIANTS
+from .divergences import KL_VARIANTS, EntropyGate
 from .lm_head import DistillationHead, HeadOutput
 from .logits_losses import KDLoss, flash_ce_kd_loss
 from .parallel.style import VocabParallel
 from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
-from .validation import IgnoredArgumentWarning
 
 __version__ = "0.1.0"
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -17,31 +15,23 @@ from .backends.chunked import ChunkedProblem, chunked_loss
 from .backends.gemm import GemmPolicy
 from .backends.head import statistics_dtype
 from .backends.reference import reference_loss
-from .config import EntropyGate, KernelConfig, apply_loss_overrides
+from .checks import check_inputs, check_label_range
+from .config import KernelConfig
+from .divergences import EntropyGate
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
+from .options import GradScalerLike, LossOptions
 from .parallel.fsdp import check_not_fsdp_sharded, head_weight, unsharded_head_weight
-from .parallel.inputs import LocalInputs, agree_layout, localize, tp_group_of
 from .parallel.layout import VocabLayout
+from .parallel.local_shards import LocalInputs, agree_layout, localize, tp_group_of
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
-from .teachers import SeparateTeacher, Teacher, TeacherHead
-from .validation import (
-    LossOptions,
-    ParallelOptions,
-    build_plan,
-    check_inputs,
-    check_label_range,
-    check_precision,
-    resolve_options,
-    resolve_parallel_options,
-    teacher_tensors,
-)
+from .teachers import SeparateTeacher, TeacherHead, TeacherSource
 from .value_checks import check_values, local_error
 
 __all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
-TeacherArgument = Teacher | TeacherHead
+TeacherArgument = TeacherSource | TeacherHead
 
 
 class DistillationLossOutput(NamedTuple):
@@ -106,42 +96,28 @@ def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> tuple
 
 
 def _exchange(
-    plan: LossPlan, options: LossOptions, local: LocalInputs, teacher: Teacher, layout: VocabLayout
+    plan: LossPlan, options: LossOptions, local: LocalInputs, teacher: TeacherSource, layout: VocabLayout
 ) -> RecordExchange:
     """The record exchange of this call; value checks raise here on one device, and travel with
     the first record exchange on a tensor-parallel shard."""
+    config = options.kernel_config
     if local.group is None:
-        check_values(plan, options.config, local.student_hidden, local.weight, local.teacher, layout.vocab_size)
+        check_values(plan, config, local.student_hidden, local.weight, local.teacher, layout.real_local_columns)
         return LocalExchange()
-    error = local_error(plan, options.config, local.student_hidden, local.weight, local.teacher, teacher, layout)
+    error = local_error(plan, config, local.student_hidden, local.weight, local.teacher, teacher, layout)
     return ShardExchange(local.group, layout.sequence_parallel, error)
-
-
-def _gradient_scale(options: LossOptions) -> float | Tensor | None:
-    """The scale at which fp16 logit gradients are materialized for the gradient GEMMs: a number,
-    or the GradScaler's scale tensor (left on the device, never read)."""
-    if options.gradient_materialization_scale is not None:
-        return options.gradient_materialization_scale
-    scaler = options.grad_scaler
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    if isinstance(scale, Tensor):
-        return scale.reshape(())
-    return float(scaler.get_scale())  # not yet initialized: its init scale
 
 
 def _local_inputs(
     options: LossOptions,
-    parallel: ParallelOptions,
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    teacher: Teacher,
+    teacher: TeacherSource,
 ) -> LocalInputs:
     """This rank's tensors, checked (types, shapes, devices); no collective."""
     local = localize(
-        student_hidden, weight, labels, teacher, parallel.tp_group, parallel.vocab_range, parallel.sequence_parallel
+        student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
     )
     row_shards = torch.distributed.get_world_size(local.group) if local.sequence_parallel else 1
     check_inputs(
@@ -158,13 +134,18 @@ def _local_inputs(
 
 
 @contextmanager
-def _readable_teacher(teacher: TeacherArgument, reduction: str) -> Iterator[Teacher]:
+def _readable_teacher(teacher: object, reduction: str) -> Iterator[TeacherSource]:
     """The teacher as a descriptor of tensors: a :class:`TeacherHead` becomes the
     :class:`SeparateTeacher` of its module's weight, gathered for the call if FSDP2 shards it
     (kept past the call when a "none" reduction's backward recomputes the logits)."""
-    if not isinstance(teacher, TeacherHead):
+    if isinstance(teacher, TeacherSource):
         yield teacher
         return
+    if not isinstance(teacher, TeacherHead):
+        raise TypeError(
+            "teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher (or a TeacherHead), "
+            f"got {type(teacher).__name__}"
+        )
     grad_on = torch.is_grad_enabled()
     receives_grad = grad_on and head_weight(teacher.head).requires_grad
     read_after_call = grad_on and reduction == "none"
@@ -177,45 +158,44 @@ def _readable_teacher(teacher: TeacherArgument, reduction: str) -> Iterator[Teac
 @torch.compiler.disable
 def _run(
     options: LossOptions,
-    parallel: ParallelOptions,
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    teacher: TeacherArgument,
+    teacher: object,
     num_valid_tokens: object,
 ) -> DistillationLossOutput:
-    with _readable_teacher(teacher, options.reduction) as readable:
-        return _run_on_tensors(options, parallel, student_hidden, weight, labels, readable, num_valid_tokens)
+    with _readable_teacher(teacher, options.reduction) as source:
+        return _run_on_tensors(options, student_hidden, weight, labels, source, num_valid_tokens)
 
 
 def _run_on_tensors(
     options: LossOptions,
-    parallel: ParallelOptions,
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    teacher: Teacher,
+    teacher: TeacherSource,
     num_valid_tokens: object,
 ) -> DistillationLossOutput:
-    # Checked before any collective (every rank decides alike): a TypeError for anything but a
-    # teacher descriptor, a ValueError for FSDP's data-parallel shards posing as vocabulary shards.
-    for name, tensor in [("weight", weight), *teacher_tensors(teacher)]:
+    # Checked before any collective (every rank decides alike): FSDP's data-parallel shards posing
+    # as vocabulary shards.
+    for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
         check_not_fsdp_sharded(name, tensor)
-    group = tp_group_of(weight, parallel.tp_group)
+    group = tp_group_of(weight, options.tp_group)
     local, failure = None, None
     try:
-        local = _local_inputs(options, parallel, student_hidden, weight, labels, teacher)
+        local = _local_inputs(options, student_hidden, weight, labels, teacher)
         # checked before any collective
         _denominator(num_valid_tokens, options.reduction, None, local.student_hidden.device)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
-    layout = agree_layout(group, local, parallel.vocab_size, failure)
+    layout = agree_layout(group, local, options.vocab_size, failure)
     assert local is not None
-    plan = build_plan(options, local.teacher, layout.vocab_size)
+    plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     device = local.student_hidden.device
-    if not options.config.assume_valid_labels and options.config.runs_host_checks(local.labels.device.type == "cpu"):
+    config = options.kernel_config
+    if not config.assume_valid_labels and config.runs_host_checks(local.labels.device.type == "cpu"):
         check_label_range(local.labels, layout.vocab_size, options.ignore_index)
     exchange = _exchange(plan, options, local, teacher, layout)
     valid = local.labels != options.ignore_index
@@ -237,25 +217,14 @@ def _run_on_tensors(
                 exchange=exchange,
                 layout=layout,
                 math=block_math_of(backend),
-                gemms=GemmPolicy(_gradient_scale(options)),
+                gemms=GemmPolicy(options.gradient_scale),
             )
             outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)
 
 
-_PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_parallel")
-
-
-def _resolve_keywords(keywords: dict[str, object]) -> tuple[LossOptions, ParallelOptions]:
-    """Validate the keywords of :func:`distillation_loss` / :class:`DistillationLoss` (one path, so
-    both raise the same error for the same keywords)."""
-    keywords = apply_loss_overrides(keywords, _KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
-    parallel = {name: keywords.pop(name) for name in _PARALLEL_KEYWORDS}
-    return resolve_options(**keywords), resolve_parallel_options(**parallel)
-
-
-# Inside torch.compile'd code the call runs eagerly behind one graph break (its keyword handling
-# reads ``locals()``, which a traced frame does not keep as written).
+# Inside torch.compile'd code the call runs eagerly behind one graph break (validating the options
+# warns and raises, which a traced frame would not keep as written).
 @torch.compiler.disable
 def distillation_loss(
     student_hidden: Tensor,
@@ -278,9 +247,9 @@ def distillation_loss(
     backend: str = "auto",
     config: KernelConfig | None = None,
     gradient_materialization_scale: float | Tensor | None = None,
-    grad_scaler: object | None = None,
+    grad_scaler: GradScalerLike | None = None,
     num_valid_tokens: float | Tensor | None = None,
-    tp_group: object | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
     vocab_range: tuple[int, int] | None = None,
     vocab_size: int | None = None,
     sequence_parallel: bool | None = None,
@@ -290,7 +259,9 @@ def distillation_loss(
 
     ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)`` with
     ``s = student_hidden·weightᵀ``, ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``. See
-    docs/reference.md for every argument and error, docs/variants.md for the 15 divergences.
+    docs/reference.md for every argument and error, docs/variants.md for the 15 divergences. The
+    keywords (all but ``num_valid_tokens``) are those of :class:`orda_tp.options.LossOptions`,
+    which validates them.
 
     ``gradient_materialization_scale`` (or, when None, ``grad_scaler.get_scale()``) is the scale at
     which fp16 logit gradients are materialized for the tensor-core gradient GEMMs on CUDA; without
@@ -302,52 +273,39 @@ def distillation_loss(
     ``vocab_size`` marks the columns at or past it as padding; ``sequence_parallel`` says the
     hidden states hold this rank's rows of the batch. Every rank returns the single-device result.
     """
-    keywords = dict(locals())
-    for argument in ("student_hidden", "weight", "labels", "teacher", "num_valid_tokens"):
-        del keywords[argument]
-    options, parallel = _resolve_keywords(keywords)
-    return _run(options, parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
-
-
-_KEYWORD_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(distillation_loss).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-}
+    options = LossOptions(
+        student_ce_weight=student_ce_weight,
+        teacher_ce_weight=teacher_ce_weight,
+        kl_weight=kl_weight,
+        kl_temperature=kl_temperature,
+        kl_teacher_temperature=kl_teacher_temperature,
+        kl_divergence=kl_divergence,
+        kl_alpha=kl_alpha,
+        kl_beta=kl_beta,
+        entropy_gate=entropy_gate,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        profile=profile,
+        backend=backend,
+        config=config,
+        gradient_materialization_scale=gradient_materialization_scale,
+        grad_scaler=grad_scaler,
+        tp_group=tp_group,
+        vocab_range=vocab_range,
+        vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel,
+    )
+    return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens)
 
 
 class DistillationLoss(nn.Module):
-    """Module form of :func:`distillation_loss`: the keywords are fixed (and validated) at
-    construction; ``forward(student_hidden, weight, labels, teacher, gradient_materialization_scale=None,
-    grad_scaler=None, *, num_valid_tokens=None)``."""
+    """Module form of :func:`distillation_loss`: its keywords (:class:`orda_tp.options.LossOptions`)
+    are fixed, and validated, at construction; ``forward(student_hidden, weight, labels, teacher,
+    gradient_materialization_scale=None, grad_scaler=None, *, num_valid_tokens=None)``."""
 
-    def __init__(
-        self,
-        *,
-        student_ce_weight: float = 1.0,
-        teacher_ce_weight: float | None = None,
-        kl_weight: float = 0.0,
-        kl_temperature: float = 1.0,
-        kl_teacher_temperature: float | None = None,
-        kl_divergence: str = "forward",
-        kl_alpha: float | None = None,
-        kl_beta: float | None = None,
-        entropy_gate: EntropyGate | None = None,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        profile: str = "balanced",
-        backend: str = "auto",
-        config: KernelConfig | None = None,
-        gradient_materialization_scale: float | Tensor | None = None,
-        grad_scaler: object | None = None,
-        tp_group: object | None = None,
-        vocab_range: tuple[int, int] | None = None,
-        vocab_size: int | None = None,
-        sequence_parallel: bool | None = None,
-    ) -> None:
-        keywords = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+    def __init__(self, **keywords: Any) -> None:
         super().__init__()
-        self.options, self.parallel = _resolve_keywords(keywords)
+        self.options = LossOptions(**keywords)
 
     def forward(
         self,
@@ -356,18 +314,15 @@ class DistillationLoss(nn.Module):
         labels: Tensor,
         teacher: TeacherArgument,
         gradient_materialization_scale: float | Tensor | None = None,
-        grad_scaler: object | None = None,
+        grad_scaler: GradScalerLike | None = None,
         *,
         num_valid_tokens: float | Tensor | None = None,
     ) -> DistillationLossOutput:
         """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
         ``grad_scaler`` given here (orda-kernel's ``forward`` arguments) replace the constructor's
         for this call."""
-        options = self.options
-        if gradient_materialization_scale is not None or grad_scaler is not None:
-            scale, scaler = check_precision(gradient_materialization_scale, grad_scaler)
-            options = replace(options, gradient_materialization_scale=scale, grad_scaler=scaler)
-        return _run(options, self.parallel, student_hidden, weight, labels, teacher, num_valid_tokens)
+        options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
+        return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens)
 
     def extra_repr(self) -> str:
         o = self.options

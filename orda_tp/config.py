@@ -1,8 +1,8 @@
-"""Execution settings: chunking, profiles and the entropy gate.
+"""Execution settings: chunking and profiles.
 
-None of these change what is computed, only how (workspace size, checks); the exceptions are
-:class:`EntropyGate`, the parameters of ``entropy_adaptive``, and the loss keywords that a
-:class:`KernelConfig` may override, as orda-kernel's does (:func:`apply_loss_overrides`).
+None of these change what is computed, only how (workspace size, checks); the exception is the
+loss keywords that a :class:`KernelConfig` may override, as orda-kernel's does
+(:func:`apply_loss_overrides`).
 
 orda-kernel 0.1.0's spellings work too: ``ChunkSize.nrows(n)``, ``.dynamic()``, ``.fast()``; its
 ``KernelConfig`` fields (the chunking ones mapped onto the row layout, the autotuning ones accepted
@@ -12,12 +12,14 @@ and ignored with an ``IgnoredArgumentWarning``); :func:`reset_autotune_cache` an
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from numbers import Integral
 from typing import Any
+
+from .arguments import IgnoredArgumentWarning, caller_stacklevel
+from .divergences.base import EntropyGate
 
 __all__ = [
     "ChunkSize",
@@ -57,34 +59,6 @@ FAST_FACTOR = 4
 CHUNKS_PER_GROUP = 3
 GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
 MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
-
-
-@dataclass(frozen=True)
-class EntropyGate:
-    """Teacher-entropy gate of ``entropy_adaptive``.
-
-    ``γ = alpha_min + (alpha_max − alpha_min) · σ((H(q)/log V − tau) / scale)``: a confident
-    teacher (low normalized entropy) leans on the reverse KL, an uncertain one on the forward KL.
-    """
-
-    alpha_min: float = 0.0
-    alpha_max: float = 1.0
-    tau: float = 0.5
-    scale: float = 0.1
-
-    def __post_init__(self) -> None:
-        for name in ("alpha_min", "alpha_max", "tau", "scale"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                f"EntropyGate.{name} must be a finite real number, got {value!r}",
-            )
-        _require(
-            0.0 <= self.alpha_min <= self.alpha_max <= 1.0,
-            "EntropyGate needs 0 <= alpha_min <= alpha_max <= 1, got "
-            f"alpha_min={self.alpha_min!r}, alpha_max={self.alpha_max!r}",
-        )
-        _require(self.scale > 0, f"EntropyGate.scale must be > 0, got {self.scale!r}")
 
 
 @dataclass(frozen=True)
@@ -425,13 +399,11 @@ def resolve_config(profile: object, config: object) -> KernelConfig:
         )
     ignored = config.ignored_fields()
     if ignored:
-        from .validation import IgnoredArgumentWarning, _caller_stacklevel  # validation imports this module
-
         for name, reason in ignored.items():
             warnings.warn(
                 f"{_spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
                 IgnoredArgumentWarning,
-                stacklevel=_caller_stacklevel(),
+                stacklevel=caller_stacklevel(),
             )
     return replace(config)
 
@@ -456,8 +428,6 @@ def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, 
     config = merged.get("config")
     if not isinstance(config, KernelConfig) or not config.loss_overrides():
         return merged
-    from .validation import IgnoredArgumentWarning, _caller_stacklevel  # validation imports this module
-
     for name, value in config.loss_overrides().items():
         given = merged[name]
         if not _same_value(given, defaults[name]) and not _same_value(given, value):
@@ -465,7 +435,7 @@ def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, 
                 f"{name}={given!r} is ignored: config={_spelled(config, [name])} overrides it (as in orda-kernel); "
                 f"leave {name} at its default ({defaults[name]!r}) to silence this warning",
                 IgnoredArgumentWarning,
-                stacklevel=_caller_stacklevel(),
+                stacklevel=caller_stacklevel(),
             )
         merged[name] = value
     merged["config"] = config.without_loss_overrides()

@@ -1,7 +1,8 @@
 """The resolved plan of one loss call: weights, temperatures, variant, teacher routing.
 
-Everything here is derived from validated user arguments; backends read the plan and never
-re-derive routing or defaults.
+Built once per call from the validated options, the teacher and the vocabulary
+(:meth:`LossPlan.build`; :meth:`LossPlan.for_logits` for the logits-level losses); the engine
+reads the plan and never re-derives routing or defaults.
 """
 
 from __future__ import annotations
@@ -9,12 +10,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import KernelConfig
-from .divergences import Divergence, DivergenceParams
+from .divergences import Divergence, DivergenceParams, with_vocabulary
+from .options import LogitsOptions, LossOptions
 from .records import LogitFamily
+from .teachers import TeacherSource
 
-__all__ = ["LossPlan", "REDUCTIONS"]
+__all__ = ["LossPlan"]
 
-REDUCTIONS = ("mean", "sum", "none")
+
+def _teacher_temperature(options: LossOptions, teacher: TeacherSource) -> float:
+    """``T_t``: 1 for a cache already divided by its temperature (used as it is, as orda-kernel
+    does), else ``kl_teacher_temperature``, else ``kl_temperature``."""
+    tempered = teacher.cache_temperature
+    if tempered is None:
+        given = options.kl_teacher_temperature
+        return options.kl_temperature if given is None else given
+    if options.kl_teacher_temperature not in (None, tempered):
+        raise ValueError(
+            f"kl_teacher_temperature={options.kl_teacher_temperature!r} disagrees with "
+            f"PrecomputedTeacher(logits_temperature={tempered!r}), a cache already divided by {tempered!r}; "
+            "leave kl_teacher_temperature=None (the cache is used as it is), or pass the raw logits "
+            "without logits_temperature"
+        )
+    return 1.0
+
+
+def _teacher_ce_weight(options: LossOptions, teacher: TeacherSource) -> float:
+    weight = teacher.default_ce_weight if options.teacher_ce_weight is None else options.teacher_ce_weight
+    tempered = teacher.cache_temperature
+    if tempered is not None and weight > 0:
+        # The teacher CE is LSE(t) − t_y on raw logits; a tempered cache holds t / T only.
+        raise ValueError(
+            f"teacher_ce_weight={weight} needs raw teacher logits, but "
+            f"PrecomputedTeacher(logits_temperature={tempered!r}) declares a cache already "
+            "divided by that temperature, from which the teacher CE cannot be formed; pass teacher_ce_weight=0.0, "
+            "or pass the raw logits without logits_temperature (the KL then divides them by kl_teacher_temperature)"
+        )
+    return weight
 
 
 @dataclass(frozen=True)
@@ -38,6 +70,62 @@ class LossPlan:
     teacher_kind: str  # "tied", "separate", "precomputed_logits" or "precomputed_hidden"
     teacher_role: str
     config: KernelConfig
+
+    @staticmethod
+    def build(options: LossOptions, teacher: TeacherSource, vocab_size: int) -> LossPlan:
+        """The plan of a :func:`orda_tp.distillation_loss` call (docs/variants.md §2)."""
+        divergence = options.divergence
+        if divergence.cotrains_teacher and not teacher.trainable:
+            raise ValueError(
+                f"kl_divergence={divergence.name!r} trains the teacher and needs a TiedTeacher or SeparateTeacher; "
+                "got a PrecomputedTeacher (use a teacher-detached variant such as 'jeffreys')"
+            )
+        teacher_ce_weight = _teacher_ce_weight(options, teacher)
+        if divergence.cotrains_teacher and options.kl_weight > 0:
+            role = "cotrained"
+        elif teacher_ce_weight > 0:
+            role = "trained"
+        else:
+            role = "frozen"
+        weights = (
+            f"teacher_ce_weight={teacher_ce_weight}, kl_weight={options.kl_weight}, kl_divergence={divergence.name!r}"
+        )
+        teacher.check_role(role, weights)
+        return LossPlan(
+            student_ce_weight=options.student_ce_weight,
+            teacher_ce_weight=teacher_ce_weight,
+            kl_weight=options.kl_weight,
+            student_temperature=options.kl_temperature,
+            teacher_temperature=_teacher_temperature(options, teacher),
+            divergence=divergence,
+            params=with_vocabulary(divergence, options.params, vocab_size),
+            reduction=options.reduction,
+            ignore_index=options.ignore_index,
+            teacher_kind=teacher.kind,
+            teacher_role=role,
+            config=options.kernel_config,
+        )
+
+    @staticmethod
+    def for_logits(
+        options: LogitsOptions, student_ce_weight: float, reduction: str, teacher_kind: str, vocab_size: int
+    ) -> LossPlan:
+        """``loss = w_s·CE(s) + T²·D(p, q)`` with ``p = softmax(s/T)``, ``q = softmax(t/T)`` on given
+        logits: the teacher is frozen (no gradient reaches its logits, whatever the variant)."""
+        return LossPlan(
+            student_ce_weight=student_ce_weight,
+            teacher_ce_weight=0.0,
+            kl_weight=1.0,
+            student_temperature=options.temperature,
+            teacher_temperature=options.temperature,
+            divergence=options.divergence,
+            params=with_vocabulary(options.divergence, options.params, vocab_size),
+            reduction=reduction,
+            ignore_index=options.ignore_index,
+            teacher_kind=teacher_kind,
+            teacher_role="frozen",
+            config=options.config,
+        )
 
     @property
     def computes_kl(self) -> bool:

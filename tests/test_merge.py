@@ -19,13 +19,14 @@ from orda_tp.backends.chunk_grads import block_logit_grads
 from orda_tp.backends.chunk_stats import chunk_row_stats, grad_row_constants
 from orda_tp.backends.reference import reference_loss
 from orda_tp.exchange import LocalExchange
+from orda_tp.options import LossOptions
+from orda_tp.plan import LossPlan
 from orda_tp.records import (
     PartitionRecord,
     block_partition_record,
     merge_partition_records,
     merge_stacked_partition_records,
 )
-from orda_tp.validation import build_plan, resolve_options
 
 from .cases import COTRAINED, VARIANT_KWARGS, relative_error
 
@@ -33,7 +34,7 @@ BOUNDARIES = [0, 5, 6, 50, 51, 120, 203]  # blocks of 5, 1, 44, 1, 69 and 83 col
 
 
 def make_plan(variant: str, vocab: int, teacher: TiedTeacher):
-    options = resolve_options(
+    options = LossOptions(
         student_ce_weight=0.6,
         teacher_ce_weight=0.3,
         kl_weight=1.2,
@@ -42,14 +43,10 @@ def make_plan(variant: str, vocab: int, teacher: TiedTeacher):
         kl_divergence=variant,
         ignore_index=-100,
         reduction="sum",
-        profile="balanced",
         backend="torch",
-        config=None,
-        gradient_materialization_scale=None,
-        grad_scaler=None,
         **{key: VARIANT_KWARGS[variant].get(key) for key in ("kl_alpha", "kl_beta", "entropy_gate")},
     )
-    return build_plan(options, teacher, vocab)
+    return LossPlan.build(options, teacher, vocab)
 
 
 @pytest.mark.parametrize("variant", KL_VARIANTS)

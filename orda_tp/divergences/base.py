@@ -25,19 +25,46 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import EntropyGate
 from .expr import Expr, equal, evaluate, expm1, greater, logical_and, where
 
 __all__ = [
     "BlockTerms",
     "Divergence",
     "DivergenceParams",
+    "EntropyGate",
     "Finalized",
     "RowTargets",
     "power_gap",
     "xlogratio",
     "zero_where_both_zero",
 ]
+
+
+@dataclass(frozen=True)
+class EntropyGate:
+    """Teacher-entropy gate of ``entropy_adaptive``.
+
+    ``γ = alpha_min + (alpha_max − alpha_min) · σ((H(q)/log V − tau) / scale)``: a confident
+    teacher (low normalized entropy) leans on the reverse KL, an uncertain one on the forward KL.
+    """
+
+    alpha_min: float = 0.0
+    alpha_max: float = 1.0
+    tau: float = 0.5
+    scale: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_min", "alpha_max", "tau", "scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+                raise ValueError(f"EntropyGate.{name} must be a finite real number, got {value!r}")
+        if not 0.0 <= self.alpha_min <= self.alpha_max <= 1.0:
+            raise ValueError(
+                "EntropyGate needs 0 <= alpha_min <= alpha_max <= 1, got "
+                f"alpha_min={self.alpha_min!r}, alpha_max={self.alpha_max!r}"
+            )
+        if not self.scale > 0:
+            raise ValueError(f"EntropyGate.scale must be > 0, got {self.scale!r}")
 
 
 @dataclass(frozen=True)

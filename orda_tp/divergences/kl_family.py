@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import EntropyGate
-from .base import Divergence, DivergenceParams, Finalized, RowTargets, xlogratio
+from .base import Divergence, DivergenceParams, EntropyGate, Finalized, RowTargets, xlogratio
 from .expr import LOGP, LOGQ, Expr, P, Q, equal, row, where
 
 FORWARD_TERMS = xlogratio(Q, LOGQ, LOGP)

@@ -15,10 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..arguments import check_count, check_flag
 from ..backends.head import statistics_dtype
+from ..checks import check_floating, check_label_range, check_labels, check_matrix, check_same_device
 from ..config import KernelConfig
-from ..validation import check_floating, check_label_range, check_labels, check_matrix, check_same_device
-from .inputs import (
+from ..options import LogitsOptions
+from ..plan import LossPlan
+from .logits_shards import (
     ShardShape,
     agree_vocabulary,
     local_companion,
@@ -26,7 +29,6 @@ from .inputs import (
     local_student,
     logits_group,
 )
-from .options import check_count, check_flag, logits_plan, resolve_logits_options
 from .row_walk import HeadLogits, StoredLogits, build_problem, row_statistics
 
 __all__ = ["flash_ce_kd_loss"]
@@ -88,7 +90,7 @@ def flash_ce_kd_loss(
     columns (``Shard(-1)`` / ``Shard(0)``), ``teacher_hidden`` and ``labels`` every row; every rank
     returns the single-device scores. Forward only: no gradient is formed.
     """
-    options = resolve_logits_options(
+    options = LogitsOptions.resolve(
         temperature=temperature,
         kl_divergence="forward",
         kl_alpha=None,
@@ -120,7 +122,7 @@ def flash_ce_kd_loss(
     layout = agree_vocabulary(group, shard, failure)
     assert local is not None and shard is not None
     student, hidden, weight = local
-    plan = logits_plan(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
+    plan = LossPlan.for_logits(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
     valid = shard.labels != options.ignore_index
     if options.config.runs_host_checks(shard.labels.device.type == "cpu"):
         check_label_range(shard.labels, layout.vocab_size, options.ignore_index)

@@ -14,12 +14,15 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
+from ..arguments import check_count, check_flag
 from ..backends.head import statistics_dtype
-from ..config import EntropyGate, KernelConfig
-from ..validation import check_floating, check_label_range, check_labels, check_same_device
+from ..checks import check_floating, check_label_range, check_labels, check_same_device
+from ..config import KernelConfig
+from ..divergences import EntropyGate
+from ..options import LogitsOptions
+from ..plan import LossPlan
 from .function import logits_distillation
-from .inputs import ShardShape, agree_vocabulary, local_logits, logits_group
-from .options import LogitsOptions, check_count, check_flag, logits_plan, resolve_logits_options
+from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_group
 from .row_walk import build_problem
 
 __all__ = ["KDLoss"]
@@ -87,7 +90,7 @@ def _kd_loss(
         failure = error  # every rank of the group raises it after the handshake
     layout = agree_vocabulary(group, shard, failure)
     assert shard is not None  # set last: this rank's checks passed
-    plan = logits_plan(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
+    plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
     flat_labels = shard.labels
     valid = flat_labels != options.ignore_index
     if options.divergence.needs_target:
@@ -150,7 +153,7 @@ class KDLoss(nn.Module):
     ) -> None:
         super().__init__()
         self._fp32_upcast = check_flag("fp32_upcast", fp32_upcast)
-        self.options = resolve_logits_options(
+        self.options = LogitsOptions.resolve(
             temperature=temperature,
             kl_divergence=kl_divergence,
             kl_alpha=kl_alpha,

@@ -29,10 +29,10 @@ from ..backends.chunk_stats import RowStats, chunk_row_stats, grad_row_constants
 from ..backends.gemm import logits_mm
 from ..backends.head import column_blocks, stored_logits_block
 from ..exchange import LocalExchange, RecordExchange
+from ..options import LogitsOptions
 from ..parallel.layout import VocabLayout
 from ..parallel.shard_exchange import ShardExchange
 from ..plan import LossPlan
-from .options import LogitsOptions
 
 __all__ = [
     "HeadLogits",

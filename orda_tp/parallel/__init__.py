@@ -1,4 +1,4 @@
-"""Tensor-parallel layer (vocabulary-sharded heads): group and vocab-range resolution, record
-exchange across ranks, sequence-parallel gather/reduce-scatter. Reserved for the next release;
-the single-device code already routes every statistics merge through
-:class:`orda_tp.exchange.RecordExchange`, the seam this layer plugs into."""
+"""Tensor parallelism over vocabulary shards: the layout handshake (who owns which columns),
+DTensor and FSDP2 inputs, the record exchange across ranks (one packed collective per statistics
+round), sequence-parallel row gathers and gradient reduce-scatters, and the ``VocabParallel``
+style."""

@@ -7,16 +7,16 @@ one device and the layout covers the whole head (minus padding past ``vocab_size
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import Tensor
 
-from ..teachers import PrecomputedTeacher, SeparateTeacher, Teacher, TiedTeacher
+from ..teachers import TeacherSource
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
 from .layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
 
-__all__ = ["LocalInputs", "agree_layout", "check_group", "localize", "same_ranks", "tp_group_of"]
+__all__ = ["DTensorShards", "LocalInputs", "agree_layout", "localize", "same_ranks", "tp_group_of"]
 
 
 @dataclass(frozen=True)
@@ -26,73 +26,62 @@ class LocalInputs:
     student_hidden: Tensor
     weight: Tensor
     labels: Tensor
-    teacher: Teacher
+    teacher: TeacherSource
     group: dist.ProcessGroup | None
     vocab_range: tuple[int, int] | None
     sequence_parallel: bool
-
-
-def check_group(group: object) -> dist.ProcessGroup | None:
-    if group is None:
-        return None
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    return group
 
 
 def same_ranks(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
-def _local_teacher(teacher: Teacher, axis: MeshAxis, hidden_sharded: bool) -> Teacher:
-    def hidden(tensor: Tensor, name: str) -> Tensor:
+@dataclass(frozen=True)
+class DTensorShards:
+    """The :class:`orda_tp.teachers.ShardReader` of a call whose student weight is a DTensor
+    sharded along ``axis``: DTensor teacher tensors become this rank's shards, plain ones pass."""
+
+    axis: MeshAxis
+    hidden_sharded: bool  # whether the student's hidden states are Shard(0) (sequence parallel)
+
+    def hidden(self, tensor: Tensor, name: str) -> Tensor:
         if not is_dtensor(tensor):
             return tensor
-        local, sharded = local_shard(tensor, axis, name, (0,))
-        if sharded != hidden_sharded:
+        local, sharded = local_shard(tensor, self.axis, name, (0,))
+        if sharded != self.hidden_sharded:
             raise ValueError(
                 f"{name} and student_hidden must both be Shard(0) or both Replicate on the tp mesh dimension"
             )
         return local
 
-    def head(tensor: Tensor, name: str) -> Tensor:
+    def head(self, tensor: Tensor, name: str) -> Tensor:
         if not is_dtensor(tensor):
             return tensor
-        if shard_axis(tensor, name).dim != axis.dim:
+        if shard_axis(tensor, name).dim != self.axis.dim:
             raise ValueError(f"{name} must be sharded on the same mesh dimension as the student's weight")
         return tensor.to_local()
 
-    if isinstance(teacher, TiedTeacher):
-        return TiedTeacher(hidden(teacher.hidden, "teacher.hidden"), teacher.mode)
-    if isinstance(teacher, SeparateTeacher):
-        return SeparateTeacher(hidden(teacher.hidden, "teacher.hidden"), head(teacher.weight, "teacher.weight"))
-    if teacher.logits is not None:
-        logits = teacher.logits
-        if is_dtensor(logits):
-            logits, sharded = local_shard(logits, axis, "teacher.logits", (1, -1))
-            if not sharded:  # replicated cache: keep this rank's columns
-                start, stop = chunk_range(logits.shape[1], axis.size, axis.coordinate)
-                logits = logits[:, start:stop]
-        return replace(teacher, logits=logits)
-    assert teacher.teacher_hidden is not None and teacher.teacher_weight is not None
-    return replace(
-        teacher,
-        teacher_hidden=hidden(teacher.teacher_hidden, "teacher.teacher_hidden"),
-        teacher_weight=head(teacher.teacher_weight, "teacher.teacher_weight"),
-    )
+    def logits(self, tensor: Tensor, name: str) -> Tensor:
+        if not is_dtensor(tensor):
+            return tensor
+        local, sharded = local_shard(tensor, self.axis, name, (1, -1))
+        if sharded:
+            return local
+        start, stop = chunk_range(local.shape[1], self.axis.size, self.axis.coordinate)
+        return local[:, start:stop]  # replicated cache: keep this rank's columns
 
 
 def localize(
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    teacher: Teacher,
-    tp_group: object,
+    teacher: TeacherSource,
+    group: dist.ProcessGroup | None,
     vocab_range: tuple[int, int] | None,
     sequence_parallel: bool | None,
 ) -> LocalInputs:
-    """Local shards of DTensor inputs (plain tensors pass through) and the tp setting."""
-    group = check_group(tp_group)
+    """Local shards of DTensor inputs (plain tensors pass through) and the tp setting
+    (``group``: the checked ``tp_group``)."""
     if not is_dtensor(weight):
         others = [("student_hidden", student_hidden), ("labels", labels)] + [
             (f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()
@@ -132,22 +121,11 @@ def localize(
         student_hidden=hidden,
         weight=weight.to_local(),
         labels=local_labels,
-        teacher=_local_teacher(teacher, axis, sharded),
+        teacher=teacher.localized(DTensorShards(axis, sharded)),
         group=axis.group,
         vocab_range=derived_range,
         sequence_parallel=sharded,
     )
-
-
-def _teacher_columns(teacher: Teacher) -> int:
-    if isinstance(teacher, SeparateTeacher):
-        return teacher.weight.shape[0]
-    if isinstance(teacher, PrecomputedTeacher):
-        if teacher.logits is not None:
-            return teacher.logits.shape[1]
-        assert teacher.teacher_weight is not None  # a cache holds logits, or hidden states and a head
-        return teacher.teacher_weight.shape[0]
-    return -1
 
 
 def agree_layout(
@@ -166,9 +144,10 @@ def agree_layout(
     if inputs is None:
         return resolve_layout(group, ShardClaim(failed=1), None, None, problem)
     start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
+    teacher_columns = inputs.teacher.vocab_columns()
     claim = ShardClaim(
         local_columns=inputs.weight.shape[0],
-        teacher_columns=_teacher_columns(inputs.teacher),
+        teacher_columns=-1 if teacher_columns is None else teacher_columns,
         range_start=start,
         range_stop=stop,
         vocab_size=-1 if vocab_size is None else vocab_size,
@@ -179,10 +158,10 @@ def agree_layout(
     return resolve_layout(group, claim, inputs.labels, HeadShard("weight", inputs.weight, 0), problem)
 
 
-def tp_group_of(weight: object, tp_group: object) -> dist.ProcessGroup | None:
-    """The call's tensor-parallel group: ``tp_group``, or the mesh group a DTensor weight is
-    sharded over (placements are the same on every rank, so every rank decides alike)."""
-    group = check_group(tp_group)
+def tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The call's tensor-parallel group: ``group`` (the checked ``tp_group``), or the mesh group a
+    DTensor weight is sharded over (placements are the same on every rank, so every rank decides
+    alike)."""
     if group is None and is_dtensor(weight):
         return shard_axis(weight, "weight").group
     return group

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch import Tensor
 
+from ..options import check_group
 from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, placement_text, shard_axis
-from ..parallel.inputs import check_group, same_ranks
 from ..parallel.layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
+from ..parallel.local_shards import same_ranks
 
 try:
     from torch.distributed.tensor import Replicate, Shard

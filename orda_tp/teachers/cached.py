@@ -1,90 +1,25 @@
-"""Teacher descriptors: where the teacher's logits come from.
-
-- :class:`TiedTeacher`: the teacher shares the student's head, ``t = h_t Wᵀ``.
-- :class:`SeparateTeacher`: the teacher has its own head, ``t = h_t W_tᵀ``.
-- :class:`PrecomputedTeacher`: cached teacher outputs (logits, or hidden + head); never trained.
-- :class:`TeacherHead`: a separate teacher given by its LM-head module rather than its weight
-  (the call reads the weight as the module's forward would, gathering an FSDP2-sharded one).
-"""
+"""Cached teacher outputs: :class:`PrecomputedTeacher` (logits, or hidden states and a head)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
-from torch import nn
+from torch import Tensor
 
-from .parallel.dtensor import is_dtensor
+from ..checks import check_shape
+from ..parallel.dtensor import is_dtensor
+from .source import ShardReader, TeacherSource, ValueCheck, check_tensor, columns
 
-__all__ = ["TiedTeacher", "SeparateTeacher", "PrecomputedTeacher", "TeacherHead", "Teacher", "TEACHER_MODES"]
-
-TEACHER_MODES = ("trained", "frozen", "cotrained")
-
-
-def _check_tensor(value: object, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
-    if value.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
-    return value
-
-
-@dataclass(frozen=True)
-class TiedTeacher:
-    """Teacher hidden states ``hidden`` (BT, H) read through the student's own head ``weight``.
-
-    ``mode`` ("trained", "frozen", "cotrained") optionally asserts the role that the loss weights
-    imply; a mismatch raises instead of changing the routing.
-    """
-
-    hidden: torch.Tensor
-    mode: str | None = None
-
-    def __post_init__(self) -> None:
-        _check_tensor(self.hidden, "TiedTeacher.hidden")
-        if self.mode is not None and self.mode not in TEACHER_MODES:
-            raise ValueError(f"TiedTeacher.mode must be one of {TEACHER_MODES} or None, got {self.mode!r}")
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [("hidden", self.hidden)]
-
-    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(hidden, head weight, logits)``: the head is the student's own (None)."""
-        return self.hidden, None, None
-
-
-@dataclass(frozen=True)
-class SeparateTeacher:
-    """Teacher with its own hidden states ``hidden`` (BT, D_t) and head ``weight`` (V, D_t)."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-
-    def __post_init__(self) -> None:
-        _check_tensor(self.hidden, "SeparateTeacher.hidden")
-        _check_tensor(self.weight, "SeparateTeacher.weight")
-        if self.hidden.shape[1] != self.weight.shape[1]:
-            raise ValueError(
-                "SeparateTeacher.hidden and SeparateTeacher.weight must share their last dimension, got "
-                f"hidden {tuple(self.hidden.shape)} and weight {tuple(self.weight.shape)}"
-            )
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [("hidden", self.hidden), ("weight", self.weight)]
-
-    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(hidden, head weight, logits)``."""
-        return self.hidden, self.weight, None
-
+__all__ = ["CACHE_DTYPES", "PrecomputedTeacher"]
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
-class PrecomputedTeacher:
+class PrecomputedTeacher(TeacherSource):
     """Cached teacher outputs: ``logits`` (BT, V), or ``teacher_hidden`` (BT, D_t) with
     ``teacher_weight`` (V, D_t) whose product is formed chunk by chunk.
 
@@ -123,7 +58,7 @@ class PrecomputedTeacher:
         if has_hidden and (self.teacher_hidden is None or self.teacher_weight is None):
             raise ValueError("PrecomputedTeacher needs teacher_hidden and teacher_weight together, got only one")
         for name, tensor in self.named_tensors():
-            _check_tensor(tensor, f"PrecomputedTeacher.{name}")
+            check_tensor(tensor, f"PrecomputedTeacher.{name}")
             if tensor.requires_grad:
                 raise ValueError(
                     f"PrecomputedTeacher.{name} must not require grad (no gradient reaches a cached "
@@ -161,12 +96,65 @@ class PrecomputedTeacher:
         names = ("logits", "teacher_hidden", "teacher_weight")
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
 
+    trainable: ClassVar[bool] = False
+
+    @property
+    def kind(self) -> str:
+        return "precomputed_logits" if self.logits is not None else "precomputed_hidden"
+
+    @property
+    def cache_temperature(self) -> float | None:
+        return self.logits_temperature
+
     def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(hidden, head weight, logits)``: either the cached logits or the cached hidden and head
-        (a trusted inference tensor as an ordinary tensor over the same memory, see
-        :func:`_savable`)."""
+        """Either the cached logits or the cached hidden and head (a trusted inference tensor as an
+        ordinary tensor over the same memory, see :func:`_savable`)."""
         hidden, weight, logits = self.teacher_hidden, self.teacher_weight, self.logits
         return _savable(hidden), _savable(weight), _savable(logits)
+
+    def check_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> None:
+        if self.logits is not None:
+            expected = (label_rows, columns(self.logits, 1, vocab))
+            check_shape("teacher.logits", self.logits, expected, "one row per label × the student's vocab size")
+            return
+        assert self.teacher_hidden is not None and self.teacher_weight is not None
+        depth = self.teacher_hidden.shape[1]
+        meaning = "one row per row of student_hidden"
+        check_shape("teacher.teacher_hidden", self.teacher_hidden, (rows, depth), meaning)
+        expected = (columns(self.teacher_weight, 0, vocab), depth)
+        check_shape("teacher.teacher_weight", self.teacher_weight, expected, "the student's vocab size")
+
+    def localized(self, reader: ShardReader) -> PrecomputedTeacher:
+        if self.logits is not None:
+            return replace(self, logits=reader.logits(self.logits, "teacher.logits"))
+        assert self.teacher_hidden is not None and self.teacher_weight is not None
+        return replace(
+            self,
+            teacher_hidden=reader.hidden(self.teacher_hidden, "teacher.teacher_hidden"),
+            teacher_weight=reader.head(self.teacher_weight, "teacher.teacher_weight"),
+        )
+
+    def vocab_columns(self) -> int | None:
+        tensor = self.logits if self.logits is not None else self.teacher_weight
+        assert tensor is not None
+        return tensor.shape[1 if self.logits is not None else 0]
+
+    def checked_values(self, real_columns: int) -> list[ValueCheck]:
+        if self.logits is not None:
+            return [ValueCheck("teacher.logits", self.logits[:, :real_columns], True)]
+        return [ValueCheck(f"teacher.{name}", tensor, False) for name, tensor in self.named_tensors()]
+
+    def trained_tensors(self) -> list[tuple[str, Tensor]]:
+        return []
+
+    def check_shardable(self) -> None:
+        if self._rows_shifted_locally:
+            raise ValueError(
+                "PrecomputedTeacher.prepare_logits shifted each row of this rank's teacher.logits shard by the "
+                "shard's own maximum, a shift that differs between the vocabulary shards and so changes the "
+                "teacher's distribution; on a tensor-parallel group cast the shard itself (PrecomputedTeacher("
+                "logits=shard.to(dtype))), or call prepare_logits on a DTensor of the logits (its rows are whole)"
+            )
 
     def modified_tensor(self) -> tuple[str, int, int] | None:
         """``(name, recorded version, current version)`` of a tensor modified in place since
@@ -252,33 +240,3 @@ def _shift_rows_and_cast(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     shifted = logits - torch.where(torch.isneginf(top), 0.0, top)
     lowest = torch.finfo(dtype).min
     return torch.where(finite, shifted.clamp_min(lowest), shifted).to(dtype)
-
-
-@dataclass(frozen=True)
-class TeacherHead:
-    """A separate teacher read through its own LM-head module: hidden states ``hidden`` (BT, D_t)
-    and ``head``, a module whose ``weight`` is (V, D_t) (``nn.Linear(D_t, V, bias=False)``, an
-    :class:`orda_tp.DistillationHead`, possibly under ``fully_shard`` or tensor-parallel).
-
-    The loss is that of ``SeparateTeacher(hidden, head.weight)``, with the weight read as the
-    head's forward would read it: when FSDP2 holds it sharded over data parallelism (outside its
-    module's forward) it is gathered for the call and released afterwards. Such a gathered weight
-    sends no gradient back to FSDP's shards, so it must not require grad (a frozen teacher).
-    """
-
-    hidden: torch.Tensor
-    head: nn.Module
-
-    def __post_init__(self) -> None:
-        _check_tensor(self.hidden, "TeacherHead.hidden")
-        if not isinstance(self.head, nn.Module):
-            raise TypeError(f"TeacherHead.head must be an nn.Module with a weight, got {type(self.head).__name__}")
-        weight = getattr(self.head, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise TypeError(
-                f"TeacherHead.head must have a 2-D weight (vocab × hidden), got {type(self.head).__name__} "
-                f"with weight {None if weight is None else tuple(weight.shape)}"
-            )
-
-
-Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher

@@ -1,0 +1,134 @@
+"""Checks of a call's tensors: types, shapes, devices (no host read) and values (a host read).
+
+Every bad input raises a ValueError/TypeError that names the argument, what was expected and what
+was received. Nothing is clamped or reinterpreted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .teachers import TeacherSource
+
+__all__ = [
+    "check_finite",
+    "check_floating",
+    "check_inputs",
+    "check_label_range",
+    "check_labels",
+    "check_matrix",
+    "check_same_device",
+    "check_shape",
+    "first_non_finite",
+]
+
+
+def check_floating(name: str, value: object, shape: str = "") -> Tensor:
+    """A floating-point tensor; ``shape`` (e.g. "[..., vocab]") describes it in the message."""
+    if not isinstance(value, Tensor):
+        described = f" of shape {shape}" if shape else ""
+        raise TypeError(f"{name} must be a torch.Tensor{described}, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}"
+        )
+    return value
+
+
+def check_matrix(name: str, value: object, shape: str = "") -> Tensor:
+    """A 2-D floating-point tensor."""
+    value = check_floating(name, value, shape)
+    if value.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_labels(labels: object, shape: tuple[int, ...], meaning: str) -> Tensor:
+    """A ``torch.long`` tensor of ``shape`` (``meaning`` explains it in the message)."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype != torch.long:
+        raise TypeError(f"labels must have dtype torch.long (int64), got {labels.dtype}")
+    check_shape("labels", labels, shape, meaning)
+    return labels
+
+
+def check_same_device(owner: str, device: torch.device, named: list[tuple[str, Tensor]]) -> None:
+    """Every named tensor lies on ``owner``'s ``device``."""
+    for name, tensor in named:
+        if tensor.device != device:
+            raise ValueError(f"{name} must be on {owner}'s device {device}, got {tensor.device}")
+
+
+def check_shape(name: str, tensor: Tensor, expected: tuple[int, ...], meaning: str) -> None:
+    """``tensor`` has shape ``expected`` (``meaning`` explains it in the message)."""
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected} ({meaning}), got {tuple(tensor.shape)}")
+
+
+def check_inputs(
+    student_hidden: object,
+    weight: object,
+    labels: object,
+    teacher: TeacherSource,
+    *,
+    sharded: bool = False,
+    row_shards: int = 1,
+) -> None:
+    """Types, shapes and devices of the tensors of a call (no host synchronization).
+
+    ``sharded``: the heads are vocabulary shards, whose column counts the tensor-parallel layout
+    checks across ranks (so that every rank raises the same error). ``row_shards``: under
+    sequence parallelism the hidden states hold ``labels.shape[0] / row_shards`` rows.
+    """
+    hidden = check_matrix("student_hidden", student_hidden)
+    head = check_matrix("weight", weight)
+    rows, width = hidden.shape
+    check_shape("weight", head, (head.shape[0], width), "vocab × hidden, matching student_hidden's hidden size")
+    label_rows = rows * row_shards
+    meaning = "one label per row of student_hidden" + (f" on each of {row_shards} ranks" if row_shards > 1 else "")
+    labels = check_labels(labels, (label_rows,), meaning)
+    teacher.check_shapes(rows, width, label_rows, None if sharded else head.shape[0])
+    named = [(f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()]
+    check_same_device("student_hidden", hidden.device, [("weight", head), ("labels", labels), *named])
+
+
+def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Every label is ``ignore_index`` or in ``[0, vocab_size)`` (synchronizes with the device)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"labels must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+            f"labels[{row}] = {int(labels[row])} ({int(bad.sum())} such rows)"
+        )
+
+
+def non_finite_mask(tensor: Tensor, *, allow_neg_inf: bool = False) -> Tensor:
+    """Where ``tensor`` holds NaN or +inf (or −inf, unless allowed)."""
+    bad = torch.isnan(tensor) | (tensor == float("inf"))
+    if not allow_neg_inf:
+        bad |= tensor == float("-inf")
+    return bad
+
+
+def first_non_finite(tensor: Tensor, *, allow_neg_inf: bool = False) -> tuple[int, ...] | None:
+    """Index of the first NaN/+inf (and −inf unless allowed) value, or None (synchronizes)."""
+    bad = non_finite_mask(tensor, allow_neg_inf=allow_neg_inf)
+    return tuple(bad.nonzero()[0].tolist()) if bool(bad.any()) else None
+
+
+def check_finite(name: str, tensor: Tensor, *, allow_neg_inf: bool = False) -> None:
+    """Raise if ``tensor`` holds NaN or +inf (and −inf unless allowed); names the first bad row."""
+    index = first_non_finite(tensor, allow_neg_inf=allow_neg_inf)
+    if index is not None:
+        count = int(non_finite_mask(tensor, allow_neg_inf=allow_neg_inf).sum())
+        allowed = "finite or -inf" if allow_neg_inf else "finite"
+        raise ValueError(
+            f"{name} must be {allowed}; row {index[0]} holds {tensor[index].item()} at index {list(index)} "
+            f"({count} such values)"
+        )
