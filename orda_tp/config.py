@@ -13,12 +13,13 @@ and ignored with an ``IgnoredArgumentWarning``); :func:`reset_autotune_cache` an
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from numbers import Integral
 from typing import Any
 
 from .arguments import IgnoredArgumentWarning, caller_stacklevel
+from .chunk_size import ChunkSize
 from .divergences.base import EntropyGate
 
 __all__ = [
@@ -28,10 +29,10 @@ __all__ = [
     "LOSS_OVERRIDES",
     "PROFILES",
     "RowLayout",
-    "apply_loss_overrides",
     "begin_autotune_run",
     "reset_autotune_cache",
     "resolve_config",
+    "spelled",
 ]
 
 
@@ -59,95 +60,6 @@ FAST_FACTOR = 4
 CHUNKS_PER_GROUP = 3
 GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
 MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
-
-
-@dataclass(frozen=True)
-class ChunkSize:
-    """How many rows (tokens) one chunk of the loss processes at a time.
-
-    - ``nrows``: a fixed row count per chunk (``None``: from the workspace, see
-      :class:`KernelConfig`).
-    - ``dynamic``: when True, a given ``nrows`` is lowered where one chunk's workspace would exceed
-      an explicit ``KernelConfig.workspace_mib``; when False it is used as is.
-    - ``fast``: trade memory for speed: four times the workspace and the minimum rows (fewer,
-      larger GEMMs and launches).
-
-    orda-kernel's constructors share these names; on the class they construct (on an instance the
-    names read the fields):
-
-    - ``ChunkSize.nrows(n)``: exactly ``n`` rows per chunk, ``ChunkSize(nrows=n, dynamic=False)``;
-    - ``ChunkSize.dynamic()``: rows from the workspace, ``ChunkSize()``;
-    - ``ChunkSize.fast()``: ``ChunkSize(fast=True)``.
-    """
-
-    nrows: int | None = None
-    dynamic: bool = True
-    fast: bool = False
-
-    def __post_init__(self) -> None:
-        _require_flags(self, "dynamic", "fast")
-        if self.nrows is not None:
-            _require(
-                isinstance(self.nrows, int) and not isinstance(self.nrows, bool) and self.nrows > 0,
-                f"ChunkSize.nrows must be a positive int or None, got {self.nrows!r}",
-            )
-
-    # orda-kernel's read-only properties.
-    @property
-    def is_dynamic(self) -> bool:
-        """orda-kernel's reading: the rows per chunk are chosen for the call (no ``nrows``, not
-        ``fast``). Not the ``dynamic`` field, which only matters with an ``nrows``."""
-        return self.nrows is None and not self.fast
-
-    @property
-    def is_fast(self) -> bool:
-        """orda-kernel's reading of ``fast``."""
-        return self.fast
-
-    @property
-    def value(self) -> int:
-        """orda-kernel's reading: the fixed ``nrows`` (``TypeError`` when there is none)."""
-        if self.nrows is None:
-            raise TypeError(f"{self!r} has no nrows value")
-        return self.nrows
-
-
-class _ClassConstructor:
-    """A :class:`ChunkSize` field name that is also an orda-kernel constructor: read on the class
-    it is the constructor (``ChunkSize.nrows(512)``); an instance keeps its fields in its
-    ``__dict__``, which a descriptor without ``__set__`` does not shadow
-    (``ChunkSize(nrows=512).nrows == 512``)."""
-
-    def __init__(self, build: Callable[..., ChunkSize]) -> None:
-        self.build = build
-        self.__doc__ = build.__doc__
-
-    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., ChunkSize]:
-        return self.build
-
-
-def _exact_rows(n: int) -> ChunkSize:
-    """``ChunkSize.nrows(n)``: exactly ``n`` rows per chunk (at most the call's rows), never
-    lowered to fit a workspace: ``ChunkSize(nrows=n, dynamic=False)``."""
-    return ChunkSize(nrows=n, dynamic=False)
-
-
-def _workspace_rows() -> ChunkSize:
-    """``ChunkSize.dynamic()``: rows per chunk from the workspace: ``ChunkSize()``."""
-    return ChunkSize()
-
-
-def _fast_rows() -> ChunkSize:
-    """``ChunkSize.fast()``: four times the workspace and the minimum rows: ``ChunkSize(fast=True)``."""
-    return ChunkSize(fast=True)
-
-
-# Installed after @dataclass, which would otherwise read them as the fields' default values. The
-# class attribute becomes a descriptor while the instances keep the fields' types, which mypy
-# cannot express: hence the ignores.
-ChunkSize.nrows = _ClassConstructor(_exact_rows)  # type: ignore[assignment]
-ChunkSize.dynamic = _ClassConstructor(_workspace_rows)  # type: ignore[assignment]
-ChunkSize.fast = _ClassConstructor(_fast_rows)  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -373,7 +285,7 @@ PROFILES: dict[str, KernelConfig] = {
 }
 
 
-def _spelled(config: KernelConfig, names: Iterable[str]) -> str:
+def spelled(config: KernelConfig, names: Iterable[str]) -> str:
     return "KernelConfig(" + ", ".join(f"{name}={getattr(config, name)!r}" for name in names) + ")"
 
 
@@ -394,52 +306,18 @@ def resolve_config(profile: object, config: object) -> KernelConfig:
     overrides = config.loss_overrides()
     if overrides:
         raise ValueError(
-            f"{_spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
+            f"{spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
             f"pass {', '.join(overrides)} to the call instead"
         )
     ignored = config.ignored_fields()
     if ignored:
         for name, reason in ignored.items():
             warnings.warn(
-                f"{_spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
+                f"{spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
                 IgnoredArgumentWarning,
                 stacklevel=caller_stacklevel(),
             )
     return replace(config)
-
-
-def _same_value(a: object, b: object) -> bool:
-    """Equality of plain keyword values (numbers, strings, gates, None); anything else differs."""
-    plain = (type(None), int, float, str, EntropyGate)
-    return isinstance(a, plain) and isinstance(b, plain) and a == b
-
-
-def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, object]:
-    """The keywords of a :func:`distillation_loss` call (or :class:`DistillationLoss`
-    construction) with orda-kernel's precedence applied: a loss keyword that ``keywords["config"]``
-    sets (:data:`LOSS_OVERRIDES`) replaces the call's keyword of the same name, whatever the call
-    gave, and the returned ``config`` no longer carries it.
-
-    ``defaults``: the keywords' default values. A keyword the call gave (not its default) that the
-    config replaces by another value gives one ``IgnoredArgumentWarning``, attributed to the
-    caller's line. The values are checked afterwards, as the call's keywords.
-    """
-    merged = dict(keywords)
-    config = merged.get("config")
-    if not isinstance(config, KernelConfig) or not config.loss_overrides():
-        return merged
-    for name, value in config.loss_overrides().items():
-        given = merged[name]
-        if not _same_value(given, defaults[name]) and not _same_value(given, value):
-            warnings.warn(
-                f"{name}={given!r} is ignored: config={_spelled(config, [name])} overrides it (as in orda-kernel); "
-                f"leave {name} at its default ({defaults[name]!r}) to silence this warning",
-                IgnoredArgumentWarning,
-                stacklevel=caller_stacklevel(),
-            )
-        merged[name] = value
-    merged["config"] = config.without_loss_overrides()
-    return merged
 
 
 def reset_autotune_cache() -> None:

@@ -8,14 +8,24 @@ a call (the teacher's kind, the vocabulary) is resolved by :class:`orda_tp.plan.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, TypeGuard
 
 import torch.distributed as dist
 from torch import Tensor
 
-from .arguments import check_choice, check_ignore_index, check_loss_weight, check_temperature, is_int
-from .config import KernelConfig, apply_loss_overrides, resolve_config
+from .arguments import (
+    IgnoredArgumentWarning,
+    caller_stacklevel,
+    check_choice,
+    check_ignore_index,
+    check_loss_weight,
+    check_temperature,
+    is_int,
+)
+from .config import KernelConfig, resolve_config, spelled
 from .divergences import Divergence, DivergenceParams, EntropyGate, resolve_divergence
 
 __all__ = ["BACKENDS", "LOGITS_BACKENDS", "REDUCTIONS", "GradScalerLike", "LogitsOptions", "LossOptions"]
@@ -81,6 +91,40 @@ def check_group(group: object) -> dist.ProcessGroup | None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     return group
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Equality of plain keyword values (numbers, strings, gates, None); anything else differs."""
+    plain = (type(None), int, float, str, EntropyGate)
+    return isinstance(a, plain) and isinstance(b, plain) and a == b
+
+
+def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, object]:
+    """The keywords of a :func:`distillation_loss` call (or :class:`DistillationLoss`
+    construction) with orda-kernel's precedence applied: a loss keyword that ``keywords["config"]``
+    sets (:data:`LOSS_OVERRIDES`) replaces the call's keyword of the same name, whatever the call
+    gave, and the returned ``config`` no longer carries it.
+
+    ``defaults``: the keywords' default values. A keyword the call gave (not its default) that the
+    config replaces by another value gives one ``IgnoredArgumentWarning``, attributed to the
+    caller's line. The values are checked afterwards, as the call's keywords.
+    """
+    merged = dict(keywords)
+    config = merged.get("config")
+    if not isinstance(config, KernelConfig) or not config.loss_overrides():
+        return merged
+    for name, value in config.loss_overrides().items():
+        given = merged[name]
+        if not _same_value(given, defaults[name]) and not _same_value(given, value):
+            warnings.warn(
+                f"{name}={given!r} is ignored: config={spelled(config, [name])} overrides it (as in orda-kernel); "
+                f"leave {name} at its default ({defaults[name]!r}) to silence this warning",
+                IgnoredArgumentWarning,
+                stacklevel=caller_stacklevel(),
+            )
+        merged[name] = value
+    merged["config"] = config.without_loss_overrides()
+    return merged
 
 
 @dataclass(frozen=True)

@@ -220,3 +220,18 @@ def test_a_tempered_cache_with_teacher_ce_raises_on_every_rank() -> None:
             assert "pass teacher_ce_weight=0.0, or pass the raw logits without logits_temperature" in message
         assert loss == pytest.approx(single, rel=1e-12, abs=0), rank
     assert results[0] == results[1]
+
+
+def test_distillation_loss_keywords_are_the_options_fields() -> None:
+    """The public signature and LossOptions (which validates it) list the same keywords, with the
+    same defaults, so that neither can drift from the other."""
+    import dataclasses
+    import inspect
+
+    from orda_tp.options import LossOptions
+
+    signature = inspect.signature(distillation_loss).parameters.values()
+    keywords = {p.name: p.default for p in signature if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    del keywords["num_valid_tokens"]  # a property of the batch, not of the loss
+    fields = {f.name: f.default for f in dataclasses.fields(LossOptions) if f.init}
+    assert keywords == fields

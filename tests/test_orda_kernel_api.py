@@ -46,7 +46,8 @@ from orda_tp import (
     build_precomputed_span_teacher,
     distillation_loss,
 )
-from orda_tp.config import LOSS_OVERRIDES, apply_loss_overrides, resolve_config
+from orda_tp.config import LOSS_OVERRIDES, resolve_config
+from orda_tp.options import apply_loss_overrides
 
 from .distributed import run_distributed
 
