@@ -7,7 +7,7 @@ reads the plan and never re-derives routing or defaults.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import KernelConfig
 from .divergences import Divergence, DivergenceParams, with_vocabulary
@@ -55,7 +55,9 @@ class LossPlan:
 
     ``teacher_role`` follows docs/variants.md §2: "cotrained" when a co-training variant (mutual, cojeffreys)
     has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
-    ``families`` lists the distinct logit families whose log-partitions round 1 computes.
+    ``families`` lists the distinct logit families whose log-partitions round 1 computes;
+    ``logit_grad_weights = (w_s, w_kl·T_s, w_kl·T_s²/T_t)`` are the factors of the student's CE
+    gradient, of ``∂D/∂u`` in ``∂loss/∂s`` and of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale).
     """
 
     student_ce_weight: float
@@ -70,6 +72,52 @@ class LossPlan:
     teacher_kind: str  # "tied", "separate", "precomputed_logits" or "precomputed_hidden"
     teacher_role: str
     config: KernelConfig
+    # Derived once from the fields above (read at every chunk, so not recomputed there).
+    computes_kl: bool = field(init=False)
+    needs_teacher_logits: bool = field(init=False)
+    teacher_receives_grad: bool = field(init=False)  # never for a cache
+    kl_trains_teacher: bool = field(init=False)
+    teacher_ce_trains_teacher: bool = field(init=False)
+    student_receives_grad: bool = field(init=False)
+    logit_grad_weights: tuple[float, float, float] = field(init=False)
+    ce_student_family: LogitFamily = field(init=False)
+    ce_teacher_family: LogitFamily = field(init=False)
+    kl_student_family: LogitFamily = field(init=False)
+    kl_teacher_family: LogitFamily = field(init=False)
+    families: tuple[LogitFamily, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        computes_kl = self.kl_weight > 0 and self.divergence is not None
+        teacher_trains = not self.teacher_kind.startswith("precomputed") and (
+            self.teacher_role == "cotrained" or (self.teacher_role == "trained" and self.teacher_ce_weight > 0)
+        )
+        kl_student = self.kl_weight * self.student_temperature
+        families = {
+            "ce_student_family": LogitFamily("student", 1.0),
+            "ce_teacher_family": LogitFamily("teacher", 1.0),
+            "kl_student_family": LogitFamily("student", self.student_temperature),
+            "kl_teacher_family": LogitFamily("teacher", self.teacher_temperature),
+        }
+        wanted = [families["ce_student_family"]] if self.student_ce_weight > 0 else []
+        wanted += [families["ce_teacher_family"]] if self.teacher_ce_weight > 0 else []
+        wanted += [families["kl_student_family"], families["kl_teacher_family"]] if computes_kl else []
+        derived = {
+            "computes_kl": computes_kl,
+            "needs_teacher_logits": computes_kl or self.teacher_ce_weight > 0,
+            "teacher_receives_grad": teacher_trains,
+            "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
+            "teacher_ce_trains_teacher": teacher_trains and self.teacher_ce_weight > 0,
+            "student_receives_grad": self.student_ce_weight > 0 or computes_kl,
+            "logit_grad_weights": (
+                self.student_ce_weight,
+                kl_student,
+                kl_student * self.student_temperature / self.teacher_temperature,
+            ),
+            **families,
+            "families": tuple(dict.fromkeys(wanted)),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @staticmethod
     def build(options: LossOptions, teacher: TeacherSource, vocab_size: int) -> LossPlan:
@@ -126,64 +174,3 @@ class LossPlan:
             teacher_role="frozen",
             config=options.config,
         )
-
-    @property
-    def computes_kl(self) -> bool:
-        return self.kl_weight > 0 and self.divergence is not None
-
-    @property
-    def needs_teacher_logits(self) -> bool:
-        return self.computes_kl or self.teacher_ce_weight > 0
-
-    @property
-    def teacher_receives_grad(self) -> bool:
-        """Whether any gradient flows into the teacher's logits (never for a cache)."""
-        if self.teacher_kind.startswith("precomputed"):
-            return False
-        return self.teacher_role == "cotrained" or (self.teacher_role == "trained" and self.teacher_ce_weight > 0)
-
-    @property
-    def kl_trains_teacher(self) -> bool:
-        return self.teacher_role == "cotrained" and self.teacher_receives_grad
-
-    @property
-    def teacher_ce_trains_teacher(self) -> bool:
-        return self.teacher_receives_grad and self.teacher_ce_weight > 0
-
-    @property
-    def logit_grad_weights(self) -> tuple[float, float, float]:
-        """``(w_s, w_kl·T_s, w_kl·T_s²/T_t)``: the factors of the student's CE gradient, of
-        ``∂D/∂u`` in ``∂loss/∂s`` and of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale)."""
-        kl_student = self.kl_weight * self.student_temperature
-        return self.student_ce_weight, kl_student, kl_student * self.student_temperature / self.teacher_temperature
-
-    @property
-    def student_receives_grad(self) -> bool:
-        return self.student_ce_weight > 0 or self.computes_kl
-
-    @property
-    def ce_student_family(self) -> LogitFamily:
-        return LogitFamily("student", 1.0)
-
-    @property
-    def ce_teacher_family(self) -> LogitFamily:
-        return LogitFamily("teacher", 1.0)
-
-    @property
-    def kl_student_family(self) -> LogitFamily:
-        return LogitFamily("student", self.student_temperature)
-
-    @property
-    def kl_teacher_family(self) -> LogitFamily:
-        return LogitFamily("teacher", self.teacher_temperature)
-
-    @property
-    def families(self) -> tuple[LogitFamily, ...]:
-        wanted: list[LogitFamily] = []
-        if self.student_ce_weight > 0:
-            wanted.append(self.ce_student_family)
-        if self.teacher_ce_weight > 0:
-            wanted.append(self.ce_teacher_family)
-        if self.computes_kl:
-            wanted += [self.kl_student_family, self.kl_teacher_family]
-        return tuple(dict.fromkeys(wanted))
