@@ -10,7 +10,7 @@ logits the caller already holds.
 """
 
 from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
-from .arguments import IgnoredArgumentWarning
+from .checks import IgnoredArgumentWarning
 from .config import PROFILES, ChunkSize, KernelConfig, begin_autotune_run, reset_autotune_cache
 from .cross_vocab import (
     AlignedLikelihoodConfig,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .arguments import check_flag
+from .checks import check_flag
 
 __all__ = ["ChunkSize"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from numbers import Integral
 from typing import Any
 
-from .arguments import IgnoredArgumentWarning, caller_stacklevel
+from .checks import IgnoredArgumentWarning, caller_stacklevel
 from .chunk_size import ChunkSize
 from .divergences.base import EntropyGate
 

@@ -11,22 +11,21 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Protocol, TypeGuard
+from typing import Literal, Protocol, TypeGuard
 
 import torch.distributed as dist
 from torch import Tensor
 
-from .arguments import (
+from .checks import (
     IgnoredArgumentWarning,
     caller_stacklevel,
     check_choice,
     check_ignore_index,
-    check_loss_weight,
-    check_temperature,
+    check_number,
     is_int,
 )
 from .config import KernelConfig, resolve_config, spelled
-from .divergences import Divergence, DivergenceParams, EntropyGate, resolve_divergence
+from .divergences import DIVERGENCES, KL_VARIANTS, Divergence, DivergenceParams, EntropyGate
 
 __all__ = ["BACKENDS", "LOGITS_BACKENDS", "REDUCTIONS", "GradScalerLike", "LogitsOptions", "LossOptions"]
 
@@ -34,6 +33,53 @@ BACKENDS = ("auto", "triton", "torch", "reference")
 #: The logits-level losses read logits; "reference" builds them from hidden states.
 LOGITS_BACKENDS = ("auto", "torch", "triton")
 REDUCTIONS = ("mean", "sum", "none")
+
+
+VARIANT_PARAMETERS = ("kl_alpha", "kl_beta", "entropy_gate")  # the order of Divergence.resolve's arguments
+
+
+def _reads(divergence: Divergence) -> str:
+    if not divergence.parameters:
+        return f"none of {', '.join(VARIANT_PARAMETERS)}"
+    return "only " + " and ".join(divergence.parameters)
+
+
+def resolve_divergence(
+    kl_divergence: object,
+    kl_alpha: object,
+    kl_beta: object,
+    entropy_gate: object,
+    *,
+    unused: Literal["raise", "warn"] = "raise",
+) -> tuple[Divergence, DivergenceParams]:
+    """The registered variant and its parameters (defaults filled, ranges checked).
+
+    A parameter the variant does not read is neither checked nor used: with ``unused="warn"``
+    (``distillation_loss``, as orda-kernel accepts it) it gives one :class:`IgnoredArgumentWarning`,
+    with ``unused="raise"`` (the logits-level losses) a ValueError.
+    """
+    divergence = DIVERGENCES.get(kl_divergence) if isinstance(kl_divergence, str) else None
+    if divergence is None:
+        raise ValueError(f"kl_divergence must be one of {list(KL_VARIANTS)}, got {kl_divergence!r}")
+    if not divergence.parameters and kl_alpha is None and kl_beta is None and entropy_gate is None:
+        return divergence, DivergenceParams()  # the common case: nothing to resolve
+    given = dict(zip(VARIANT_PARAMETERS, (kl_alpha, kl_beta, entropy_gate)))
+    for keyword, value in given.items():
+        if value is None or keyword in divergence.parameters:
+            continue
+        if unused == "raise":
+            raise ValueError(
+                f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
+                f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
+            )
+        warnings.warn(
+            f"{keyword}={value!r} is ignored: kl_divergence={divergence.name!r} reads {_reads(divergence)}; "
+            f"leave {keyword}=None to silence this warning",
+            IgnoredArgumentWarning,
+            stacklevel=caller_stacklevel(),
+        )
+        given[keyword] = None
+    return divergence, divergence.resolve(*given.values())
 
 
 class GradScalerLike(Protocol):
@@ -64,26 +110,11 @@ def check_precision(
             )
         scale = value.reshape(())
     elif value is not None:
-        scale = check_temperature("gradient_materialization_scale", value)
+        scale = check_number("gradient_materialization_scale", value, positive=True)
     if grad_scaler is None or _is_grad_scaler(grad_scaler):
         return scale, grad_scaler
     received = f"the class {grad_scaler.__name__}" if isinstance(grad_scaler, type) else type(grad_scaler).__name__
     raise TypeError(f"grad_scaler must be a torch.amp.GradScaler instance or None, got {received}")
-
-
-def _check_vocab_range(vocab_range: object) -> tuple[int, int] | None:
-    if vocab_range is None:
-        return None
-    if (
-        not isinstance(vocab_range, (tuple, list))
-        or len(vocab_range) != 2
-        or not all(is_int(v) for v in vocab_range)
-        or not 0 <= vocab_range[0] <= vocab_range[1]
-    ):
-        raise ValueError(
-            f"vocab_range must be a pair of ints (start, stop) with 0 <= start <= stop, got {vocab_range!r}"
-        )
-    return int(vocab_range[0]), int(vocab_range[1])
 
 
 def check_group(group: object) -> dist.ProcessGroup | None:
@@ -160,63 +191,36 @@ class LossOptions:
     kernel_config: KernelConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.init}
-        values = apply_loss_overrides(given, KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
+        values = {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.init}
+        if values["config"] is not None:
+            values = apply_loss_overrides(values, KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
         divergence, params = resolve_divergence(
             values["kl_divergence"], values["kl_alpha"], values["kl_beta"], values["entropy_gate"], unused="warn"
         )
-        scale, scaler = check_precision(values["gradient_materialization_scale"], values["grad_scaler"])
-        optional_weight, optional_temperature = values["teacher_ce_weight"], values["kl_teacher_temperature"]
-        normalized = {
-            "student_ce_weight": check_loss_weight("student_ce_weight", values["student_ce_weight"]),
-            "teacher_ce_weight": None
-            if optional_weight is None
-            else check_loss_weight("teacher_ce_weight", optional_weight),
-            "kl_weight": check_loss_weight("kl_weight", values["kl_weight"]),
-            "kl_temperature": check_temperature("kl_temperature", values["kl_temperature"]),
-            "kl_teacher_temperature": None
-            if optional_temperature is None
-            else check_temperature("kl_teacher_temperature", optional_temperature),
-            "kl_divergence": divergence.name,
-            # A parameter the variant does not read was warned about and is dropped.
-            **{
-                name: values[name] if name in divergence.parameters else None
-                for name in ("kl_alpha", "kl_beta", "entropy_gate")
-            },
-            "ignore_index": check_ignore_index(values["ignore_index"]),
-            "reduction": check_choice("reduction", values["reduction"], REDUCTIONS),
-            "backend": check_choice("backend", values["backend"], BACKENDS),
-            "config": values["config"],
-            "gradient_materialization_scale": scale,
-            "grad_scaler": scaler,
-            **self._parallel_keywords(values),
-        }
-        for name, value in normalized.items():
+        for name, positive in _NUMBERS.items():
+            if values[name] is not None or name not in _OPTIONAL:
+                values[name] = check_number(name, values[name], positive=positive)
+        if values["gradient_materialization_scale"] is not None or values["grad_scaler"] is not None:
+            values["gradient_materialization_scale"], values["grad_scaler"] = check_precision(
+                values["gradient_materialization_scale"], values["grad_scaler"]
+            )
+        # A parameter the variant does not read was warned about and is dropped.
+        for name in ("kl_alpha", "kl_beta", "entropy_gate"):
+            values[name] = values[name] if name in divergence.parameters else None
+        values["kl_divergence"] = divergence.name
+        values["ignore_index"] = check_ignore_index(values["ignore_index"])
+        values["reduction"] = check_choice("reduction", values["reduction"], REDUCTIONS)
+        values["backend"] = check_choice("backend", values["backend"], BACKENDS)
+        _check_parallel_keywords(values)
+        kernel_config = resolve_config(values["profile"], values["config"])
+        if values["kl_teacher_temperature"] not in (None, values["kl_temperature"]) and divergence.cotrains_teacher:
+            raise ValueError(
+                f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
+                f"({values['kl_temperature']!r}), got {values['kl_teacher_temperature']!r}"
+            )
+        derived = {"divergence": divergence, "params": params, "kernel_config": kernel_config}
+        for name, value in {**values, **derived}.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "divergence", divergence)
-        object.__setattr__(self, "params", params)
-        object.__setattr__(self, "kernel_config", resolve_config(values["profile"], values["config"]))
-        if self.kl_teacher_temperature is not None and divergence.cotrains_teacher:
-            if self.kl_teacher_temperature != self.kl_temperature:
-                raise ValueError(
-                    f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
-                    f"({self.kl_temperature!r}), got {self.kl_teacher_temperature!r}"
-                )
-
-    @staticmethod
-    def _parallel_keywords(values: dict[str, object]) -> dict[str, object]:
-        """The tensor-parallel keywords, checked (the group's ranks are checked by the call)."""
-        vocab_size, sequence_parallel = values["vocab_size"], values["sequence_parallel"]
-        if vocab_size is not None and (not is_int(vocab_size) or int(vocab_size) < 1):
-            raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel must be a bool or None, got {sequence_parallel!r}")
-        return {
-            "tp_group": check_group(values["tp_group"]),
-            "vocab_range": _check_vocab_range(values["vocab_range"]),
-            "vocab_size": None if vocab_size is None else int(vocab_size),
-            "sequence_parallel": sequence_parallel,
-        }
 
     def with_precision(self, gradient_materialization_scale: object, grad_scaler: object) -> LossOptions:
         """These options with the given per-call precision arguments (None keeps the option's)."""
@@ -241,6 +245,44 @@ class LossOptions:
 
 
 KEYWORD_DEFAULTS: dict[str, object] = {spec.name: spec.default for spec in fields(LossOptions) if spec.init}
+# The numeric keywords, and whether each must be > 0 (else ≥ 0); the optional ones may be None.
+_NUMBERS = {
+    "student_ce_weight": False,
+    "teacher_ce_weight": False,
+    "kl_weight": False,
+    "kl_temperature": True,
+    "kl_teacher_temperature": True,
+}
+_OPTIONAL = ("teacher_ce_weight", "kl_teacher_temperature")
+
+
+def _check_parallel_keywords(values: dict[str, object]) -> None:
+    """The tensor-parallel keywords of ``values``, checked and normalized in place (the group's
+    ranks are checked by the call, against its tensors)."""
+    vocab_range, vocab_size, sequence_parallel = (
+        values["vocab_range"],
+        values["vocab_size"],
+        values["sequence_parallel"],
+    )
+    if values["tp_group"] is not None:
+        check_group(values["tp_group"])
+    if vocab_range is not None:
+        if (
+            not isinstance(vocab_range, (tuple, list))
+            or len(vocab_range) != 2
+            or not all(is_int(v) for v in vocab_range)
+            or not 0 <= vocab_range[0] <= vocab_range[1]
+        ):
+            raise ValueError(
+                f"vocab_range must be a pair of ints (start, stop) with 0 <= start <= stop, got {vocab_range!r}"
+            )
+        values["vocab_range"] = (int(vocab_range[0]), int(vocab_range[1]))
+    if vocab_size is not None:
+        if not is_int(vocab_size) or int(vocab_size) < 1:
+            raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+        values["vocab_size"] = int(vocab_size)
+    if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool or None, got {sequence_parallel!r}")
 
 
 @dataclass(frozen=True)
@@ -276,7 +318,7 @@ class LogitsOptions:
     ) -> LogitsOptions:
         divergence, params = resolve_divergence(kl_divergence, kl_alpha, kl_beta, entropy_gate)
         return LogitsOptions(
-            temperature=check_temperature("temperature", temperature),
+            temperature=check_number("temperature", temperature, positive=True),
             divergence=divergence,
             params=params,
             ignore_index=check_ignore_index(ignore_index),

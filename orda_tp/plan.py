@@ -7,15 +7,26 @@ reads the plan and never re-derives routing or defaults.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .config import KernelConfig
-from .divergences import Divergence, DivergenceParams, with_vocabulary
+from .divergences import Divergence, DivergenceParams
 from .options import LogitsOptions, LossOptions
 from .records import LogitFamily
 from .teachers import TeacherSource
 
 __all__ = ["LossPlan"]
+
+
+def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
+    """``params`` completed by what the variant reads of the global real vocabulary: ``log V``,
+    the normalizer of ``entropy_adaptive``'s gate (which needs V ≥ 2)."""
+    if divergence.name != "entropy_adaptive":
+        return params
+    if vocab_size < 2:
+        raise ValueError(f"kl_divergence='entropy_adaptive' needs a vocabulary of at least 2 columns, got {vocab_size}")
+    return DivergenceParams(params.alpha, params.beta, params.gate, math.log(vocab_size))
 
 
 def _teacher_temperature(options: LossOptions, teacher: TeacherSource) -> float:

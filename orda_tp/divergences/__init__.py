@@ -1,7 +1,7 @@
 """KL variants: each defined once (statistics, finalize, gradient) and shared by all backends."""
 
 from .base import BlockTerms, Divergence, DivergenceParams, EntropyGate, Finalized, RowTargets
-from .registry import DIVERGENCES, KL_VARIANTS, get_divergence, resolve_divergence, with_vocabulary
+from .registry import DIVERGENCES, KL_VARIANTS, get_divergence
 
 __all__ = [
     "BlockTerms",
@@ -13,6 +13,4 @@ __all__ = [
     "KL_VARIANTS",
     "RowTargets",
     "get_divergence",
-    "resolve_divergence",
-    "with_vocabulary",
 ]

@@ -15,9 +15,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..arguments import check_count, check_flag
 from ..backends.head import statistics_dtype
-from ..checks import check_floating, check_label_range, check_labels, check_matrix, check_same_device
+from ..checks import (
+    check_count,
+    check_flag,
+    check_floating,
+    check_label_range,
+    check_labels,
+    check_matrix,
+    check_same_device,
+)
 from ..config import KernelConfig
 from ..options import LogitsOptions
 from ..plan import LossPlan

@@ -14,9 +14,8 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
-from ..arguments import check_count, check_flag
 from ..backends.head import statistics_dtype
-from ..checks import check_floating, check_label_range, check_labels, check_same_device
+from ..checks import check_count, check_flag, check_floating, check_label_range, check_labels, check_same_device
 from ..config import KernelConfig
 from ..divergences import EntropyGate
 from ..options import LogitsOptions

@@ -13,8 +13,7 @@ asks which kind it holds.
 """
 
 from .cached import PrecomputedTeacher
-from .heads import TEACHER_MODES, SeparateTeacher, TeacherHead, TiedTeacher
-from .source import ShardReader, TeacherSource, ValueCheck
+from .source import TEACHER_MODES, SeparateTeacher, ShardReader, TeacherHead, TeacherSource, TiedTeacher, ValueCheck
 
 Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 """The descriptors a call reads tensors from (a :class:`TeacherHead` becomes a SeparateTeacher)."""

@@ -76,6 +76,8 @@ class PrecomputedTeacher(TeacherSource):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"PrecomputedTeacher.logits_temperature must be a finite float > 0, got {value!r}")
         object.__setattr__(self, "_versions", tuple(self._version_of(name, t) for name, t in self.named_tensors()))
+        object.__setattr__(self, "kind", "precomputed_logits" if has_logits else "precomputed_hidden")
+        object.__setattr__(self, "cache_temperature", self.logits_temperature)
 
     def _version_of(self, name: str, tensor: torch.Tensor) -> int | None:
         """The tensor's version counter, or None for a tensor without one, which only a cache
@@ -97,14 +99,6 @@ class PrecomputedTeacher(TeacherSource):
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
 
     trainable: ClassVar[bool] = False
-
-    @property
-    def kind(self) -> str:
-        return "precomputed_logits" if self.logits is not None else "precomputed_hidden"
-
-    @property
-    def cache_temperature(self) -> float | None:
-        return self.logits_temperature
 
     def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Either the cached logits or the cached hidden and head (a trusted inference tensor as an
