@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from .backends import block_math_of, select_backend
 from .backends.chunked import ChunkedProblem, chunked_loss
@@ -21,9 +22,9 @@ from .divergences import EntropyGate
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
 from .options import GradScalerLike, LossOptions
-from .parallel.fsdp import check_not_fsdp_sharded, head_weight, unsharded_head_weight
+from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import VocabLayout
-from .parallel.local_shards import LocalInputs, agree_layout, localize, tp_group_of
+from .parallel.local_shards import LocalInputs, shard_inputs
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
@@ -108,29 +109,23 @@ def _exchange(
     return ShardExchange(local.group, layout.sequence_parallel, error)
 
 
-def _local_inputs(
-    options: LossOptions,
-    student_hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    teacher: TeacherSource,
-) -> LocalInputs:
-    """This rank's tensors, checked (types, shapes, devices); no collective."""
-    local = localize(
-        student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
-    )
-    row_shards = torch.distributed.get_world_size(local.group) if local.sequence_parallel else 1
-    check_inputs(
-        local.student_hidden,
-        local.weight,
-        local.labels,
-        local.teacher,
-        sharded=local.group is not None,
-        row_shards=row_shards,
-    )
-    if local.group is not None and options.backend == "reference":
-        raise ValueError("backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'")
-    return local
+def _one_device_inputs(
+    options: LossOptions, student_hidden: Tensor, weight: Tensor, labels: Tensor, teacher: TeacherSource
+) -> tuple[LocalInputs, VocabLayout]:
+    """The call's tensors on one device, checked (types, shapes, devices), and the layout of the
+    whole head (its rows at or past ``vocab_size`` are padding)."""
+    if options.vocab_range is not None:
+        raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
+    if options.sequence_parallel:
+        raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
+    check_inputs(student_hidden, weight, labels, teacher)
+    layout = VocabLayout.single_device(weight.shape[0], options.vocab_size)
+    return LocalInputs(student_hidden, weight, labels, teacher, None, None, False), layout
+
+
+def _is_sharded(options: LossOptions, tensors: Sequence[object]) -> bool:
+    """A tensor-parallel call: a ``tp_group``, or DTensor inputs (whose placements say)."""
+    return options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
 
 
 @contextmanager
@@ -176,22 +171,15 @@ def _run_on_tensors(
     teacher: TeacherSource,
     num_valid_tokens: object,
 ) -> DistillationLossOutput:
-    # Checked before any collective (every rank decides alike): FSDP's data-parallel shards posing
-    # as vocabulary shards.
-    for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
-        check_not_fsdp_sharded(name, tensor)
-    group = tp_group_of(weight, options.tp_group)
-    local, failure = None, None
-    try:
-        local = _local_inputs(options, student_hidden, weight, labels, teacher)
-        # checked before any collective
-        _denominator(num_valid_tokens, options.reduction, None, local.student_hidden.device)
-    except (ValueError, TypeError) as error:
-        if group is None:
-            raise
-        failure = error  # every rank of the group raises it after the handshake
-    layout = agree_layout(group, local, options.vocab_size, failure)
-    assert local is not None
+    tensors = [student_hidden, weight, labels, *(tensor for _, tensor in teacher.named_tensors())]
+    if _is_sharded(options, tensors):
+
+        def precheck(local: LocalInputs) -> None:
+            _denominator(num_valid_tokens, options.reduction, None, local.student_hidden.device)
+
+        local, layout = shard_inputs(options, student_hidden, weight, labels, teacher, precheck)
+    else:
+        local, layout = _one_device_inputs(options, student_hidden, weight, labels, teacher)
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     device = local.student_hidden.device
     config = options.kernel_config

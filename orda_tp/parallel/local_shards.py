@@ -7,16 +7,20 @@ one device and the layout covers the whole head (minus padding past ``vocab_size
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import Tensor
 
+from ..checks import check_inputs
+from ..options import LossOptions
 from ..teachers import TeacherSource
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
+from .fsdp import check_not_fsdp_sharded
 from .layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
 
-__all__ = ["DTensorShards", "LocalInputs", "agree_layout", "localize", "same_ranks", "tp_group_of"]
+__all__ = ["DTensorShards", "LocalInputs", "same_ranks", "shard_inputs"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class DTensorShards:
         return local[:, start:stop]  # replicated cache: keep this rank's columns
 
 
-def localize(
+def _localize(
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
@@ -128,19 +132,11 @@ def localize(
     )
 
 
-def agree_layout(
-    group: dist.ProcessGroup | None, inputs: LocalInputs | None, vocab_size: int | None, problem: Exception | None
+def _agree_layout(
+    group: dist.ProcessGroup, inputs: LocalInputs | None, vocab_size: int | None, problem: Exception | None
 ) -> VocabLayout:
-    """The layout of this call: the whole head on one device, or agreed across ``group``.
-
-    On a group, ``inputs`` is None and ``problem`` set when this rank's own checks failed; the
-    handshake then makes every rank raise.
-    """
-    if group is None:
-        assert inputs is not None
-        if inputs.vocab_range is not None:
-            raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
-        return VocabLayout.single_device(inputs.weight.shape[0], vocab_size)
+    """The layout of this call, agreed across ``group``: ``inputs`` is None and ``problem`` set
+    when this rank's own checks failed; the handshake then makes every rank raise."""
     if inputs is None:
         return resolve_layout(group, ShardClaim(failed=1), None, None, problem)
     start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
@@ -158,10 +154,50 @@ def agree_layout(
     return resolve_layout(group, claim, inputs.labels, HeadShard("weight", inputs.weight, 0), problem)
 
 
-def tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def _tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The call's tensor-parallel group: ``group`` (the checked ``tp_group``), or the mesh group a
     DTensor weight is sharded over (placements are the same on every rank, so every rank decides
     alike)."""
     if group is None and is_dtensor(weight):
         return shard_axis(weight, "weight").group
     return group
+
+
+def shard_inputs(
+    options: LossOptions,
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: TeacherSource,
+    precheck: Callable[[LocalInputs], None],
+) -> tuple[LocalInputs, VocabLayout]:
+    """This rank's tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs) and the
+    layout the group agrees on. Every check that can fail on one rank only (types, shapes, devices,
+    ``precheck``: the caller's own) runs before the layout handshake, which makes every rank raise
+    the same error; none waits for a rank that raised."""
+    # FSDP's data-parallel shards posing as vocabulary shards: every rank decides alike.
+    for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
+        check_not_fsdp_sharded(name, tensor)
+    group = _tp_group_of(weight, options.tp_group)
+    local, failure = None, None
+    try:
+        local = _localize(
+            student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
+        )
+        row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1
+        check_inputs(
+            local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards
+        )
+        if options.backend == "reference":
+            raise ValueError(
+                "backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'"
+            )
+        precheck(local)
+    except (ValueError, TypeError) as error:
+        if group is None:
+            raise
+        failure = error  # every rank of the group raises it after the handshake
+    assert group is not None  # a call without a group raised above (no DTensor weight, no tp_group)
+    layout = _agree_layout(group, local, options.vocab_size, failure)
+    assert local is not None
+    return local, layout
