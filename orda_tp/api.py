@@ -12,12 +12,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .backends import block_math_of, select_backend
-from .backends.chunked import ChunkedProblem, chunked_loss
-from .backends.gemm import GemmPolicy
-from .backends.head import statistics_dtype
-from .backends.reference import reference_loss
 from .config import EntropyGate, KernelConfig, apply_loss_overrides
+from .engine import block_math_of, select_backend
+from .engine.fused import ChunkedProblem, chunked_loss
+from .engine.fused_grads import GradNeeds
+from .engine.gemm import GemmPolicy
+from .engine.logits import statistics_dtype
+from .engine.reference import reference_loss
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
 from .parallel.fsdp import check_not_fsdp_sharded, head_weight, unsharded_head_weight
@@ -233,7 +234,7 @@ def _run_on_tensors(
                 labels=local.labels,
                 valid=valid,
                 denominator=denominator,
-                grad_needs=_gradient_needs(plan, inputs[:4]),
+                grad_needs=GradNeeds(*_gradient_needs(plan, inputs[:4])),
                 exchange=exchange,
                 layout=layout,
                 math=block_math_of(backend),

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .config import KernelConfig
 from .parallel.layout import VocabLayout
-from .parallel.shard_exchange import LocalError
+from .parallel.shard_exchange import LocalError, LocalErrorCode
 from .plan import LossPlan
 from .teachers import PrecomputedTeacher, Teacher
 from .validation import check_finite, first_non_finite
@@ -69,18 +69,18 @@ def local_error(
             "dtype))), or call prepare_logits on a DTensor of the logits (its rows are whole)"
         )
     if isinstance(original_teacher, PrecomputedTeacher) and original_teacher.modified_tensor() is not None:
-        return LocalError(2)
+        return LocalError(LocalErrorCode.CACHE_MODIFIED)
     host_checks = config.runs_host_checks(student_hidden.device.type == "cpu")
     if isinstance(teacher, PrecomputedTeacher) and plan.needs_teacher_logits and host_checks:
         if teacher.logits is not None:
             index = first_non_finite(teacher.logits[:, : layout.real_local_columns], allow_neg_inf=True)
             if index is not None:
-                return LocalError(1, index[0], layout.vocab_start + index[1])
+                return LocalError(LocalErrorCode.TEACHER_LOGITS_NOT_FINITE, index[0], layout.vocab_start + index[1])
         elif any(first_non_finite(tensor) is not None for _, tensor in teacher.named_tensors()):
-            return LocalError(4)
+            return LocalError(LocalErrorCode.CACHE_NOT_FINITE)
     if config.check_finite_inputs:
         for _, tensor in _head_tensors(student_hidden, weight, teacher):
             index = first_non_finite(tensor)
             if index is not None:
-                return LocalError(3, index[0], index[1])
+                return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1])
     return None

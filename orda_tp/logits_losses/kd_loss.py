@@ -14,13 +14,13 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
-from ..backends.head import statistics_dtype
 from ..config import EntropyGate, KernelConfig
+from ..engine.logits import statistics_dtype
 from ..validation import check_floating, check_label_range, check_labels, check_same_device
 from .function import logits_distillation
 from .inputs import ShardShape, agree_vocabulary, local_logits, logits_group
 from .options import LogitsOptions, check_count, check_flag, logits_plan, resolve_logits_options
-from .row_walk import build_problem
+from .problem import build_problem
 
 __all__ = ["KDLoss"]
 
