@@ -11,14 +11,15 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .backends import block_math_of, select_backend
-from .backends.chunked import ChunkedProblem, chunked_loss
-from .backends.gemm import GemmPolicy
-from .backends.head import statistics_dtype
-from .backends.reference import reference_loss
 from .checks import check_inputs, check_label_range
 from .config import KernelConfig
 from .divergences import EntropyGate
+from .engine import block_math_of, select_backend
+from .engine.fused import ChunkedProblem, chunked_loss
+from .engine.fused_grads import GradNeeds
+from .engine.gemm import GemmPolicy
+from .engine.logits import statistics_dtype
+from .engine.reference import reference_loss
 from .exchange import LocalExchange, RecordExchange
 from .kernels import is_available
 from .options import GradScalerLike, LossOptions
@@ -78,21 +79,20 @@ def _denominator(
     return float(num_valid_tokens)
 
 
-def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> tuple[bool, bool, bool, bool]:
-    """Which of (student_hidden, weight, teacher_hidden, teacher_weight) receive a gradient."""
+def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> GradNeeds:
+    """Which of the call's differentiable tensors receive a gradient (requires_grad, grad mode and
+    the plan's routing applied)."""
     grad_on = torch.is_grad_enabled()
-
-    def wants(tensor: Tensor | None) -> bool:
-        return grad_on and tensor is not None and tensor.requires_grad
-
-    student_hidden, weight, teacher_hidden, teacher_weight = tensors
+    student_hidden, weight, teacher_hidden, teacher_weight = (
+        grad_on and tensor is not None and tensor.requires_grad for tensor in tensors
+    )
     teacher_trains = plan.teacher_receives_grad
     tied_teacher_trains = plan.teacher_kind == "tied" and teacher_trains
-    return (
-        wants(student_hidden) and plan.student_receives_grad,
-        wants(weight) and (plan.student_receives_grad or tied_teacher_trains),
-        wants(teacher_hidden) and teacher_trains,
-        wants(teacher_weight) and teacher_trains,
+    return GradNeeds(
+        student_hidden=student_hidden and plan.student_receives_grad,
+        weight=weight and (plan.student_receives_grad or tied_teacher_trains),
+        teacher_hidden=teacher_hidden and teacher_trains,
+        teacher_weight=teacher_weight and teacher_trains,
     )
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from .checks import check_finite, first_non_finite
 from .config import KernelConfig
 from .parallel.layout import VocabLayout
-from .parallel.shard_exchange import LocalError
+from .parallel.shard_exchange import LocalError, LocalErrorCode
 from .plan import LossPlan
 from .teachers import TeacherSource, ValueCheck
 
@@ -67,16 +67,18 @@ def local_error(
     try:
         original_teacher.check_unmodified()
     except ValueError:
-        return LocalError(2)
+        return LocalError(LocalErrorCode.CACHE_MODIFIED)
     on_cpu = student_hidden.device.type == "cpu"
     for check in _cache_checks(plan, config, teacher, on_cpu, layout.real_local_columns):
         index = first_non_finite(check.tensor, allow_neg_inf=check.allow_neg_inf)
         if index is not None:
             # A logits cache (−inf allowed) is located by row and global column; a hidden cache is not.
-            return LocalError(1, index[0], layout.vocab_start + index[1]) if check.allow_neg_inf else LocalError(4)
+            if check.allow_neg_inf:
+                return LocalError(LocalErrorCode.TEACHER_LOGITS_NOT_FINITE, index[0], layout.vocab_start + index[1])
+            return LocalError(LocalErrorCode.CACHE_NOT_FINITE)
     if config.check_finite_inputs:
         for _, tensor in _input_tensors(student_hidden, weight, teacher):
             index = first_non_finite(tensor)
             if index is not None:
-                return LocalError(3, index[0], index[1])
+                return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1])
     return None

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from orda_tp import KL_VARIANTS, TiedTeacher
-from orda_tp.backends.block_math import TorchBlockMath
-from orda_tp.backends.chunk_grads import block_logit_grads
-from orda_tp.backends.chunk_stats import chunk_row_stats, grad_row_constants
-from orda_tp.backends.reference import reference_loss
+from orda_tp.engine.logits import LogitsBlock
+from orda_tp.engine.reference import reference_loss
+from orda_tp.engine.rounds import chunk_row_stats, grad_rows
+from orda_tp.engine.torch_math import TorchBlockMath, block_logit_grads
 from orda_tp.exchange import LocalExchange
 from orda_tp.options import LossOptions
 from orda_tp.plan import LossPlan
@@ -65,11 +65,11 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
     expected_student_grad, expected_teacher_grad = torch.autograd.grad(expected[0], (student, teacher))
 
     blocks = [
-        (start, student.detach()[:, start:stop], teacher.detach()[:, start:stop])
+        LogitsBlock(start, stop, student.detach()[:, start:stop], teacher.detach()[:, start:stop])
         for start, stop in zip(BOUNDARIES[:-1], BOUNDARIES[1:])
     ]
     random.Random(variant).shuffle(blocks)
-    stats = chunk_row_stats(plan, blocks, labels, LocalExchange(), TorchBlockMath(), student)
+    stats = chunk_row_stats(plan, blocks, 0, labels, LocalExchange(), TorchBlockMath(), student)
     for actual, reference in zip((stats.student_ce, stats.teacher_ce, stats.kl), expected[1:]):
         assert relative_error(actual.sum(), reference) <= 1e-12
 
@@ -77,13 +77,12 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
     teacher_grad = torch.zeros_like(teacher)
     math = TorchBlockMath()
     upstream, valid = torch.ones((), dtype=torch.float64), torch.ones(rows, dtype=torch.bool)
-    row_constants, names = grad_row_constants(plan, stats, upstream, valid, math, student)
-    constants = {name: row_constants[:, j] for j, name in enumerate(names)}
-    for start, student_block, teacher_block in blocks:
-        grad_s, grad_t = block_logit_grads(plan, constants, student_block, teacher_block, labels - start)
-        student_grad[:, start : start + student_block.shape[1]] = grad_s
+    rows = grad_rows(plan, stats, upstream, valid, math, student)
+    for block in blocks:
+        grad_s, grad_t = block_logit_grads(plan, rows, block.student, block.teacher, labels - block.start)
+        student_grad[:, block.start : block.stop] = grad_s
         assert grad_t is not None
-        teacher_grad[:, start : start + teacher_block.shape[1]] = grad_t
+        teacher_grad[:, block.start : block.stop] = grad_t
     assert relative_error(student_grad, expected_student_grad) <= 1e-12
     assert relative_error(teacher_grad, expected_teacher_grad) <= 1e-12
 

@@ -1,5 +1,6 @@
-"""How the chunked backends walk rows: gradient groups, ignored rows, value checks that stay off
-the host (the CUDA default), and where a head weight's gradient is summed."""
+"""How the chunked backends walk rows: one walker for every logits source, gradient groups, ignored
+rows, value checks that stay off the host (the CUDA default), and where a head weight's gradient is
+summed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import torch
 import orda_tp
 from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
 from orda_tp.config import RowLayout
+from orda_tp.engine import block_math_of
+from orda_tp.engine.fused_grads import GradientStaging
+from orda_tp.engine.logits import HeadLogits, PairedLogits, StoredLogits, TiedLogits
+from orda_tp.engine.row_walk import GradTarget, RowWalk, row_ranges, walk_rows
+from orda_tp.exchange import LocalExchange
+from orda_tp.parallel.layout import VocabLayout
 
 from .cases import (
     COTRAINED,
@@ -23,6 +30,7 @@ from .cases import (
     separate_problem,
     stable_seed,
 )
+from .test_merge import make_plan
 
 HOST_CHECKS_OFF = KernelConfig(host_checks=False)  # what a CUDA call does by default
 
@@ -64,6 +72,45 @@ def test_several_gradient_groups_match_the_reference(variant: str, mode: str, re
         assert (grad is None) == (reference is None), index
         if grad is not None:
             assert relative_error(grad, reference) <= tolerance, index
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_one_walker_reads_stored_formed_and_tied_logits_alike(backend: str) -> None:
+    """The row walk gives the same statistics and logit gradients whether a chunk's logits are
+    stored, formed block by block as ``hidden · weightᵀ``, or formed for both sides by one GEMM
+    of the stacked rows (a tied head): with the logits as hidden states and the identity as the
+    head, all three read the same numbers."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    rows, vocab = 11, 203
+    generator = torch.Generator().manual_seed(7)
+    student, teacher = (2 * torch.randn(2, rows, vocab, generator=generator, dtype=torch.float64)).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=generator)
+    labels[::4] = -100
+    plan = make_plan("jeffreys", vocab, TiedTeacher(teacher))  # both sides trained: two staged gradients
+    walk = RowWalk(plan, labels, labels != -100, LocalExchange(), VocabLayout.single_device(vocab, None),
+                   block_math_of(backend))  # fmt: skip
+    identity = torch.eye(vocab, dtype=dtype)
+    sources = [
+        PairedLogits(StoredLogits(student), StoredLogits(teacher)),
+        PairedLogits(HeadLogits(student, identity), HeadLogits(teacher, identity)),
+        TiedLogits(student, teacher, identity),
+    ]
+    chunks = row_ranges(0, rows, 4)
+    walked = []
+    for source in sources:
+        stats = walk_rows(walk, source, chunks, dtype)
+        staging = GradientStaging.allocate(0, rows, vocab, dtype, student.device, with_teacher=True)
+        walk_rows(walk, source, chunks, dtype, stats, GradTarget(staging, torch.ones((), dtype=dtype)))
+        walked.append((torch.cat([s.kl for s in stats]), torch.cat([s.student_ce for s in stats]), staging))
+    (kl, student_ce, staging), *others = walked
+    assert torch.isfinite(kl).any() and staging.teacher is not None
+    exactly = {"rtol": 0.0, "atol": 0.0, "equal_nan": True}  # ignored rows' values are NaN
+    for other_kl, other_ce, other_staging in others:
+        torch.testing.assert_close(other_kl, kl, **exactly)
+        torch.testing.assert_close(other_ce, student_ce, **exactly)
+        torch.testing.assert_close(other_staging.student, staging.student, **exactly)
+        assert other_staging.teacher is not None
+        torch.testing.assert_close(other_staging.teacher, staging.teacher, **exactly)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import orda_tp
 from orda_tp import KL_VARIANTS, DistillationLoss, PrecomputedTeacher, SeparateTeacher, TiedTeacher
-from orda_tp.backends import chunked
+from orda_tp.engine import fused as chunked
 
 from .cases import SMALL_CHUNKS, VARIANT_KWARGS, make_problem, relative_error, separate_problem
 

@@ -1,7 +1,7 @@
 """Non-unit upstream gradients through a "mean"/"sum" loss: shared checks and their gloo worker.
 
 For "mean"/"sum" the chunked backends form the gradient during the forward with a unit upstream
-gradient and scale it by the real one in backward (``orda_tp/backends/chunked.py``). Every way of
+gradient and scale it by the real one in backward (``orda_tp/engine/fused.py``). Every way of
 backpropagating ``c · loss`` must give ``c`` × the unit gradient, for every gradient the call
 produces: ``(c · loss).backward()`` for a positive, a negative and a tiny ``c``,
 ``torch.autograd.grad(loss, ..., grad_outputs=c)``, a loss used twice in one graph

@@ -6,7 +6,7 @@ block symbols (``LOGP``, ``LOGQ``, ``P``, ``Q``, ``IS_TARGET``) and per-row cons
 Triton backend compiles the same trees into kernel code (``orda_tp.kernels.codegen``). So a
 formula exists in one place, whatever runs it.
 
-Row formulas (the per-row steps of a chunk, :mod:`orda_tp.backends.row_formulas`) are trees over
+Row formulas (the per-row steps of a chunk, :mod:`orda_tp.engine.row_formulas`) are trees over
 row constants alone, evaluated on (rows,) tensors by :func:`evaluate_rows` or compiled into one
 row kernel.
 

@@ -13,9 +13,9 @@ Forward only (scoring): nothing is differentiated, nothing is kept for a backwar
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.head import statistics_dtype
 from ..checks import (
     check_count,
     check_flag,
@@ -26,7 +26,11 @@ from ..checks import (
     check_same_device,
 )
 from ..config import KernelConfig
+from ..engine.logits import HeadLogits, PairedLogits, StoredLogits, statistics_dtype
+from ..engine.stats import RowStats
 from ..options import LogitsOptions
+from ..parallel.dtensor import MeshAxis
+from ..parallel.layout import VocabLayout
 from ..plan import LossPlan
 from .logits_shards import (
     ShardShape,
@@ -36,7 +40,7 @@ from .logits_shards import (
     local_student,
     logits_group,
 )
-from .row_walk import HeadLogits, StoredLogits, build_problem, row_statistics
+from .problem import build_problem, row_statistics
 
 __all__ = ["flash_ce_kd_loss"]
 
@@ -64,6 +68,27 @@ def _check_scoring_inputs(
     named = [("teacher_hidden", hidden), ("teacher_lm_head_weight", weight), ("labels", labels)]
     check_same_device("student_logits", student.device, named)
     return student, hidden, weight, labels
+
+
+def _divergence(stats: RowStats) -> Tensor:
+    """The rows' ``D = KL(q‖p)``, without ``T²``."""
+    assert stats.kl_stats is not None  # the scoring plan has a KL term
+    return stats.kl_stats.divergence
+
+
+def _local_inputs(
+    student_logits: object, teacher_hidden: object, weight: object, labels: object, axis: MeshAxis | None
+) -> tuple[tuple[Tensor, Tensor, Tensor], ShardShape]:
+    """This rank's checked ``(student_logits, teacher_hidden, teacher_lm_head_weight)`` and what it
+    brings to the layout handshake."""
+    given_hidden = local_companion(teacher_hidden, student_logits, axis, "teacher_hidden", vocabulary=False)
+    given_weight = local_head_weight(weight, axis, "teacher_lm_head_weight")
+    given_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
+    given_student, vocab_range = local_student(student_logits, axis)
+    student, hidden, weight, local_labels = _check_scoring_inputs(
+        given_student, given_hidden, given_weight, given_labels
+    )
+    return (student, hidden, weight), ShardShape(student, weight.shape[0], local_labels, vocab_range)
 
 
 # Inside torch.compile'd code the scoring runs eagerly behind one graph break.
@@ -113,35 +138,41 @@ def flash_ce_kd_loss(
     group, axis = logits_group(student_logits, options.tp_group)
     local, shard, failure = None, None, None
     try:
-        given_hidden = local_companion(teacher_hidden, student_logits, axis, "teacher_hidden", vocabulary=False)
-        given_weight = local_head_weight(teacher_lm_head_weight, axis, "teacher_lm_head_weight")
-        given_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
-        given_student, vocab_range = local_student(student_logits, axis)
-        student, hidden, weight, local_labels = _check_scoring_inputs(
-            given_student, given_hidden, given_weight, given_labels
-        )
-        local = (student, hidden, weight)
-        shard = ShardShape(student, weight.shape[0], local_labels, vocab_range)
+        local, shard = _local_inputs(student_logits, teacher_hidden, teacher_lm_head_weight, labels, axis)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
     layout = agree_vocabulary(group, shard, failure)
     assert local is not None and shard is not None
-    student, hidden, weight = local
+    return _scores(options, group, layout, shard.labels, *local, upcast)
+
+
+def _scores(
+    options: LogitsOptions,
+    group: dist.ProcessGroup | None,
+    layout: VocabLayout,
+    labels: Tensor,
+    student: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    upcast: bool,
+) -> tuple[Tensor, Tensor]:
+    """Per-token ``(ce, kd)`` of this rank's checked inputs under the agreed ``layout``: one walk
+    over the student's stored logits beside the teacher's, formed block by block."""
     plan = LossPlan.for_logits(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
-    valid = shard.labels != options.ignore_index
-    if options.config.runs_host_checks(shard.labels.device.type == "cpu"):
-        check_label_range(shard.labels, layout.vocab_size, options.ignore_index)
+    valid = labels != options.ignore_index
+    if options.config.runs_host_checks(labels.device.type == "cpu"):
+        check_label_range(labels, layout.vocab_size, options.ignore_index)
     dtype = statistics_dtype(student, hidden, weight)
     # Ignored rows read column 0 as their label: their CE is zeroed, their KD does not read it.
-    stats_labels = torch.where(valid, shard.labels, 0)
+    stats_labels = torch.where(valid, labels, 0)
     problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
     with torch.no_grad(), torch.autocast(student.device.type, enabled=False):
-        walked = row_statistics(problem, StoredLogits(student), HeadLogits(hidden, weight), dtype)
+        walked = row_statistics(problem, PairedLogits(StoredLogits(student), HeadLogits(hidden, weight)), dtype)
     empty = torch.zeros(0, dtype=dtype, device=student.device)
     ce = torch.cat([stats.student_ce for stats in walked]) if walked else empty
-    kd = torch.cat([stats.value("divergence") for stats in walked]) if walked else empty  # D, without T²
+    kd = torch.cat([_divergence(stats) for stats in walked]) if walked else empty
     ce = torch.where(valid, ce, 0.0)
     out_dtype = dtype if upcast else student.dtype
     return ce.to(out_dtype), kd.to(out_dtype)

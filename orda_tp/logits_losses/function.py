@@ -5,20 +5,34 @@ per row). Backward walks them again and writes ``∂loss/∂s`` straight into th
 student's logits, chunk by chunk, scaled by the upstream gradient: the logit gradient *is* the
 input gradient here, so there is no GEMM, no staging buffer and no collective in backward (the
 statistics were merged across shards in forward; each rank's gradient is its columns' slice).
-The teacher's logits never receive a gradient.
+Ignored rows get exactly 0, rows whose label no column owns NaN. The teacher's logits never
+receive a gradient.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..backends.chunk_stats import RowStats
-from ..backends.head import statistics_dtype
-from .row_walk import LogitsProblem, StoredLogits, row_statistics, stage_student_grads
+from ..engine.logits import LogitGrads, PairedLogits, StoredLogits, statistics_dtype
+from ..engine.row_walk import GradTarget, walk_rows
+from ..engine.stats import RowStats
+from .problem import LogitsProblem, row_statistics
 
 __all__ = ["logits_distillation"]
+
+
+@dataclass(frozen=True)
+class StudentLogitsGrad:
+    """The gradient of the student's (rows, local columns) logits, written in place by the walk."""
+
+    grad: Tensor
+
+    def views(self, begin: int, end: int, start: int, stop: int) -> LogitGrads:
+        return LogitGrads(self.grad[begin:end, start:stop], None)
 
 
 class _LogitsContext(FunctionCtx):
@@ -39,9 +53,9 @@ class _LogitsDistillation(torch.autograd.Function):
         ctx: _LogitsContext, problem: LogitsProblem, denominator: float | Tensor, student: Tensor, teacher: Tensor
     ) -> Tensor:
         dtype = statistics_dtype(student, teacher)
-        walked = row_statistics(problem, StoredLogits(student), StoredLogits(teacher), dtype)
+        walked = row_statistics(problem, PairedLogits(StoredLogits(student), StoredLogits(teacher)), dtype)
         per_row = torch.cat([stats.kl for stats in walked]) if walked else student.new_zeros(0, dtype=dtype)
-        loss = torch.where(problem.valid, per_row, 0.0).sum() / denominator
+        loss = torch.where(problem.walk.valid, per_row, 0.0).sum() / denominator
         if ctx.needs_input_grad[2]:
             ctx.problem = problem
             ctx.denominator = denominator
@@ -53,11 +67,14 @@ class _LogitsDistillation(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: _LogitsContext, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
         student, teacher = ctx.saved_tensors
-        problem, walked = ctx.problem, ctx.walked
-        scale = (grad_loss / ctx.denominator).to(statistics_dtype(student, teacher))
+        problem = ctx.problem
+        dtype = statistics_dtype(student, teacher)
+        scale = (grad_loss / ctx.denominator).to(dtype)
         grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
+        source = PairedLogits(StoredLogits(student), StoredLogits(teacher))
+        target = GradTarget(StudentLogitsGrad(grad), scale)
         with torch.autocast(student.device.type, enabled=False):
-            stage_student_grads(problem, StoredLogits(student), StoredLogits(teacher), walked, scale, grad)
+            walk_rows(problem.walk, source, problem.chunks(), dtype, ctx.walked, target)
         return None, None, grad, None
 
 

@@ -14,15 +14,15 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
-from ..backends.head import statistics_dtype
 from ..checks import check_count, check_flag, check_floating, check_label_range, check_labels, check_same_device
 from ..config import KernelConfig
 from ..divergences import EntropyGate
+from ..engine.logits import statistics_dtype
 from ..options import LogitsOptions
 from ..plan import LossPlan
 from .function import logits_distillation
 from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_group
-from .row_walk import build_problem
+from .problem import build_problem
 
 __all__ = ["KDLoss"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -27,28 +28,43 @@ from torch import Tensor
 from ..records import PartitionRecord
 from .collectives import BackendLoan, all_gather_rows, gather_sequence_rows, reduce_scatter_rows
 
-__all__ = ["LocalError", "ShardExchange"]
+__all__ = ["LocalError", "LocalErrorCode", "ShardExchange"]
+
+
+class LocalErrorCode(Enum):
+    """What a rank found wrong in its own tensors; exchanged as its int value (0: nothing)."""
+
+    TEACHER_LOGITS_NOT_FINITE = 1  # NaN or +inf in the shard of a cached teacher's logits
+    CACHE_MODIFIED = 2  # a PrecomputedTeacher modified in place after it was built
+    INPUT_NOT_FINITE = 3  # NaN or inf in a hidden state or head weight (check_finite_inputs)
+    CACHE_NOT_FINITE = 4  # NaN or inf in a cached teacher's hidden states or head
+
+
+_MESSAGES = {
+    LocalErrorCode.TEACHER_LOGITS_NOT_FINITE: "teacher.logits must be finite or -inf; rank {rank}'s shard holds NaN "
+    "or +inf at row {row}, global column {column}",
+    LocalErrorCode.CACHE_MODIFIED: "PrecomputedTeacher was modified in place after it was built (seen on rank "
+    "{rank}); build a new PrecomputedTeacher",
+    LocalErrorCode.INPUT_NOT_FINITE: "student_hidden, weight and the teacher's tensors must be finite; rank {rank} "
+    "holds NaN or inf (row {row}, column {column} of its shard)",
+    LocalErrorCode.CACHE_NOT_FINITE: "PrecomputedTeacher.teacher_hidden and teacher_weight must be finite; rank "
+    "{rank}'s shard holds NaN or inf",
+}
+NO_ERROR = 0  # the header's code when a rank found nothing
 
 
 @dataclass(frozen=True)
 class LocalError:
-    """An input problem found on one rank: ``code`` indexes :data:`ERROR_MESSAGES`; ``row`` and
-    ``column`` (global) locate it."""
+    """An input problem found on one rank: ``code`` says what; ``row`` and ``column`` (global)
+    locate it."""
 
-    code: int
+    code: LocalErrorCode
     row: int = 0
     column: int = 0
 
-
-ERROR_MESSAGES = {
-    1: "teacher.logits must be finite or -inf; rank {rank}'s shard holds NaN or +inf at row {row}, "
-    "global column {column}",
-    2: "PrecomputedTeacher was modified in place after it was built (seen on rank {rank}); "
-    "build a new PrecomputedTeacher",
-    3: "student_hidden, weight and the teacher's tensors must be finite; rank {rank} holds NaN or inf "
-    "(row {row}, column {column} of its shard)",
-    4: "PrecomputedTeacher.teacher_hidden and teacher_weight must be finite; rank {rank}'s shard holds NaN or inf",
-}
+    def message(self, rank: int) -> str:
+        """The ValueError's message, as every rank raises it."""
+        return _MESSAGES[self.code].format(rank=rank, row=self.row, column=self.column)
 
 
 class ShardExchange:
@@ -63,16 +79,17 @@ class ShardExchange:
         self.summed_rows = BackendLoan()  # the rows those sums were handed
 
     def _header(self, rows: int, like: Tensor) -> Tensor:
-        error = self.local_error or LocalError(0)
-        values = torch.tensor([error.code, error.row, error.column], dtype=like.dtype, device=like.device)
-        return values.expand(rows, 3)
+        """(rows, 3) error columns: this rank's error code (:data:`NO_ERROR` if none), row, column."""
+        error = self.local_error
+        header = [NO_ERROR, 0, 0] if error is None else [error.code.value, error.row, error.column]
+        return torch.tensor(header, dtype=like.dtype, device=like.device).expand(rows, 3)
 
     def _raise_gathered_errors(self, headers: Tensor) -> None:
         """``headers``: (world, rows, 3) error columns, one host read."""
         self.errors_exchanged = True
         for rank, (code, row, column) in enumerate(headers[:, 0].tolist()):
-            if code:
-                raise ValueError(ERROR_MESSAGES[int(code)].format(rank=rank, row=int(row), column=int(column)))
+            if code != NO_ERROR:
+                raise ValueError(LocalError(LocalErrorCode(int(code)), int(row), int(column)).message(rank))
 
     def merge_partitions(
         self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]

@@ -10,12 +10,16 @@ from torch import Tensor
 from ..kernels import ops
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord
+from .logits import LogitGrads
 from .row_formulas import RowProgram
+from .stats import GradRows
 
 __all__ = ["TritonBlockMath"]
 
 
 class TritonBlockMath:
+    """The kernels of :mod:`orda_tp.kernels.ops` on whole chunks (they tile the columns themselves)."""
+
     reads_stored_cache = True
 
     def block_columns(self, configured: int, local_columns: int) -> int:
@@ -53,13 +57,12 @@ class TritonBlockMath:
     def stage_logit_grads(
         self,
         plan: LossPlan,
-        row_constants: Tensor,
-        names: tuple[str, ...],
+        rows: GradRows,
         student: Tensor,
         teacher: Tensor | None,
         labels: Tensor,
         col_start: int,
-        out: tuple[Tensor, Tensor | None],
+        out: LogitGrads,
     ) -> None:
         terms = ops.GradTerms(
             student_ce=plan.student_ce_weight > 0,
@@ -77,9 +80,9 @@ class TritonBlockMath:
             teacher,
             labels,
             col_start,
-            row_constants,
-            names,
+            rows.packed,
+            rows.names,
             temperatures,
             plan.logit_grad_weights,
-            out,
+            (out.student, out.teacher),
         )

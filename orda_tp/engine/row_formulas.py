@@ -28,12 +28,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from torch import Tensor
+
 from ..divergences import Divergence, DivergenceParams
 from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, row_names, where
 from ..plan import LossPlan
-from ..records import LogitFamily
+from ..records import LogitFamily, PartitionRecord
 
-__all__ = ["RowProgram", "finish_step", "grad_row_names", "grad_step", "is_set", "partition_step"]
+__all__ = [
+    "RowProgram",
+    "StepKey",
+    "divergence_row_names",
+    "finish_step",
+    "grad_row_names",
+    "grad_step",
+    "is_set",
+    "partition_inputs",
+    "partition_scalars",
+    "partition_step",
+]
 
 NEG_INF = float("-inf")
 NAN = float("nan")
@@ -49,8 +62,9 @@ class RowProgram:
     outputs: tuple[str, ...]
     exprs: tuple[Expr, ...]
 
-    def index(self, name: str) -> int:
-        return self.outputs.index(name)
+    def columns(self, packed: Tensor) -> dict[str, Tensor]:
+        """The program's (rows, outputs) result as each output's (rows,) view, by name."""
+        return {name: packed[:, j] for j, name in enumerate(self.outputs)}
 
 
 def is_set(flag: Expr) -> Expr:
@@ -66,6 +80,13 @@ def record_inputs(num_families: int) -> list[str]:
     """Names of the packed record's columns (:meth:`PartitionRecord.pack` order)."""
     f = num_families
     return [f"m{i}" for i in range(f)] + [f"z{i}" for i in range(f)] + ["s_y", "t_y", "hits"]
+
+
+def partition_inputs(record: PartitionRecord) -> dict[str, Tensor]:
+    """The merged record's columns as the inputs of :func:`partition_step`, by name (views)."""
+    columns = [record.maxes, record.sumexps, record.target_logits, record.label_hits[:, None]]
+    names = iter(record_inputs(record.maxes.shape[1]))
+    return {next(names): column[:, j] for column in columns for j in range(column.shape[1])}
 
 
 @dataclass(frozen=True)

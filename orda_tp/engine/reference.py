@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..divergences import DivergenceParams
 from ..plan import LossPlan
-from .head import statistics_dtype
+from .logits import statistics_dtype
 
 __all__ = ["reference_loss", "reference_divergence"]
 

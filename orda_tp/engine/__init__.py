@@ -1,5 +1,15 @@
-"""Backends: ``reference`` (full logits, the oracle), ``torch`` (chunked), ``triton`` (chunked, with
-generated Triton kernels for the per-block math)."""
+"""The engine: the backends that compute a loss, and the row walk they share.
+
+Backends: ``reference`` (full logits, the oracle: :mod:`.reference`), ``torch`` and ``triton``
+(chunked: rows in chunks, columns in blocks, never a (BT, V) tensor), which differ only in their
+per-block math (:mod:`.torch_math`, :mod:`.triton_math`).
+
+- :mod:`.row_walk`: the one row walker of the fused path and the logits-level losses; it reads
+  logits blocks from :mod:`.logits` and runs a chunk's statistics rounds (:mod:`.rounds`), whose
+  row steps are the programs of :mod:`.row_formulas`, unpacked into :mod:`.stats`.
+- :mod:`.fused`: the fused loss's autograd Function (logits from hidden states and head weights,
+  :mod:`.head`), with its row groups' gradient GEMMs (:mod:`.fused_grads`, :mod:`.gemm`).
+"""
 
 from __future__ import annotations
 
@@ -46,6 +56,6 @@ def block_math_of(backend: str) -> BlockMath:
         from .triton_math import TritonBlockMath
 
         return TritonBlockMath()
-    from .block_math import TorchBlockMath
+    from .torch_math import TorchBlockMath
 
     return TorchBlockMath()

@@ -1,0 +1,76 @@
+"""The per-block math of a row walk: how one block of logits becomes a round-1 record, round-2
+sums and logit gradients, and how a row step runs.
+
+The walk (row chunks, column blocks, record exchange) is the same for every backend; the block
+math differs: torch ops (:class:`.torch_math.TorchBlockMath`) or generated Triton kernels
+(:class:`.triton_math.TritonBlockMath`). Both read the same variant formulas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from torch import Tensor
+
+from ..plan import LossPlan
+from ..records import LogitFamily, PartitionRecord
+from .logits import LogitGrads
+from .row_formulas import RowProgram
+from .stats import GradRows
+
+__all__ = ["BlockMath"]
+
+
+class BlockMath(Protocol):
+    #: Whether stored logits (a teacher cache, the logits-level losses' inputs) may arrive as
+    #: stored (bf16/fp16 views) instead of converted to the statistics dtype.
+    reads_stored_cache: bool
+
+    def block_columns(self, configured: int, local_columns: int) -> int:
+        """Columns per block: the configured size, or more where blocks create no temporaries."""
+        ...
+
+    def partition(
+        self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
+    ) -> PartitionRecord:
+        """Round-1 record of a block whose first column is global column ``col_start``."""
+        ...
+
+    def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
+        """Merge (S, rows, 2F+3) contiguous packed records (the shards' gathered records)."""
+        ...
+
+    def kl_sums(
+        self,
+        plan: LossPlan,
+        student: Tensor,
+        teacher: Tensor,
+        labels: Tensor,
+        col_start: int,
+        lse_u: Tensor,
+        lse_v: Tensor,
+    ) -> Tensor:
+        """(rows, num_sums) round-2 sums of the plan's variant over the block."""
+        ...
+
+    def rows(
+        self, program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
+    ) -> Tensor:
+        """Run a row program: ``values`` maps its inputs to (rows,) tensors (any stride),
+        ``scalars`` its scalars to floats; (rows, outputs) in ``like``'s dtype."""
+        ...
+
+    def stage_logit_grads(
+        self,
+        plan: LossPlan,
+        rows: GradRows,
+        student: Tensor,
+        teacher: Tensor | None,
+        labels: Tensor,
+        col_start: int,
+        out: LogitGrads,
+    ) -> None:
+        """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is not None) of the block
+        into the views ``out``, in their dtype, from the chunk's gradient row constants."""
+        ...

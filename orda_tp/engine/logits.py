@@ -1,0 +1,171 @@
+"""Where a chunk's logits come from, block by block over this device's columns.
+
+A row walk (:mod:`.row_walk`) asks a :class:`LogitsSource` for the student and teacher logits of
+rows ``[begin, end)`` on each column block ``[start, stop)``:
+
+- :class:`StoredLogits`: logits held in memory (a teacher cache, or the logits a caller holds),
+  sliced per block;
+- :class:`HeadLogits`: ``hidden · weight_blockᵀ`` formed per block, never all at once;
+- :class:`TiedLogits`: a tied head, whose student and teacher rows are stacked once per chunk so
+  that one GEMM per block serves both sides.
+
+:class:`PairedLogits` pairs a student side with a teacher side (or none). Logits are formed in
+the statistics dtype (:func:`statistics_dtype`), never rounded to bf16/fp16 first
+(:func:`.gemm.logits_mm`); stored logits arrive either converted to it or as stored, for block
+math that upcasts them itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .gemm import logits_mm
+
+__all__ = [
+    "ColumnRange",
+    "HeadLogits",
+    "LogitGrads",
+    "LogitsBlock",
+    "LogitsSource",
+    "PairedLogits",
+    "SideLogits",
+    "StoredLogits",
+    "TiedLogits",
+    "column_blocks",
+    "statistics_dtype",
+    "stored_logits_block",
+]
+
+ColumnRange = tuple[int, int]  # half-open local columns [start, stop)
+
+
+def statistics_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """fp64 when any input is fp64 (the oracle's precision), fp32 otherwise."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def column_blocks(num_columns: int, block: int) -> list[ColumnRange]:
+    """Half-open local column ranges of at most ``block`` columns covering ``[0, num_columns)``."""
+    return [(start, min(start + block, num_columns)) for start in range(0, num_columns, block)]
+
+
+@dataclass(frozen=True)
+class LogitsBlock:
+    """A chunk's logits on local columns ``[start, stop)``: ``student``, and ``teacher`` (None when
+    the call reads no teacher logits)."""
+
+    start: int
+    stop: int
+    student: Tensor
+    teacher: Tensor | None
+
+
+@dataclass(frozen=True)
+class LogitGrads:
+    """Where one block's logit gradients go (views): ``student``, and ``teacher`` when the teacher
+    is trained (else None)."""
+
+    student: Tensor
+    teacher: Tensor | None
+
+
+class SideLogits(Protocol):
+    """One side's logits."""
+
+    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
+        """Rows ``[begin, end)`` on local columns ``[start, stop)``: in ``dtype``, or as stored when
+        ``as_stored`` and the side stores them."""
+        ...
+
+
+class LogitsSource(Protocol):
+    """Both sides' logits of a row chunk."""
+
+    def blocks(
+        self, begin: int, end: int, columns: Sequence[ColumnRange], dtype: torch.dtype, as_stored: bool
+    ) -> list[LogitsBlock]:
+        """The blocks of rows ``[begin, end)`` over the column ranges ``columns``, in order."""
+        ...
+
+
+def stored_logits_block(
+    logits: Tensor, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
+) -> Tensor:
+    """Rows ``[begin, end)`` and local columns ``[start, stop)`` of stored logits, detached: a view
+    in the stored dtype when ``as_stored`` (unit column stride, as the Triton kernels read it: a
+    copy of the block otherwise), else in ``dtype``. Only the block is ever copied, never the
+    whole tensor."""
+    block = logits.detach()[begin:end, start:stop]
+    if not as_stored:
+        return block.to(dtype)
+    return block if block.stride(1) == 1 or block.shape[1] <= 1 else block.contiguous()
+
+
+@dataclass(frozen=True)
+class StoredLogits:
+    """Logits held in memory, (rows, local columns)."""
+
+    logits: Tensor
+
+    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
+        return stored_logits_block(self.logits, begin, end, start, stop, dtype, as_stored)
+
+
+@dataclass(frozen=True)
+class HeadLogits:
+    """Logits ``hidden · weightᵀ`` formed block by block: ``hidden`` (rows, D), ``weight`` (local
+    columns, D)."""
+
+    hidden: Tensor
+    weight: Tensor
+
+    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
+        return logits_mm(self.hidden.detach()[begin:end], self.weight.detach()[start:stop], dtype)
+
+
+@dataclass(frozen=True)
+class PairedLogits:
+    """A student side and a teacher side (None: no teacher logits), each formed on its own."""
+
+    student: SideLogits
+    teacher: SideLogits | None
+
+    def blocks(
+        self, begin: int, end: int, columns: Sequence[ColumnRange], dtype: torch.dtype, as_stored: bool
+    ) -> list[LogitsBlock]:
+        teacher = self.teacher
+        return [
+            LogitsBlock(
+                start,
+                stop,
+                self.student.block(begin, end, start, stop, dtype, as_stored),
+                None if teacher is None else teacher.block(begin, end, start, stop, dtype, as_stored),
+            )
+            for start, stop in columns
+        ]
+
+
+@dataclass(frozen=True)
+class TiedLogits:
+    """Student and teacher rows through one head ``weight``: per chunk the rows are stacked once,
+    and per block one GEMM ``[h_s; h_t] · weight_blockᵀ`` gives both sides' logits."""
+
+    student_hidden: Tensor
+    teacher_hidden: Tensor
+    weight: Tensor
+
+    def blocks(
+        self, begin: int, end: int, columns: Sequence[ColumnRange], dtype: torch.dtype, as_stored: bool
+    ) -> list[LogitsBlock]:
+        stacked = torch.cat([self.student_hidden.detach()[begin:end], self.teacher_hidden.detach()[begin:end]])
+        rows = end - begin
+        blocks = []
+        for start, stop in columns:
+            both = logits_mm(stacked, self.weight.detach()[start:stop], dtype)
+            blocks.append(LogitsBlock(start, stop, both[:rows], both[rows:]))
+        return blocks

@@ -1,0 +1,100 @@
+"""A chunk's per-row statistics, and the per-row constants of its logit gradients, by name.
+
+The row steps (:mod:`.row_formulas`) each produce one (rows, K) tensor; the chunk's rounds
+(:mod:`.rounds`) unpack it once into the fields below (views of it), so nothing downstream
+looks a statistic up by name. Flags are stored as 1.0/0.0. The variant's finalize constants
+stay a mapping keyed by the names its gradient expressions read (the variant's own namespace).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .row_formulas import RowProgram
+
+__all__ = ["GradRows", "KLRowStats", "RowStats"]
+
+
+@dataclass(frozen=True)
+class KLRowStats:
+    """The KL term's per-row statistics, ``u = s/T_s``, ``v = t/T_t``.
+
+    ``lse_u = LSE(u)``, ``lse_v = LSE(v)`` (0 on absent rows); ``logp_y = s_y/T_s − LSE(u)``,
+    ``logq_y = t_y/T_t − LSE(v)``; ``divergence = max(D, 0)`` (without ``T_s²``; 0 on absent
+    rows, NaN on unowned ones); ``keep``: whether the row's KL gradient is formed (teacher
+    present and ``D ≠ +inf``); ``consts``: the variant's finalize constants.
+    """
+
+    lse_u: Tensor
+    lse_v: Tensor
+    logp_y: Tensor
+    logq_y: Tensor
+    divergence: Tensor
+    keep: Tensor
+    consts: Mapping[str, Tensor]
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row statistics of a chunk: everything the gradient needs besides logits.
+
+    ``log_partitions``: (rows, F) ``LSE`` of each logit family in ``plan.families`` order;
+    ``owned``: exactly one column owns the row's label; ``absent``: the teacher's logits are all
+    ``−inf`` (None without teacher logits); ``student_ce``, ``teacher_ce``, ``kl``: the per-row
+    loss components (``kl`` includes ``T_s²``; each NaN on rows whose label no column owns);
+    ``kl_stats``: the KL term's statistics (None without a KL term).
+    """
+
+    log_partitions: Tensor
+    owned: Tensor
+    absent: Tensor | None
+    student_ce: Tensor
+    teacher_ce: Tensor
+    kl: Tensor
+    kl_stats: KLRowStats | None
+
+
+@dataclass(frozen=True)
+class GradRows:
+    """The per-row constants of a chunk's logit gradients (:func:`.row_formulas.grad_step`).
+
+    ``scale``: the upstream gradient (÷ N for "mean"; 0 on ignored rows, NaN on unowned ones);
+    ``lse_s``: ``LSE(s)`` of the student's CE; ``lse_t``, ``c_ce_t``: ``LSE(t)`` and the
+    coefficient ``w_t·scale`` of the teacher's CE when it trains the teacher (both 0 on absent
+    rows); ``lse_u``, ``lse_v``, ``keep``: the KL term's (:class:`KLRowStats`); ``consts``: the
+    variant's finalize constants. Each field is None where the call has no such term.
+    ``packed`` holds them all as the columns ``names`` of one (rows, len(names)) tensor, the
+    layout the gradient kernel reads.
+    """
+
+    packed: Tensor
+    names: tuple[str, ...]
+    scale: Tensor
+    lse_s: Tensor | None
+    lse_t: Tensor | None
+    c_ce_t: Tensor | None
+    lse_u: Tensor | None
+    lse_v: Tensor | None
+    keep: Tensor | None
+    consts: Mapping[str, Tensor]
+
+    @staticmethod
+    def unpack(program: RowProgram, packed: Tensor, const_names: Sequence[str]) -> GradRows:
+        """The fields of the grad step ``program``'s result ``packed``; ``const_names``: the
+        variant's constants among its outputs."""
+        columns = program.columns(packed)
+        return GradRows(
+            packed=packed,
+            names=program.outputs,
+            scale=columns["scale"],
+            lse_s=columns.get("lse_s"),
+            lse_t=columns.get("lse_t"),
+            c_ce_t=columns.get("c_ce_t"),
+            lse_u=columns.get("lse_u"),
+            lse_v=columns.get("lse_v"),
+            keep=columns.get("keep"),
+            consts={name: columns[name] for name in const_names},
+        )

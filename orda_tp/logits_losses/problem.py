@@ -1,0 +1,77 @@
+"""The logits-level losses' problem: what the row walk (:mod:`orda_tp.engine.row_walk`) reads
+besides the logits, and the rows per chunk.
+
+The walk is the fused path's, reading logits blocks instead of forming them from hidden states:
+each column block of the student's logits (and the teacher's: stored too, or
+``hidden · weight_blockᵀ``) feeds the same block math, the records merge through the same
+exchange (identity on one device, one all-gather per round across a tensor-parallel group) and
+the same row steps finalize the rows. Nothing here knows the variant or the number of ranks.
+
+Memory: the torch backend converts one chunk's blocks to the statistics dtype (``chunk_rows ×
+V_local`` values per side, none for fp32/fp64 logits, which are read in place); the Triton kernels
+read the stored logits (bf16 included) tile by tile and upcast in registers: no fp32 copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..engine import block_math_of, select_backend
+from ..engine.logits import LogitsSource
+from ..engine.row_walk import RowRange, RowWalk, row_ranges, walk_rows
+from ..engine.stats import RowStats
+from ..exchange import LocalExchange
+from ..options import LogitsOptions
+from ..parallel.layout import VocabLayout
+from ..parallel.shard_exchange import ShardExchange
+from ..plan import LossPlan
+
+__all__ = ["LogitsProblem", "build_problem", "row_statistics"]
+
+
+@dataclass(frozen=True)
+class LogitsProblem:
+    """Everything of a call besides the logits: the walk's inputs (``walk.labels``: (rows,) labels
+    as the statistics read them, each valid row's label column owned by exactly one rank;
+    ``walk.valid``: (rows,) rows that count) and ``chunk_rows``, rows per chunk, the same on every
+    rank of a group (it sets the collectives)."""
+
+    walk: RowWalk
+    chunk_rows: int
+
+    def chunks(self) -> list[RowRange]:
+        return row_ranges(0, self.walk.labels.shape[0], self.chunk_rows)
+
+
+def build_problem(
+    options: LogitsOptions,
+    plan: LossPlan,
+    labels: Tensor,
+    valid: Tensor,
+    group: dist.ProcessGroup | None,
+    layout: VocabLayout,
+    dtype: torch.dtype,
+) -> LogitsProblem:
+    """The problem of a call: its exchange (local, or across ``group``), block math (the backend
+    selected for ``dtype`` on the labels' device) and rows per chunk (``options.chunk_rows``, or
+    as many as fit the default workspace of fp32 student and teacher rows, sized from the widest
+    shard so that every rank walks the same chunks)."""
+    chunk_rows = options.chunk_rows
+    if chunk_rows == 0:
+        rows, columns = labels.shape[0], layout.max_local_columns
+        chunk_rows = options.config.row_layout(rows, columns, 2 * dtype.itemsize, 0, layout.world_size).chunk_rows
+    exchange = LocalExchange() if group is None else ShardExchange(group, sequence_parallel=False, local_error=None)
+    math = block_math_of(select_backend(options.backend, labels.device, dtype))
+    return LogitsProblem(RowWalk(plan, labels, valid, exchange, layout, math), chunk_rows)
+
+
+def row_statistics(problem: LogitsProblem, source: LogitsSource, dtype: torch.dtype) -> list[RowStats]:
+    """Each chunk's finalized row statistics, in row order, and the end of the call's exchange
+    (a chunk's blocks live only while its statistics are formed)."""
+    walked = walk_rows(problem.walk, source, problem.chunks(), dtype)
+    problem.walk.exchange.finish(torch.empty(0, dtype=dtype, device=problem.walk.labels.device))
+    return walked
