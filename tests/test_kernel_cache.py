@@ -8,6 +8,7 @@ touched.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import multiprocessing
 import os
@@ -30,6 +31,7 @@ from orda_tp.kernels.cache import CACHE_ENV, kernel_cache_dir, load_generated_mo
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OTHER_UID = 65534  # "nobody"
 TEXT = 'VALUE = "verified"\n\n\ndef double(x):\n    return 2 * x\n'
+STEM = "example"
 TAMPERED = "tampered by another writer"
 
 
@@ -52,14 +54,14 @@ def planted_code(marker: Path) -> str:
 
 
 def only_cached_file(directory: Path) -> Path:
-    [path] = directory.glob("orda_tp_*.py")
+    [path] = directory.glob(f"{STEM}_*.py")
     return path
 
 
 def reload_text() -> ModuleType:
     """Load ``TEXT`` again as a new process would (the in-process module table emptied first)."""
     cache._MODULES.clear()
-    return load_generated_module(TEXT)
+    return load_generated_module(TEXT, STEM)
 
 
 @pytest.mark.parametrize("home", ["xdg", "home"])
@@ -82,13 +84,25 @@ def test_default_location_is_a_0o700_directory_under_the_users_cache_home(
 
 
 def test_a_module_runs_from_a_private_content_addressed_file(cache_path: Path) -> None:
-    module = load_generated_module(TEXT)
+    module = load_generated_module(TEXT, STEM)
     path = only_cached_file(cache_path)
     assert module.VALUE == "verified" and module.double(3) == 6
     assert module.__file__ == str(path) and path.read_text() == TEXT
     assert mode(cache_path) == 0o700 and mode(path) == 0o600
-    assert load_generated_module(TEXT) is module
+    assert load_generated_module(TEXT, STEM) is module
     assert [p.name for p in cache_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_file_names_say_what_they_hold_and_the_hash_of_their_text(cache_path: Path) -> None:
+    """``<stem>_<the first 12 hex digits of the text's SHA-256>.py``; another text under the same
+    stem is another file, and a stem is letters, digits and underscores only."""
+    load_generated_module(TEXT, "sums_terms_reverse")
+    load_generated_module(TEXT + "# another text\n", "sums_terms_reverse")
+    digests = [hashlib.sha256(text.encode()).hexdigest()[:12] for text in (TEXT, TEXT + "# another text\n")]
+    assert sorted(p.name for p in cache_path.iterdir()) == sorted(f"sums_terms_reverse_{d}.py" for d in digests)
+    for stem in ("", "../escape", "with space", "dots.py", "x" * 65):
+        with pytest.raises(ValueError, match="kernel cache file stem"):
+            load_generated_module(TEXT, stem)
 
 
 @pytest.mark.parametrize("loose_mode", [0o777, 0o770, 0o702], ids=oct)
@@ -100,7 +114,7 @@ def test_refuses_a_directory_that_others_can_write(cache_path: Path, loose_mode:
         f"run `chmod 700 {cache_path}` or set ORDA_TP_KERNEL_CACHE to a directory of your own"
     )
     with pytest.raises(PermissionError, match=re.escape(message)):
-        load_generated_module(TEXT)
+        load_generated_module(TEXT, STEM)
     assert list(cache_path.iterdir()) == []
     assert mode(cache_path) == loose_mode  # refused, not silently tightened
 
@@ -114,7 +128,7 @@ def test_refuses_a_directory_owned_by_another_user(cache_path: Path) -> None:
         "set ORDA_TP_KERNEL_CACHE to a directory of your own"
     )
     with pytest.raises(PermissionError, match=re.escape(message)):
-        load_generated_module(TEXT)
+        load_generated_module(TEXT, STEM)
     assert list(cache_path.iterdir()) == []
 
 
@@ -123,19 +137,19 @@ def test_refuses_a_symlinked_directory(cache_path: Path, tmp_path: Path) -> None
     target.mkdir(mode=0o700)
     cache_path.symlink_to(target)
     with pytest.raises(PermissionError, match=re.escape(f"kernel cache directory {cache_path} is a symbolic link")):
-        load_generated_module(TEXT)
+        load_generated_module(TEXT, STEM)
     assert list(target.iterdir()) == []
 
 
 def test_refuses_a_file_in_place_of_the_directory(cache_path: Path) -> None:
     cache_path.write_text("")
     with pytest.raises(NotADirectoryError, match=re.escape(f"kernel cache directory {cache_path} is not a directory")):
-        load_generated_module(TEXT)
+        load_generated_module(TEXT, STEM)
 
 
 @pytest.mark.parametrize("tamper", ["append", "truncate", "loosen"])
 def test_a_tampered_cached_file_is_not_executed_and_is_rewritten(cache_path: Path, tmp_path: Path, tamper: str) -> None:
-    load_generated_module(TEXT)
+    load_generated_module(TEXT, STEM)
     path = only_cached_file(cache_path)
     marker = tmp_path / "marker"
     if tamper == "append":
@@ -153,7 +167,7 @@ def test_a_tampered_cached_file_is_not_executed_and_is_rewritten(cache_path: Pat
 
 
 def test_a_symlinked_cached_file_is_replaced_not_followed(cache_path: Path, tmp_path: Path) -> None:
-    load_generated_module(TEXT)
+    load_generated_module(TEXT, STEM)
     path = only_cached_file(cache_path)
     marker = tmp_path / "marker"
     victim = tmp_path / "victim.py"
@@ -171,7 +185,7 @@ def test_a_planted_bytecode_file_is_never_imported(cache_path: Path, tmp_path: P
     """An unchecked-hash ``.pyc`` beside the source is what ``import`` would run without looking
     at the source; the loader never imports, so it is ignored (and the intact source raises no
     warning)."""
-    load_generated_module(TEXT)
+    load_generated_module(TEXT, STEM)
     path = only_cached_file(cache_path)
     marker = tmp_path / "marker"
     planted = tmp_path / "planted.py"
@@ -188,21 +202,29 @@ def test_a_planted_bytecode_file_is_never_imported(cache_path: Path, tmp_path: P
     assert not marker.exists() and module.VALUE == "verified"
 
 
+SCALE_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < n
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=ok) * 0.375, mask=ok)
+"""
+
+
 def test_triton_compiles_the_verified_text_even_if_the_file_changes_after_loading(cache_path: Path) -> None:
     """``@triton.jit`` reads its source through ``inspect``/``linecache`` (under the interpreter, at
     the first launch): it must see the verified text, not a file edited after the check."""
-    from orda_tp.kernels.ops import SCALE_BLOCK, scale_in_place
-    from orda_tp.kernels.templates import SCALE_TEMPLATE, load_kernel_module
-
-    load_kernel_module(SCALE_TEMPLATE)
-    path = only_cached_file(cache_path)
-    text = path.read_text()
-    assert "(x.to(tl.float32) * scale)" in text
-    path.write_text(text.replace("(x.to(tl.float32) * scale)", "(x.to(tl.float32) * scale + 1000.0)"))
+    module = load_generated_module(SCALE_KERNEL, "scale_example")
+    [path] = cache_path.glob("scale_example_*.py")
+    path.write_text(SCALE_KERNEL.replace("* 0.375", "* 0.375 + 1000.0"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    values = torch.randn(SCALE_BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(device)
+    values = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(device)
     expected = values * 0.375
-    scale_in_place([values], torch.tensor(0.375, device=device))
+    module.scale_kernel[(3,)](values, values.numel(), BLOCK=128)
     torch.testing.assert_close(values, expected, rtol=0.0, atol=0.0)
 
 
@@ -216,7 +238,7 @@ def _load_each_text_together(barrier: Barrier, texts: list[str]) -> None:
             barrier.wait(timeout=60)
             for _ in range(5):
                 cache._MODULES.clear()
-                assert load_generated_module(text).VALUE == int(text.split()[2])
+                assert load_generated_module(text, "concurrent").VALUE == int(text.split()[2])
     except BaseException:
         barrier.abort()  # the other children stop at their next wait instead of timing out
         raise
@@ -265,7 +287,7 @@ def run_loss_in_a_fresh_process() -> subprocess.CompletedProcess[str]:
 def test_a_fresh_process_runs_correct_kernels_from_a_tampered_cache(cache_path: Path, tmp_path: Path) -> None:
     first = run_loss_in_a_fresh_process()
     assert first.returncode == 0, first.stderr
-    files = sorted(cache_path.glob("orda_tp_*.py"))
+    files = sorted(cache_path.glob("*.py"))
     assert files, "the triton backend wrote no kernel source"
     originals = [path.read_text() for path in files]
     marker = tmp_path / "marker"

@@ -1,4 +1,4 @@
-"""The generated Triton kernels (``backend="triton"``) against the fp64 reference.
+"""The Triton kernels (``backend="triton"``) against the fp64 reference.
 
 On a machine without a GPU they run under Triton's interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1``), on small shapes. fp16 and bf16 inputs are compared with the reference
@@ -13,6 +13,8 @@ import torch
 
 import orda_tp
 from orda_tp import KL_VARIANTS
+from orda_tp.divergences.expr import equal, evaluate_rows, greater, log, row, where
+from orda_tp.records import LogitFamily, block_partition_record, merge_stacked_partition_records
 
 from .cases import (
     COTRAINED,
@@ -145,3 +147,81 @@ def test_in_place_scaling_kernel(dtype: torch.dtype) -> None:
     rtol = 2.0**-7 if dtype == torch.bfloat16 and not torch.cuda.is_available() else 0.0
     for actual, wanted in zip((values, matrix), expected):
         torch.testing.assert_close(actual, wanted, rtol=rtol, atol=0.0)
+
+
+# The launches one by one against the torch block math, on blocks wider than one column split
+# (300 columns: three splits of 128 under the interpreter, merged by the merge kernel).
+FAMILY_SETS = {
+    "student": (LogitFamily("student", 1.0),),
+    "both": (LogitFamily("student", 2.0), LogitFamily("teacher", 1.5)),
+    "four": (
+        LogitFamily("teacher", 1.5),
+        LogitFamily("student", 0.7),
+        LogitFamily("teacher", 1.0),
+        LogitFamily("student", 1.0),
+    ),
+}
+
+
+def block_logits(rows: int, cols: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    student, teacher = (torch.randn(2, rows, cols, generator=generator) * 3).to(dtype)
+    student[3, 5:9] = float("-inf")
+    teacher[2, :40] = float("-inf")
+    teacher[5] = float("-inf")
+    return student, teacher
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("families", FAMILY_SETS)
+def test_partition_kernel_gives_the_torch_record(families: str, dtype: torch.dtype) -> None:
+    from orda_tp.kernels import ops
+
+    student, teacher = block_logits(21, 300, dtype, stable_seed(families, str(dtype)))
+    col_start = 50
+    labels = torch.randint(col_start, col_start + 300, (21,), generator=torch.Generator().manual_seed(1))
+    labels[::4] = -100
+    labels[1], labels[2], labels[3] = col_start - 1, col_start + 300, col_start + 299
+    with_teacher = families != "student"
+    other = teacher if with_teacher else None
+    actual = ops.partition_record(student, other, labels, col_start, FAMILY_SETS[families])
+    expected = block_partition_record(
+        student.float(), None if other is None else other.float(), labels, col_start, FAMILY_SETS[families]
+    )
+    assert torch.equal(actual.label_hits, expected.label_hits)
+    assert torch.equal(actual.target_logits, expected.target_logits)
+    # x·(1/T) against x/T, and another order of the sums: a few fp32 roundings apart
+    torch.testing.assert_close(actual.maxes, expected.maxes, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(actual.sumexps, expected.sumexps, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("num_families", [1, 2, 4])
+def test_merge_kernel_gives_the_torch_merge(num_families: int) -> None:
+    from orda_tp.kernels import ops
+
+    stacked = torch.randn(5, 37, 2 * num_families + 3, generator=torch.Generator().manual_seed(num_families))
+    stacked[:, 3, :num_families] = float("-inf")  # a row empty in every split
+    stacked[1, 8, 0] = float("-inf")  # one empty split
+    actual = ops.merge_stacked_records(stacked, num_families).pack()
+    expected = merge_stacked_partition_records(stacked, num_families).pack()
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_row_kernel_gives_the_torch_row_formulas() -> None:
+    from orda_tp.kernels import ops
+
+    m, z, flag, upstream = row("m"), row("z"), row("flag"), row("upstream")
+    lse = where(equal(m, float("-inf")), 0.0, m) + log(z)
+    exprs = (lse, where(greater(flag, 0.5), lse * row("t"), float("nan")), upstream * row("t"), flag)
+    generator = torch.Generator().manual_seed(0)
+    values = {
+        "m": torch.randn(2, 300, generator=generator)[1],  # a strided view
+        "z": torch.rand(300, generator=generator) + 0.5,
+        "flag": torch.rand(300, generator=generator) > 0.3,  # booleans, read as 0/1
+        "upstream": torch.tensor(0.75).expand(300),  # stride 0
+    }
+    values["m"][::7] = float("-inf")
+    like = torch.empty(0)
+    actual = ops.row_program(("m", "z", "flag", "upstream"), ("t",), exprs, values, {"t": 1.5}, like)
+    expected = evaluate_rows(exprs, {**values, "t": torch.full((300,), 1.5)}, like)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=0.0, equal_nan=True)  # log: an ulp apart

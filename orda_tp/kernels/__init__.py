@@ -1,8 +1,13 @@
-"""Generated Triton kernels for the per-block statistics and logit gradients.
+"""Triton kernels for the per-block statistics and logit gradients.
 
-The kernels are compiled from the variants' expression trees (:mod:`.codegen`,
-:mod:`.templates`) and launched by :mod:`.ops`. They run on CUDA devices, and on the CPU under
-Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
+One kernel per file, each an ordinary ``@triton.jit`` function specialized by ``tl.constexpr``
+switches: :mod:`.partition` (round 1 and the merge of records), :mod:`.sums` (round 2),
+:mod:`.grads` (the logit gradients), :mod:`.rows` (a row step between the passes) and
+:mod:`.scale`; :mod:`.block_io` holds how they walk a block. What differs between variants, and
+between row steps, is generated from the expression trees (:mod:`.variant_terms`) into functions
+that the kernels are passed. :mod:`.ops` launches them; :func:`print_kernel` prints any kernel
+with the functions it is passed. They run on CUDA devices, and on the CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, used by the tests).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import os
 
 import torch
 
-__all__ = ["is_available", "unavailable_reason"]
+from .source import kernel_source, print_kernel
+
+__all__ = ["is_available", "kernel_source", "print_kernel", "unavailable_reason"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -1,7 +1,9 @@
 """A private per-user directory for generated kernel sources, and modules run from verified text.
 
 Triton reads a ``@triton.jit`` function's source through ``inspect.getsource``, so each generated
-module is kept as a real file, ``orda_tp_<hash>.py`` (the hash of its text), in the kernel cache:
+module (:mod:`.variant_terms`) is kept as a real file in the kernel cache, named by what it holds
+and the first 12 hex digits of its text's SHA-256 (``<hash>``): ``sums_terms_reverse_<hash>.py``,
+``grads_student_reverse_<hash>.py``, ``rows_m0_m1_z0_z1_s_y_t_y_hits_<hash>.py``.
 
 - **Location.** ``$ORDA_TP_KERNEL_CACHE`` when set, else ``$XDG_CACHE_HOME/orda_tp/kernels``
   (``~/.cache/orda_tp/kernels`` without an absolute ``XDG_CACHE_HOME``). Directories that do not
@@ -29,6 +31,7 @@ import contextlib
 import hashlib
 import linecache
 import os
+import re
 import stat
 import tempfile
 import warnings
@@ -41,7 +44,9 @@ CACHE_ENV = "ORDA_TP_KERNEL_CACHE"
 PRIVATE_DIR_MODE = 0o700
 WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
-_MODULES: dict[str, ModuleType] = {}  # the modules executed in this process, by text hash
+_MODULES: dict[str, ModuleType] = {}  # the modules executed in this process, by the SHA-256 of their text
+DIGEST_CHARS = 12  # of the SHA-256, in a file name
+STEM = re.compile(r"[A-Za-z0-9_]{1,64}")
 
 
 def _location() -> Path:
@@ -99,16 +104,20 @@ def _check_private_dir(path: Path) -> None:
         )
 
 
-def load_generated_module(text: str) -> ModuleType:
+def load_generated_module(text: str, stem: str) -> ModuleType:
     """The module that ``text`` defines, executed from ``text`` itself (once per process) after
-    ``<kernel cache>/orda_tp_<hash>.py`` was checked to hold exactly ``text`` or rewritten."""
+    ``<kernel cache>/<stem>_<hash>.py`` was checked to hold exactly ``text`` or rewritten.
+    ``stem`` says what the module holds: letters, digits and underscores, at most 64."""
+    if not STEM.fullmatch(stem):
+        raise ValueError(f"a kernel cache file stem is 1 to 64 letters, digits or underscores, got {stem!r}")
     data = text.encode()
-    digest = hashlib.sha256(data).hexdigest()[:20]
+    digest = hashlib.sha256(data).hexdigest()
     module = _MODULES.get(digest)
     if module is None:
-        path = kernel_cache_dir() / f"orda_tp_{digest}.py"
+        name = f"{stem}_{digest[:DIGEST_CHARS]}"
+        path = kernel_cache_dir() / f"{name}.py"
         _store(path, data)
-        module = _execute(text, path, f"orda_tp_generated_{digest}")
+        module = _execute(text, path, f"orda_tp_generated_{name}")
         _MODULES[digest] = module
     return module
 

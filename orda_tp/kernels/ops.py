@@ -1,36 +1,38 @@
-"""Launch the generated kernels on one block of logits (rows × columns, fp32).
+"""Launch the kernels on one block of logits (rows × columns; fp32 statistics).
 
 Each function mirrors one step of the torch block math (``orda_tp.backends.block_math``) and
-returns the same thing: a :class:`PartitionRecord`, the variant's (rows, num_sums) sums, or the
-logit gradients.
+returns the same thing: a :class:`PartitionRecord`, the variant's (rows, num_sums) sums, the logit
+gradients or a row step's outputs. The kernels are :mod:`.partition`, :mod:`.sums`,
+:mod:`.grads`, :mod:`.rows` and :mod:`.scale`; the variant's formulas reach them as generated
+functions (:mod:`.variant_terms`). A kernel is specialized on its ``tl.constexpr`` arguments
+(the families' sides, the variant and its parameters, the gradient terms and the row constants
+they read, the row step), never on the row count or the first column, so a new sequence length
+(or a last, shorter chunk) compiles nothing.
+
+Column splits (``program_id(1)``, :mod:`.tiles`) give enough programs for short, wide blocks;
+their partial records and sums are merged here, with the merge of the tensor-parallel shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from functools import cache
-from types import ModuleType
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 from torch import Tensor
+from triton.runtime.jit import KernelInterface
 
 from ..divergences import Divergence, DivergenceParams
 from ..divergences.expr import Expr
-from ..records import LogitFamily, PartitionRecord
-from .codegen import compile_exprs
-from .templates import (
-    GRADS_TEMPLATE,
-    MERGE_TEMPLATE,
-    PARTITION_INIT,
-    PARTITION_STORE,
-    PARTITION_TEMPLATE,
-    PARTITION_UPDATE,
-    ROWS_TEMPLATE,
-    SCALE_TEMPLATE,
-    SUMS_TEMPLATE,
-    load_kernel_module,
-)
+from ..records import LogitFamily, PartitionRecord, block_partition_record
+from . import variant_terms
+from .grads import grads_kernel
+from .partition import merge_kernel, partition_kernel
+from .rows import rows_kernel
+from .scale import scale_kernel
+from .sums import sums_kernel
 from .tiles import grid, tiles_for
 
 __all__ = [
@@ -48,31 +50,11 @@ ROWS_BLOCK_R = 128
 SCALE_BLOCK = 4096
 
 
-def _indent(lines: Sequence[str], depth: int) -> str:
-    return "\n".join(" " * depth + line for line in lines)
-
-
-def _packed(source: str, families: int) -> str:
-    return source.replace("WIDTH", str(2 * families + 3)).replace("FAMILIES", str(families))
-
-
-@cache
-def _partition_module(sides: tuple[str, ...]) -> ModuleType:
-    families = len(sides)
-    source = PARTITION_TEMPLATE.format(
-        scale_args=" ".join(f"scale{f}," for f in range(families)),
-        init="\n".join(PARTITION_INIT.format(f=f) for f in range(families)),
-        update="\n".join(
-            PARTITION_UPDATE.format(f=f, side="s" if side == "student" else "t") for f, side in enumerate(sides)
-        ),
-        store="\n".join(PARTITION_STORE.format(f=f) for f in range(families)),
-    )
-    return load_kernel_module(_packed(source, families))
-
-
-@cache
-def _merge_module(families: int) -> ModuleType:
-    return load_kernel_module(_packed(MERGE_TEMPLATE, families))
+def _launch(kernel: KernelInterface[Any], launch_grid: tuple[int, ...]) -> Callable[..., object]:
+    """``kernel[launch_grid]``, called with torch tensors and Python numbers (the kernels'
+    annotations give their arguments' types inside the kernel)."""
+    launcher: Callable[..., object] = kernel[launch_grid]
+    return launcher
 
 
 def partition_record(
@@ -82,16 +64,12 @@ def partition_record(
     rows, cols = student.shape
     count = len(families)
     if count == 0:
-        from ..records import block_partition_record
-
         return block_partition_record(student, teacher, labels, col_start, families)
     tiles = tiles_for("partition", cols)
     launch, per_split = grid(tiles, rows, cols)
-    width = 2 * count + 3
-    partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
-    has_teacher = teacher is not None
+    partial = torch.empty(launch[1], rows, 2 * count + 3, dtype=torch.float32, device=student.device)
     other = student if teacher is None else teacher
-    _partition_module(tuple(f.side for f in families)).kernel[launch](
+    _launch(partition_kernel, launch)(
         student,
         other,
         labels,
@@ -102,8 +80,10 @@ def partition_record(
         other.stride(0),
         col_start,
         per_split,
-        *[1.0 / f.temperature for f in families],
-        HAS_T=has_teacher,
+        tuple(1.0 / family.temperature for family in families),
+        READS_TEACHER=tuple(family.side == "teacher" for family in families),
+        NUM_FAMILIES=count,
+        HAS_T=teacher is not None,
         BLOCK_R=tiles.block_r,
         BLOCK_C=tiles.block_c,
         num_warps=tiles.num_warps,
@@ -115,27 +95,13 @@ def partition_record(
 
 def merge_stacked_records(stacked: Tensor, num_families: int) -> PartitionRecord:
     """Merge (S, rows, 2F+3) contiguous fp32 packed records (column splits, or the shards'
-    gathered records) in one launch (see ``statistics.merge_stacked_partition_records``)."""
+    gathered records) in one launch (see ``records.merge_stacked_partition_records``)."""
     splits, rows, width = stacked.shape
     merged = torch.empty(rows, width, dtype=torch.float32, device=stacked.device)
-    _merge_module(num_families).kernel[(triton.cdiv(max(rows, 1), MERGE_BLOCK_R),)](
-        stacked, merged, rows, splits, BLOCK_R=MERGE_BLOCK_R
+    _launch(merge_kernel, (triton.cdiv(max(rows, 1), MERGE_BLOCK_R),))(
+        stacked, merged, rows, splits, NUM_FAMILIES=num_families, BLOCK_R=MERGE_BLOCK_R
     )
     return PartitionRecord.unpack(merged, num_families)
-
-
-@cache
-def _sums_module(divergence: Divergence, params: DivergenceParams) -> ModuleType:
-    exprs = divergence.column_terms(params)
-    lines, results = compile_exprs(exprs, "v")
-    count = len(exprs)
-    source = SUMS_TEMPLATE.format(
-        init=_indent([f"acc{k} = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)" for k in range(count)], 4),
-        body=_indent(lines, 8),
-        accumulate=_indent([f"acc{k} += tl.where(ok, {r} + tl.zeros_like(p), 0.0)" for k, r in enumerate(results)], 8),
-        store=_indent([f"tl.store(base + {k}, tl.sum(acc{k}, axis=1), mask=row_ok)" for k in range(count)], 4),
-    )
-    return load_kernel_module(source.replace("NUM_SUMS", str(count)))
 
 
 def variant_sums(
@@ -152,10 +118,12 @@ def variant_sums(
     """(rows, num_sums) round-2 sums of a block (see ``Divergence.block_sums``); ``lse_u``,
     ``lse_v``: fp32 (rows,), any stride."""
     rows, cols = student.shape
+    terms = variant_terms.column_terms(divergence, params)
+    assert terms.outputs == divergence.num_sums, (divergence.name, terms.outputs)
     tiles = tiles_for("sums", cols)
     launch, per_split = grid(tiles, rows, cols)
     out = torch.empty(launch[1], rows, divergence.num_sums, dtype=torch.float32, device=student.device)
-    _sums_module(divergence, params).kernel[launch](
+    _launch(sums_kernel, launch)(
         student,
         teacher,
         labels,
@@ -172,6 +140,8 @@ def variant_sums(
         per_split,
         1.0 / temperatures[0],
         1.0 / temperatures[1],
+        COLUMN_TERMS=terms.function,
+        NUM_SUMS=terms.outputs,
         HAS_T=True,
         BLOCK_R=tiles.block_r,
         BLOCK_C=tiles.block_c,
@@ -180,68 +150,31 @@ def variant_sums(
     return out[0] if launch[1] == 1 else out.sum(dim=0)
 
 
+@dataclass(frozen=True)
 class GradTerms:
-    """Which gradient terms a call forms; part of the kernel's specialization."""
+    """Which gradient terms a call forms; part of the gradient kernel's specialization."""
 
-    def __init__(
-        self, student_ce: bool, student_kl: bool, teacher_ce: bool, teacher_kl: bool, has_teacher: bool
-    ) -> None:
-        self.key = (student_ce, student_kl, teacher_ce, teacher_kl, has_teacher)
+    student_ce: bool
+    student_kl: bool
+    teacher_ce: bool
+    teacher_kl: bool
+    has_teacher: bool
 
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, GradTerms) and other.key == self.key
+    @property
+    def trains_teacher(self) -> bool:
+        return self.teacher_ce or self.teacher_kl
 
 
-@cache
-def _grads_module(
-    divergence: Divergence | None, params: DivergenceParams, terms: GradTerms, names: tuple[str, ...]
-) -> ModuleType:
-    """The gradient kernel of these terms, reading the row constants ``names`` (in order) from
-    ``rowc``.
-
-    ``scale`` is the row's factor (0 on ignored rows, whose gradients come out exactly 0); the
-    terms' weights arrive as runtime arguments (``w_ce_s``, ``w_kl_s``, ``w_kl_t``), so a change of
-    ``kl_weight`` between calls compiles nothing. The teacher's CE coefficient ``c_ce_t`` carries
-    its own masking of absent teacher rows."""
-    student_ce, student_kl, teacher_ce, teacher_kl, _ = terms.key
-    exprs = []
-    if student_kl:
-        assert divergence is not None
-        exprs.append(divergence.student_grad_expr(params))
-    if teacher_kl:
-        assert divergence is not None
-        exprs.append(divergence.teacher_grad_expr(params))
-    lines, results = compile_exprs(exprs, "g")
-    load_rows = [
-        f"row_{name} = tl.load(rowc_ptr + rows * {len(names)} + {j}, mask=row_ok, other=0.0)[:, None]"
-        for j, name in enumerate(names)
-    ]
-    load_rows += ["lse_u = row_lse_u", "lse_v = row_lse_v"] if exprs else ["lse_u = 0.0", "lse_v = 0.0"]
-    body = list(lines)
-    one_hot = "tl.where(is_target, 1.0, 0.0)"
-    results_iter = iter(results)
-    store = "tl.store({0}_ptr + rows[:, None] * stride_{0} + cols[None, :], {0}.to({0}_ptr.dtype.element_ty), mask=ok)"
-    body.append("ds = tl.zeros_like(s)")
-    if student_ce:
-        body.append(f"ds += w_ce_s * (tl.exp(s - row_lse_s) - {one_hot})")
-    if student_kl:
-        body.append(f"ds += w_kl_s * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
-    body.append("ds = tl.where(row_scale != 0.0, ds * row_scale, 0.0)")
-    body.append(store.format("ds"))
-    if teacher_ce or teacher_kl:
-        body.append("dt = tl.zeros_like(s)")
-        if teacher_kl:
-            body.append(f"dt += w_kl_t * tl.where(row_keep > 0.0, {next(results_iter)} + tl.zeros_like(s), 0.0)")
-        body.append("dt = dt * row_scale")
-        if teacher_ce:
-            body.append(f"dt += row_c_ce_t * (tl.exp(t - row_lse_t) - {one_hot})")
-        body.append("dt = tl.where(row_scale != 0.0, dt, 0.0)")
-        body.append(store.format("dt"))
-    source = GRADS_TEMPLATE.format(load_rows=_indent(load_rows, 4), body=_indent(body, 8))
-    return load_kernel_module(source)
+def _grad_functions(
+    divergence: Divergence | None, params: DivergenceParams, terms: GradTerms
+) -> tuple[object | None, object | None]:
+    """The variant's generated ``∂D/∂u`` and ``∂D/∂v`` functions that ``terms`` call for."""
+    if not (terms.student_kl or terms.teacher_kl):
+        return None, None
+    assert divergence is not None
+    student = variant_terms.student_grad(divergence, params).function if terms.student_kl else None
+    teacher = variant_terms.teacher_grad(divergence, params).function if terms.teacher_kl else None
+    return student, teacher
 
 
 def logit_grads(
@@ -263,16 +196,14 @@ def logit_grads(
     holds the row constants ``names`` the kernel reads, ``weights`` the coefficients
     ``(w_ce_s, w_kl_s, w_kl_t)`` of the student's CE, its KL and the teacher's KL term."""
     rows, cols = student.shape
-    module = _grads_module(divergence, params, terms, names)
     grad_s, grad_t = out
-    trains_teacher = terms.key[2] or terms.key[3]
-    assert (grad_t is not None) == trains_teacher
-    has_teacher = teacher is not None
+    assert (grad_t is not None) == terms.trains_teacher
+    student_grad, teacher_grad = _grad_functions(divergence, params, terms)
     other = student if teacher is None else teacher
+    out_t = grad_t if grad_t is not None else grad_s
     tiles = tiles_for("grads", cols)
     launch, per_split = grid(tiles, rows, cols)
-    out_t = grad_t if grad_t is not None else grad_s
-    module.kernel[launch](
+    _launch(grads_kernel, launch)(
         student,
         other,
         labels,
@@ -290,28 +221,18 @@ def logit_grads(
         1.0 / temperatures[0],
         1.0 / temperatures[1],
         *weights,
-        HAS_T=has_teacher,
+        ROW_CONSTANTS=names,
+        STUDENT_GRAD=student_grad,
+        TEACHER_GRAD=teacher_grad,
+        STUDENT_CE=terms.student_ce,
+        STUDENT_KL=terms.student_kl,
+        TEACHER_CE=terms.teacher_ce,
+        TEACHER_KL=terms.teacher_kl,
+        HAS_T=teacher is not None,
         BLOCK_R=tiles.block_r,
         BLOCK_C=tiles.block_c,
         num_warps=tiles.num_warps,
     )
-
-
-@cache
-def _rows_module(inputs: tuple[str, ...], scalars: tuple[str, ...], exprs: tuple[Expr, ...]) -> ModuleType:
-    lines, results = compile_exprs(exprs, "r")
-    args = " ".join(f"in{i}_ptr, in{i}_stride," for i in range(len(inputs)))
-    args += " ".join(f" row_{name}," for name in scalars)
-    loads = [
-        f"row_{name} = tl.load(in{i}_ptr + rows * in{i}_stride, mask=row_ok, other=0).to(tl.float32)"
-        for i, name in enumerate(inputs)
-    ]
-    stores = [
-        f"tl.store(out_ptr + rows * {len(exprs)} + {j}, ({result} + zero).to(out_ptr.dtype.element_ty), mask=row_ok)"
-        for j, result in enumerate(results)
-    ]
-    source = ROWS_TEMPLATE.format(args=args, loads=_indent(loads, 4), body=_indent(lines, 4), stores=_indent(stores, 4))
-    return load_kernel_module(source)
 
 
 def row_program(
@@ -327,22 +248,23 @@ def row_program(
     returns the (rows, len(exprs)) results in ``like``'s dtype."""
     count = values[inputs[0]].shape[0]
     out = torch.empty(count, len(exprs), dtype=like.dtype, device=like.device)
-    pointers: list[object] = []
-    for name in inputs:
-        tensor = values[name]
-        pointers += [tensor, tensor.stride(0)]
-    module = _rows_module(inputs, scalars, exprs)
-    module.kernel[(triton.cdiv(max(count, 1), ROWS_BLOCK_R),)](
-        out, count, *pointers, *[float(scalar_values[name]) for name in scalars], BLOCK_R=ROWS_BLOCK_R
+    formulas = variant_terms.row_step(inputs, scalars, exprs)
+    _launch(rows_kernel, (triton.cdiv(max(count, 1), ROWS_BLOCK_R),))(
+        out,
+        count,
+        tuple((values[name], values[name].stride(0)) for name in inputs),
+        tuple(float(scalar_values[name]) for name in scalars),
+        FORMULAS=formulas.function,
+        NUM_OUTPUTS=len(exprs),
+        BLOCK_R=ROWS_BLOCK_R,
     )
     return out
 
 
 def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:
     """``t *= scale`` for contiguous CUDA tensors, ``scale`` a 0-d fp32 tensor read on the device."""
-    module = load_kernel_module(SCALE_TEMPLATE)
     factor = scale.float().reshape(1)
     for tensor in tensors:
         count = tensor.numel()
         if count:
-            module.kernel[(triton.cdiv(count, SCALE_BLOCK),)](tensor, factor, count, BLOCK=SCALE_BLOCK)
+            _launch(scale_kernel, (triton.cdiv(count, SCALE_BLOCK),))(tensor, factor, count, BLOCK=SCALE_BLOCK)

@@ -1,4 +1,4 @@
-"""Tile shapes of the generated kernels, keyed on shape buckets.
+"""Tile shapes of the kernels, keyed on shape buckets.
 
 A kernel walks (BLOCK_R rows × BLOCK_C columns) tiles; the columns of a block are split over
 ``program_id(1)`` so that about ``programs`` programs run (their partial records and sums are

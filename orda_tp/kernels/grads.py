@@ -1,0 +1,153 @@
+"""The logit gradients of a block, written once in the staging dtype of the gradient GEMMs.
+
+Per column, from the row constants of the grad step (``orda_tp.backends.row_formulas``)::
+
+    ∂loss/∂s = scale·(w_ce_s·(softmax(s) − onehot_y) + w_kl_s·keep·∂D/∂u)
+    ∂loss/∂t = scale·w_kl_t·keep·∂D/∂v + c_ce_t·(softmax(t) − onehot_y)
+
+``softmax(s) = e^{s − LSE(s)}``; ``scale`` is the row's upstream factor (0 on ignored rows, whose
+gradients come out exactly 0), ``keep`` whether the row's KL gradient is formed, ``c_ce_t`` the
+teacher CE's coefficient (0 on rows without a teacher). ``∂D/∂u`` and ``∂D/∂v`` are the variant's,
+the generated functions of :mod:`.variant_terms` passed in as ``STUDENT_GRAD`` and
+``TEACHER_GRAD``; the weights are runtime arguments, so a change of ``kl_weight`` between calls
+compiles nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .block_io import (
+    count,
+    load_row_constants,
+    load_tile,
+    local_labels,
+    normalized,
+    position,
+    program_tile,
+)
+
+__all__ = ["grads_kernel"]
+
+
+@triton.jit
+def softmax_minus_onehot(x: tl.tensor, lse: tl.tensor, is_target: tl.tensor) -> tl.tensor:
+    """The CE gradient ``softmax(x) − onehot_y``, from the row's ``LSE(x)``."""
+    return tl.exp(x - lse) - tl.where(is_target, 1.0, 0.0)
+
+
+@triton.jit
+def kept(keep: tl.tensor, grad: tl.tensor, like: tl.tensor) -> tl.tensor:
+    """``grad`` (broadcast to the tile ``like``) on rows whose ``keep`` flag is set, else 0."""
+    return tl.where(keep > 0.0, grad + tl.zeros_like(like), 0.0)
+
+
+@triton.jit
+def student_logit_grad(
+    s: tl.tensor,
+    is_target: tl.tensor,
+    grad_u: tl.tensor | None,
+    rowc: tl.tuple,
+    w_ce_s: tl.tensor,
+    w_kl_s: tl.tensor,
+    ROW_CONSTANTS: tl.constexpr,
+    STUDENT_CE: tl.constexpr,
+    STUDENT_KL: tl.constexpr,
+) -> tl.tensor:
+    """``∂loss/∂s = scale·(w_ce_s·(softmax(s) − onehot_y) + w_kl_s·keep·∂D/∂u)`` of a tile, the
+    terms chosen by the switches; exactly 0 on rows whose scale is 0. ``grad_u``: ``∂D/∂u``."""
+    scale = rowc[position(ROW_CONSTANTS, "scale")]
+    ds = tl.zeros_like(s)
+    if STUDENT_CE:
+        ds += w_ce_s * softmax_minus_onehot(s, rowc[position(ROW_CONSTANTS, "lse_s")], is_target)
+    if STUDENT_KL:
+        ds += w_kl_s * kept(rowc[position(ROW_CONSTANTS, "keep")], grad_u, s)
+    return tl.where(scale != 0.0, ds * scale, 0.0)
+
+
+@triton.jit
+def teacher_logit_grad(
+    t: tl.tensor,
+    is_target: tl.tensor,
+    grad_v: tl.tensor | None,
+    rowc: tl.tuple,
+    w_kl_t: tl.tensor,
+    ROW_CONSTANTS: tl.constexpr,
+    TEACHER_CE: tl.constexpr,
+    TEACHER_KL: tl.constexpr,
+) -> tl.tensor:
+    """``∂loss/∂t = scale·w_kl_t·keep·∂D/∂v + c_ce_t·(softmax(t) − onehot_y)`` of a tile, the
+    terms chosen by the switches; exactly 0 on rows whose scale is 0. ``grad_v``: ``∂D/∂v``."""
+    scale = rowc[position(ROW_CONSTANTS, "scale")]
+    dt = tl.zeros_like(t)
+    if TEACHER_KL:
+        dt += w_kl_t * kept(rowc[position(ROW_CONSTANTS, "keep")], grad_v, t)
+    dt = dt * scale
+    if TEACHER_CE:
+        dt += rowc[position(ROW_CONSTANTS, "c_ce_t")] * softmax_minus_onehot(
+            t, rowc[position(ROW_CONSTANTS, "lse_t")], is_target
+        )
+    return tl.where(scale != 0.0, dt, 0.0)
+
+
+@triton.jit
+def store_tile(
+    ptr: tl.tensor, stride: tl.tensor, rows: tl.tensor, cols: tl.tensor, x: tl.tensor, ok: tl.tensor
+) -> None:
+    """``x`` into the tile at ``rows × cols`` of a row-major tensor, in its dtype."""
+    tl.store(ptr + rows[:, None] * stride + cols[None, :], x.to(ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["R", "col_start"])
+def grads_kernel(
+    s_ptr: tl.tensor,
+    t_ptr: tl.tensor,
+    labels_ptr: tl.tensor,
+    rowc_ptr: tl.tensor,
+    ds_ptr: tl.tensor,
+    dt_ptr: tl.tensor,
+    R: tl.tensor,
+    C: tl.tensor,
+    stride_s: tl.tensor,
+    stride_t: tl.tensor,
+    stride_ds: tl.tensor,
+    stride_dt: tl.tensor,
+    col_start: tl.tensor,
+    cols_per_split: tl.tensor,
+    inv_ts: tl.tensor,
+    inv_tt: tl.tensor,
+    w_ce_s: tl.tensor,
+    w_kl_s: tl.tensor,
+    w_kl_t: tl.tensor,
+    ROW_CONSTANTS: tl.constexpr,
+    STUDENT_GRAD: tl.constexpr,
+    TEACHER_GRAD: tl.constexpr,
+    STUDENT_CE: tl.constexpr,
+    STUDENT_KL: tl.constexpr,
+    TEACHER_CE: tl.constexpr,
+    TEACHER_KL: tl.constexpr,
+    HAS_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+) -> None:
+    """``ds`` (and ``dt`` when a teacher term is on) of this program's rows and column split;
+    ``rowc`` (R, len(ROW_CONSTANTS)), contiguous fp32, holds the row constants ``ROW_CONSTANTS``
+    that the terms read (``scale``, ``lse_s``, ``lse_t``, ``c_ce_t``, ``lse_u``, ``lse_v``,
+    ``keep``, the variant's), in the caller's order."""
+    rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
+    local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
+    rowc = load_row_constants(rowc_ptr, rows, row_ok, count(ROW_CONSTANTS))
+    for c0 in tl.range(c_begin, c_end, BLOCK_C):
+        cols, ok, s, t = load_tile(s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, HAS_T, BLOCK_R, BLOCK_C)
+        is_target = cols[None, :] == local_label
+        if STUDENT_KL or TEACHER_KL:
+            lse_u, lse_v = rowc[position(ROW_CONSTANTS, "lse_u")], rowc[position(ROW_CONSTANTS, "lse_v")]
+            logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
+        grad_u = STUDENT_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if STUDENT_KL else None
+        grad_v = TEACHER_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if TEACHER_KL else None
+        ds = student_logit_grad(s, is_target, grad_u, rowc, w_ce_s, w_kl_s, ROW_CONSTANTS, STUDENT_CE, STUDENT_KL)
+        store_tile(ds_ptr, stride_ds, rows, cols, ds, ok)
+        if TEACHER_CE or TEACHER_KL:
+            dt = teacher_logit_grad(t, is_target, grad_v, rowc, w_kl_t, ROW_CONSTANTS, TEACHER_CE, TEACHER_KL)
+            store_tile(dt_ptr, stride_dt, rows, cols, dt, ok)

@@ -1,0 +1,112 @@
+"""Round 1: the partition record of a block, and the merge of stacked records.
+
+For each of ``F`` logit families ``x = side/T`` (the student's or the teacher's logits over one
+temperature) a row's record holds the partial log-partition ``(m, z)``, ``m = max x``,
+``z = Σ e^{x−m}``; then the raw student and teacher logits at the label and whether this block
+owns the label. Packed as the columns of an (R, 2F + 3) fp32 tensor
+(:meth:`orda_tp.records.PartitionRecord.pack`): ``m_0 … m_{F−1}, z_0 … z_{F−1}, s_y, t_y, hits``.
+
+Records merge by ``M = max(m1, m2)``, ``z = z1·e^{m1−M} + z2·e^{m2−M}`` (a −inf max adds
+nothing) and by sums for the other columns; :func:`merge_kernel` folds a stack of them (the
+column splits of one block, or the records gathered from the tensor-parallel shards).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .block_io import empty_tuple, load_tile, local_labels, program_tile, row_tile
+
+__all__ = ["merge_kernel", "online_lse_update", "partition_kernel"]
+
+
+@triton.jit
+def online_lse_update(m: tl.tensor, z: tl.tensor, x: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
+    """``(m, z)`` of the columns seen so far, updated with a (BLOCK_R, BLOCK_C) tile ``x``:
+    ``m' = max(m, max x)``, ``z' = z·e^{m−m'} + Σ e^{x−m'}`` (shifted by 0 while ``m'`` is −inf)."""
+    new = tl.maximum(m, tl.max(x, axis=1))
+    shift = tl.where(new == float("-inf"), 0.0, new)
+    z = tl.where(m == float("-inf"), 0.0, z * tl.exp(m - shift))
+    z += tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    return new, z
+
+
+@triton.jit(do_not_specialize=["R", "col_start"])
+def partition_kernel(
+    s_ptr: tl.tensor,
+    t_ptr: tl.tensor,
+    labels_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    R: tl.tensor,
+    C: tl.tensor,
+    stride_s: tl.tensor,
+    stride_t: tl.tensor,
+    col_start: tl.tensor,
+    cols_per_split: tl.tensor,
+    inv_temperatures: tl.tuple,
+    READS_TEACHER: tl.constexpr,
+    NUM_FAMILIES: tl.constexpr,
+    HAS_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+) -> None:
+    """The record of this program's rows over its column split, written to split
+    ``program_id(1)`` of ``out`` (splits, R, 2F + 3). Family ``f`` reads ``t`` when
+    ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
+    loaded once per row, by the split that owns the label column."""
+    WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3
+    rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
+    label = local_labels(labels_ptr, rows, row_ok, col_start)
+    owned = row_ok & (label >= c_begin) & (label < c_end)
+    target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
+    if HAS_T:
+        target_t = tl.load(t_ptr + rows * stride_t + label, mask=owned, other=0.0).to(tl.float32)
+    else:
+        target_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    partials = empty_tuple()  # per family (m, z)
+    for _ in tl.static_range(NUM_FAMILIES):
+        partials += ((tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32)),)
+    for c0 in tl.range(c_begin, c_end, BLOCK_C):
+        cols, ok, s, t = load_tile(s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, HAS_T, BLOCK_R, BLOCK_C)
+        updated = empty_tuple()
+        for f in tl.static_range(NUM_FAMILIES):
+            m, z = partials[f]
+            updated += (online_lse_update(m, z, (t if READS_TEACHER[f] else s) * inv_temperatures[f]),)
+        partials = updated
+    base = out_ptr + tl.program_id(1) * R * WIDTH + rows * WIDTH
+    for f in tl.static_range(NUM_FAMILIES):
+        m, z = partials[f]
+        tl.store(base + f, m, mask=row_ok)
+        tl.store(base + NUM_FAMILIES + f, z, mask=row_ok)
+    tl.store(base + 2 * NUM_FAMILIES, target_s, mask=row_ok)
+    tl.store(base + 2 * NUM_FAMILIES + 1, target_t, mask=row_ok)
+    tl.store(base + 2 * NUM_FAMILIES + 2, tl.where(owned, 1.0, 0.0), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["R", "S"])
+def merge_kernel(
+    in_ptr: tl.tensor, out_ptr: tl.tensor, R: tl.tensor, S: tl.tensor, NUM_FAMILIES: tl.constexpr, BLOCK_R: tl.constexpr
+) -> None:
+    """Fold ``S`` stacked records (S, R, 2F + 3), contiguous fp32, into one (R, 2F + 3): per
+    family ``M = max_k m_k`` and ``z = Σ_k z_k·e^{m_k−M}`` (0 for ``m_k = −inf``), then the sums
+    of ``s_y``, ``t_y`` and ``hits``; the same merge as
+    :func:`orda_tp.records.merge_stacked_partition_records`."""
+    WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3
+    rows, row_ok = row_tile(R, BLOCK_R)
+    for f in tl.static_range(NUM_FAMILIES):
+        top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        for split in tl.range(S):
+            top = tl.maximum(top, tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + f, mask=row_ok, other=0.0))
+        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for split in tl.range(S):
+            m = tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + f, mask=row_ok, other=0.0)
+            z = tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + NUM_FAMILIES + f, mask=row_ok, other=0.0)
+            total += tl.where(m == float("-inf"), 0.0, z * tl.exp(m - top))
+        tl.store(out_ptr + rows * WIDTH + f, top, mask=row_ok)
+        tl.store(out_ptr + rows * WIDTH + NUM_FAMILIES + f, total, mask=row_ok)
+    for k in tl.static_range(2 * NUM_FAMILIES, WIDTH):
+        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for split in tl.range(S):
+            total += tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + k, mask=row_ok, other=0.0)
+        tl.store(out_ptr + rows * WIDTH + k, total, mask=row_ok)

@@ -1,0 +1,43 @@
+"""One per-row step of a chunk between its column passes, in one launch.
+
+A row step (``orda_tp.backends.row_formulas``) turns (R,) inputs (the merged records, the
+variant's row value, the upstream gradient, …) and a few runtime floats (temperatures, weights)
+into (R,) outputs: log-partitions and CE values after round 1, the KL's row value after round 2,
+the gradient's row constants. Its formulas are expression trees, compiled into a ``@triton.jit``
+function (:mod:`.variant_terms`) that is passed in as ``FORMULAS``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .block_io import empty_tuple, row_tile
+
+__all__ = ["rows_kernel"]
+
+
+@triton.jit(do_not_specialize=["R"])
+def rows_kernel(
+    out_ptr: tl.tensor,
+    R: tl.tensor,
+    inputs: tl.tuple,
+    scalars: tl.tuple,
+    FORMULAS: tl.constexpr,
+    NUM_OUTPUTS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+) -> None:
+    """``out[:, j] = FORMULAS(inputs, scalars)[j]`` for ``j < NUM_OUTPUTS``, ``out`` (R,
+    NUM_OUTPUTS) contiguous, in its dtype. Input ``i`` is a (pointer, stride) pair, read at
+    ``pointer + row·stride`` (a stride 0 broadcasts one value) in its dtype, booleans included,
+    and upcast to fp32."""
+    rows, row_ok = row_tile(R, BLOCK_R)
+    zero = tl.zeros([BLOCK_R], dtype=tl.float32)
+    values = empty_tuple()
+    for i in tl.static_range(len(inputs)):
+        pointer, stride = inputs[i]
+        values += (tl.load(pointer + rows * stride, mask=row_ok, other=0).to(tl.float32),)
+    results = FORMULAS(values, scalars)
+    for j in tl.static_range(NUM_OUTPUTS):
+        # A constant result is broadcast to the rows by the added zero.
+        tl.store(out_ptr + rows * NUM_OUTPUTS + j, (results[j] + zero).to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -1,0 +1,173 @@
+"""Print the source of a kernel as it runs: the hand-written kernel, the ``@triton.jit`` helpers
+it calls, and the functions generated for a variant (or a row step) that it is passed.
+
+    >>> import orda_tp.kernels
+    >>> orda_tp.kernels.print_kernel("grads", kl_divergence="reverse")
+
+or ``python -m orda_tp.kernels grads --kl-divergence reverse``. The kernels are ``partition``,
+``merge``, ``sums``, ``grads``, ``rows`` and ``scale``; ``sums`` needs a variant, ``grads`` prints
+the variant's gradient functions when given one, ``rows`` a row step's formulas when given one
+(an ``orda_tp.backends.row_formulas.RowProgram``). Generated functions are written to the kernel
+cache on the way (:mod:`.cache`); their section names the file.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Iterator
+from pathlib import Path
+from types import FunctionType
+from typing import Protocol
+
+from ..config import EntropyGate
+from ..divergences import get_divergence
+from ..divergences.expr import Expr
+from . import variant_terms
+from .variant_terms import GeneratedFunction
+
+__all__ = ["KERNELS", "RowStep", "kernel_source", "print_kernel"]
+
+KERNELS = ("partition", "merge", "sums", "grads", "rows", "scale")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+class RowStep(Protocol):
+    """A row step's formulas (``orda_tp.backends.row_formulas.RowProgram``)."""
+
+    @property
+    def inputs(self) -> tuple[str, ...]: ...
+
+    @property
+    def scalars(self) -> tuple[str, ...]: ...
+
+    @property
+    def exprs(self) -> tuple[Expr, ...]: ...
+
+
+def kernel_source(
+    kernel: str,
+    kl_divergence: str | None = None,
+    *,
+    kl_alpha: float | None = None,
+    kl_beta: float | None = None,
+    entropy_gate: EntropyGate | None = None,
+    row_step: RowStep | None = None,
+) -> str:
+    """The source of ``kernel`` (one of :data:`KERNELS`), with the generated functions of the
+    variant ``kl_divergence`` (its parameters as the loss takes them) or of ``row_step``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
+    if kl_divergence is not None and kernel not in ("sums", "grads"):
+        raise ValueError(f"the {kernel} kernel does not depend on the variant; kl_divergence is for sums and grads")
+    if kernel == "sums" and kl_divergence is None:
+        raise ValueError("the sums kernel adds up a variant's column terms: pass kl_divergence")
+    if row_step is not None and kernel != "rows":
+        raise ValueError(f"row_step is for the rows kernel, not {kernel}")
+    sections = [_section(_where(function), _text(function)) for function in _jit_closure(kernel)]
+    for generated in _generated(kernel, kl_divergence, kl_alpha, kl_beta, entropy_gate, row_step):
+        sections.append(_section(f"generated: {generated.path}", generated.text))
+    return "\n\n".join(sections)
+
+
+def print_kernel(
+    kernel: str,
+    kl_divergence: str | None = None,
+    *,
+    kl_alpha: float | None = None,
+    kl_beta: float | None = None,
+    entropy_gate: EntropyGate | None = None,
+    row_step: RowStep | None = None,
+) -> None:
+    """Print :func:`kernel_source` (same arguments)."""
+    text = kernel_source(
+        kernel, kl_divergence, kl_alpha=kl_alpha, kl_beta=kl_beta, entropy_gate=entropy_gate, row_step=row_step
+    )
+    print(text)
+
+
+def _section(title: str, text: str) -> str:
+    return f"# ---- {title} ----\n\n{text.rstrip()}\n"
+
+
+def _kernel_function(kernel: str) -> object:
+    """The ``@triton.jit`` kernel called ``kernel`` (imported here: Triton is optional)."""
+    from . import grads, partition, rows, scale, sums
+
+    kernels = {
+        "partition": partition.partition_kernel,
+        "merge": partition.merge_kernel,
+        "sums": sums.sums_kernel,
+        "grads": grads.grads_kernel,
+        "rows": rows.rows_kernel,
+        "scale": scale.scale_kernel,
+    }
+    return kernels[kernel]
+
+
+def _python_function(jitted: object) -> FunctionType | None:
+    """The Python function of an orda_tp ``@triton.jit`` (or ``triton.constexpr_function``)
+    function, None for anything else."""
+    function = getattr(jitted, "fn", None)
+    if isinstance(function, FunctionType) and function.__module__.startswith("orda_tp.kernels"):
+        return function
+    return None
+
+
+def _jit_closure(kernel: str) -> Iterator[FunctionType]:
+    """The kernel, then the orda_tp Triton functions it calls, directly or not, in the order in
+    which they are first named."""
+    kernel_function = _python_function(_kernel_function(kernel))
+    assert kernel_function is not None
+    pending, seen = [kernel_function], {kernel_function}
+    while pending:
+        function = pending.pop(0)
+        yield function
+        for called in _called(function):
+            if called not in seen:
+                seen.add(called)
+                pending.append(called)
+
+
+def _called(function: FunctionType) -> list[FunctionType]:
+    """The orda_tp Triton functions that ``function``'s body names, in source order."""
+    names = sorted(
+        (node for node in ast.walk(ast.parse(_text(function))) if isinstance(node, ast.Name)),
+        key=lambda node: (node.lineno, node.col_offset),
+    )
+    found = (_python_function(function.__globals__.get(node.id)) for node in names)
+    return list(dict.fromkeys(called for called in found if called is not None))
+
+
+def _text(function: FunctionType) -> str:
+    return inspect.getsource(function)
+
+
+def _where(function: FunctionType) -> str:
+    """``orda_tp/kernels/grads.py: grads_kernel``."""
+    path = Path(inspect.getfile(function)).resolve()
+    shown = path.relative_to(PACKAGE_ROOT) if path.is_relative_to(PACKAGE_ROOT) else path
+    return f"{shown}: {function.__name__}"
+
+
+def _generated(
+    kernel: str,
+    kl_divergence: str | None,
+    kl_alpha: float | None,
+    kl_beta: float | None,
+    entropy_gate: EntropyGate | None,
+    row_step: RowStep | None,
+) -> list[GeneratedFunction]:
+    """The generated functions the kernel is passed for this variant or row step."""
+    if row_step is not None:
+        return [variant_terms.row_step(row_step.inputs, row_step.scalars, row_step.exprs)]
+    if kl_divergence is None:
+        return []
+    divergence = get_divergence(kl_divergence)
+    params = divergence.resolve(kl_alpha, kl_beta, entropy_gate)
+    if kernel == "sums":
+        return [variant_terms.column_terms(divergence, params)]
+    functions = [variant_terms.student_grad(divergence, params)]
+    if divergence.cotrains_teacher:
+        functions.append(variant_terms.teacher_grad(divergence, params))
+    return functions

@@ -1,0 +1,68 @@
+"""Round 2: the variant's column sums over a block.
+
+Once round 1's log-partitions are merged, every column has its normalized log-probabilities
+``log p = s/T_s − LSE(u)`` and ``log q = t/T_t − LSE(v)``. A variant sums ``NUM_SUMS`` elementwise
+terms of them over the columns (:meth:`orda_tp.divergences.Divergence.column_terms`); the terms
+are the one generated part, a ``@triton.jit`` function compiled from the variant's expression
+trees (:mod:`.variant_terms`) and passed in as ``COLUMN_TERMS``. The sums of the column splits
+(and of the tensor-parallel shards) add up to the row's sums.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .block_io import empty_tuple, load_tile, local_labels, normalized, program_tile
+
+__all__ = ["sums_kernel"]
+
+
+@triton.jit(do_not_specialize=["R", "col_start"])
+def sums_kernel(
+    s_ptr: tl.tensor,
+    t_ptr: tl.tensor,
+    labels_ptr: tl.tensor,
+    lse_u_ptr: tl.tensor,
+    lse_v_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    R: tl.tensor,
+    C: tl.tensor,
+    stride_s: tl.tensor,
+    stride_t: tl.tensor,
+    stride_lu: tl.tensor,
+    stride_lv: tl.tensor,
+    col_start: tl.tensor,
+    cols_per_split: tl.tensor,
+    inv_ts: tl.tensor,
+    inv_tt: tl.tensor,
+    COLUMN_TERMS: tl.constexpr,
+    NUM_SUMS: tl.constexpr,
+    HAS_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+) -> None:
+    """``Σ_columns COLUMN_TERMS(log p, log q, p, q, is_target)[k]`` for ``k < NUM_SUMS`` over this
+    program's column split, written to split ``program_id(1)`` of ``out`` (splits, R, NUM_SUMS).
+    ``lse_u``, ``lse_v``: the rows' merged log-partitions, any stride. The terms are accumulated
+    per tile element and reduced across the columns once, at the end."""
+    rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
+    local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
+    lse_u = tl.load(lse_u_ptr + rows * stride_lu, mask=row_ok, other=0.0)[:, None]
+    lse_v = tl.load(lse_v_ptr + rows * stride_lv, mask=row_ok, other=0.0)[:, None]
+    sums = empty_tuple()
+    for _ in tl.static_range(NUM_SUMS):
+        sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
+    for c0 in tl.range(c_begin, c_end, BLOCK_C):
+        cols, ok, s, t = load_tile(s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, HAS_T, BLOCK_R, BLOCK_C)
+        is_target = cols[None, :] == local_label
+        logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
+        terms = COLUMN_TERMS(logp, logq, p, q, is_target)
+        added = empty_tuple()
+        for k in tl.static_range(NUM_SUMS):
+            # A term may be constant along the row (a (BLOCK_R, 1) column): broadcast it first.
+            added += (sums[k] + tl.where(ok, terms[k] + tl.zeros_like(p), 0.0),)
+        sums = added
+    base = out_ptr + tl.program_id(1) * R * NUM_SUMS + rows * NUM_SUMS
+    for k in tl.static_range(NUM_SUMS):
+        tl.store(base + k, tl.sum(sums[k], axis=1), mask=row_ok)

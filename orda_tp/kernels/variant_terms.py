@@ -1,0 +1,152 @@
+"""The generated part of the kernels: a variant's formulas as ``@triton.jit`` functions.
+
+The kernels are written by hand (:mod:`.partition`, :mod:`.sums`, :mod:`.grads`, :mod:`.rows`);
+what differs between variants, and between the row steps of a call, reaches them as a
+``tl.constexpr`` function argument, compiled here from the expression trees
+(:mod:`.expr_compiler`):
+
+- ``<variant>_column_terms(logp, logq, p, q, is_target)``: the ``num_sums`` column terms that the
+  sums kernel adds up (:meth:`~orda_tp.divergences.Divergence.column_terms`), as a tuple;
+- ``<variant>_student_grad(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS)``: ``∂D/∂u``
+  (:meth:`~orda_tp.divergences.Divergence.student_grad_expr`), and ``<variant>_teacher_grad``:
+  ``∂D/∂v`` for the variants that co-train the teacher; a row constant is read from the tuple
+  ``rowc`` at its position in the names ``ROW_CONSTANTS``;
+- ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.backends.row_formulas``),
+  over the tuples of its (R,) inputs and its runtime floats.
+
+Triton reads a function's source from its file, so each function's module is written to the
+kernel cache (:mod:`.cache`) as ``sums_terms_<variant>_<hash>.py``,
+``grads_student_<variant>_<hash>.py``, ``grads_teacher_<variant>_<hash>.py`` or
+``rows_<inputs>_<hash>.py`` and run from the verified text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from ..divergences import Divergence, DivergenceParams
+from ..divergences.expr import Expr
+from .cache import load_generated_module
+from .expr_compiler import FunctionSpec, function_source, wrapped
+
+__all__ = ["GeneratedFunction", "column_terms", "row_step", "student_grad", "teacher_grad"]
+
+COLUMNS = ("logp", "logq", "p", "q", "is_target")
+GRAD_PARAMETERS = (*COLUMNS, "rowc", "ROW_CONSTANTS: tl.constexpr")
+STEM_LIMIT = 48  # the characters of a row step's inputs kept in its file name
+
+
+@dataclass(frozen=True)
+class GeneratedFunction:
+    """A generated ``@triton.jit`` function (``function``, to pass as a kernel's constexpr
+    argument), the text of its module and the cache file that holds it."""
+
+    function: object
+    name: str
+    outputs: int
+    text: str
+    path: Path
+
+
+def _variant(divergence: Divergence, params: DivergenceParams) -> str:
+    """``kl_divergence='…'`` and the keywords the variant reads, as a call would give them."""
+    values = {"kl_alpha": params.alpha, "kl_beta": params.beta, "entropy_gate": params.gate}
+    keywords = [f"{key}={values[key]!r}" for key in divergence.parameters]
+    return ", ".join([f"kl_divergence={divergence.name!r}", *keywords])
+
+
+def _no_rows(name: str) -> str:
+    raise ValueError(f"column terms read no row constants, but one reads {name!r}")
+
+
+def _row_constant(name: str) -> str:
+    return f'rowc[position(ROW_CONSTANTS, "{name}")]'
+
+
+@cache
+def column_terms(divergence: Divergence, params: DivergenceParams) -> GeneratedFunction:
+    """``<variant>_column_terms``: the terms whose column sums round 2 collects."""
+    terms = divergence.column_terms(params)
+    spec = FunctionSpec(
+        name=f"{divergence.name}_column_terms",
+        parameters=COLUMNS,
+        doc=f"The column terms of {_variant(divergence, params)}: term k is added into the row's sum k.",
+        outputs=tuple((f"term{k}", term) for k, term in enumerate(terms)),
+        read_row=_no_rows,
+    )
+    return _load(spec, f"sums_terms_{divergence.name}")
+
+
+@cache
+def student_grad(divergence: Divergence, params: DivergenceParams) -> GeneratedFunction:
+    """``<variant>_student_grad``: ``∂D/∂u`` of a column."""
+    spec = FunctionSpec(
+        name=f"{divergence.name}_student_grad",
+        parameters=GRAD_PARAMETERS,
+        doc=f"∂D/∂u (u = s/T_s) of a column for {_variant(divergence, params)}.",
+        outputs=(("grad", divergence.student_grad_expr(params)),),
+        read_row=_row_constant,
+        returns_tuple=False,
+    )
+    return _load(spec, f"grads_student_{divergence.name}")
+
+
+@cache
+def teacher_grad(divergence: Divergence, params: DivergenceParams) -> GeneratedFunction:
+    """``<variant>_teacher_grad``: ``∂D/∂v`` of a column (co-training variants)."""
+    spec = FunctionSpec(
+        name=f"{divergence.name}_teacher_grad",
+        parameters=GRAD_PARAMETERS,
+        doc=f"∂D/∂v (v = t/T_t) of a column for {_variant(divergence, params)}.",
+        outputs=(("grad", divergence.teacher_grad_expr(params)),),
+        read_row=_row_constant,
+        returns_tuple=False,
+    )
+    return _load(spec, f"grads_teacher_{divergence.name}")
+
+
+@cache
+def row_step(inputs: tuple[str, ...], scalars: tuple[str, ...], exprs: tuple[Expr, ...]) -> GeneratedFunction:
+    """``row_step``: the formulas ``exprs`` of one row step, ``out<j>`` computing ``exprs[j]``
+    (row programs are built once each, so the trees' identity is the key)."""
+    positions = {name: f"inputs[{i}]" for i, name in enumerate(inputs)}
+    positions.update({name: f"scalars[{j}]" for j, name in enumerate(scalars)})
+    spec = FunctionSpec(
+        name="row_step",
+        parameters=("inputs", "scalars"),
+        doc=f"A row step: reads the (rows,) inputs {_listed(inputs)} and the floats {_listed(scalars)}.",
+        outputs=tuple((f"out{j}", expr) for j, expr in enumerate(exprs)),
+        read_row=positions.__getitem__,
+        row_order=(*inputs, *scalars),
+    )
+    stem = "rows"
+    for name in inputs:
+        if len(stem) + 1 + len(name) > STEM_LIMIT:
+            break
+        stem += f"_{name}"
+    return _load(spec, stem)
+
+
+def _listed(names: Sequence[str]) -> str:
+    return "(" + ", ".join(names) + ")"
+
+
+def _load(spec: FunctionSpec, stem: str) -> GeneratedFunction:
+    """Write the function's module to the kernel cache and run it from the verified text."""
+    function, helpers = function_source(spec)
+    local = ["from orda_tp.kernels.block_io import position"] if "position(" in function else []
+    if helpers:
+        local.append(f"from orda_tp.kernels.elementwise import {', '.join(sorted(helpers))}")
+    imports = ["import triton", "import triton.language as tl", *([""] + local if local else [])]
+    header = wrapped(f'"""{spec.doc}', "") + [
+        "",
+        "Generated by orda_tp.kernels.variant_terms from the expression trees; do not edit (the kernel",
+        'cache rewrites a file that differs from what orda_tp generates)."""',
+    ]
+    text = "\n".join([*header, "", *imports, "", "", function])
+    module = load_generated_module(text, stem)
+    assert module.__file__ is not None
+    return GeneratedFunction(getattr(module, spec.name), spec.name, len(spec.outputs), text, Path(module.__file__))
