@@ -55,8 +55,9 @@ def launches(rows: int, cols: int) -> dict[str, tuple[object, float]]:
     grad = torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16)
     terms = ops.GradTerms(student_ce=True, student_kl=True, teacher_ce=False, teacher_kl=False, has_teacher=True)
     ones = torch.ones(rows, device="cuda")
-    row_values = {"lse_s": lse_s, "c_ce_s": ones, "lse_u": lse_s, "lse_v": lse_t, "c_kl_s": ones, "keep": ones,
-                  "active": ones}  # fmt: skip
+    # The grad step's row constants of student CE + forward KL, in the order the kernel reads them.
+    names = ("scale", "lse_s", "lse_u", "lse_v", "keep")
+    row_constants = torch.stack([ones, lse_s, lse_s, lse_t, ones], dim=1).contiguous()
     logits_bytes = 2 * rows * cols * 4
     return {
         "partition": (lambda: ops.partition_record(student, teacher, labels, 0, families), logits_bytes),
@@ -66,7 +67,18 @@ def launches(rows: int, cols: int) -> dict[str, tuple[object, float]]:
         ),
         "grads": (
             lambda: ops.logit_grads(
-                divergence, params, terms, student, teacher, labels, 0, row_values, (1.0, 1.0), (grad, None)
+                divergence,
+                params,
+                terms,
+                student,
+                teacher,
+                labels,
+                0,
+                row_constants,
+                names,
+                (1.0, 1.0),
+                (1.0, 1.0, 1.0),
+                (grad, None),
             ),
             logits_bytes + rows * cols * 2,
         ),

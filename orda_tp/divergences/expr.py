@@ -3,7 +3,7 @@
 Each variant writes its per-column terms and gradients once, as :class:`Expr` trees over the
 block symbols (``LOGP``, ``LOGQ``, ``P``, ``Q``, ``IS_TARGET``) and per-row constants
 (``row("name")``). The torch backend evaluates the trees with torch ops (:func:`evaluate`); the
-Triton backend compiles the same trees into kernel code (``orda_tp.kernels.codegen``). So a
+Triton backend compiles the same trees into kernel code (``orda_tp.kernels.variant_terms``). So a
 formula exists in one place, whatever runs it.
 
 Row formulas (the per-row steps of a chunk, :mod:`orda_tp.engine.row_formulas`) are trees over

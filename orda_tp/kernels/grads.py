@@ -1,6 +1,6 @@
 """The logit gradients of a block, written once in the staging dtype of the gradient GEMMs.
 
-Per column, from the row constants of the grad step (``orda_tp.backends.row_formulas``)::
+Per column, from the row constants of the grad step (``orda_tp.engine.row_formulas``)::
 
     ∂loss/∂s = scale·(w_ce_s·(softmax(s) − onehot_y) + w_kl_s·keep·∂D/∂u)
     ∂loss/∂t = scale·w_kl_t·keep·∂D/∂v + c_ce_t·(softmax(t) − onehot_y)

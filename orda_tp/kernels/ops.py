@@ -1,6 +1,6 @@
 """Launch the kernels on one block of logits (rows × columns; fp32 statistics).
 
-Each function mirrors one step of the torch block math (``orda_tp.backends.block_math``) and
+Each function mirrors one step of the torch block math (``orda_tp.engine.block_math``) and
 returns the same thing: a :class:`PartitionRecord`, the variant's (rows, num_sums) sums, the logit
 gradients or a row step's outputs. The kernels are :mod:`.partition`, :mod:`.sums`,
 :mod:`.grads`, :mod:`.rows` and :mod:`.scale`; the variant's formulas reach them as generated

@@ -7,7 +7,7 @@ it calls, and the functions generated for a variant (or a row step) that it is p
 or ``python -m orda_tp.kernels grads --kl-divergence reverse``. The kernels are ``partition``,
 ``merge``, ``sums``, ``grads``, ``rows`` and ``scale``; ``sums`` needs a variant, ``grads`` prints
 the variant's gradient functions when given one, ``rows`` a row step's formulas when given one
-(an ``orda_tp.backends.row_formulas.RowProgram``). Generated functions are written to the kernel
+(an ``orda_tp.engine.row_formulas.RowProgram``). Generated functions are written to the kernel
 cache on the way (:mod:`.cache`); their section names the file.
 """
 
@@ -33,7 +33,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class RowStep(Protocol):
-    """A row step's formulas (``orda_tp.backends.row_formulas.RowProgram``)."""
+    """A row step's formulas (``orda_tp.engine.row_formulas.RowProgram``)."""
 
     @property
     def inputs(self) -> tuple[str, ...]: ...

@@ -11,7 +11,7 @@ what differs between variants, and between the row steps of a call, reaches them
   (:meth:`~orda_tp.divergences.Divergence.student_grad_expr`), and ``<variant>_teacher_grad``:
   ``∂D/∂v`` for the variants that co-train the teacher; a row constant is read from the tuple
   ``rowc`` at its position in the names ``ROW_CONSTANTS``;
-- ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.backends.row_formulas``),
+- ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.engine.row_formulas``),
   over the tuples of its (R,) inputs and its runtime floats.
 
 Triton reads a function's source from its file, so each function's module is written to the
