@@ -1,9 +1,18 @@
-"""Public entry points: :func:`distillation_loss`, :class:`DistillationLoss`, :func:`is_available`."""
+"""Public entry points: :func:`distillation_loss`, :class:`DistillationLoss`, :func:`is_available`.
+
+A call reads top to bottom: the keywords become one :class:`~orda_tp.options.LossOptions`; the
+tensors are checked (on one device here, on a tensor-parallel group by
+:func:`orda_tp.parallel.local_shards.shard_inputs`, whose handshake agrees on the layout); the
+:class:`~orda_tp.plan.LossPlan` says what to compute; the backend runs it: the fp64 reference, or
+the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) with the torch or Triton block math.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -11,27 +20,26 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .checks import check_inputs, check_label_range
+from .checks import caller_stacklevel, check_inputs, check_label_range, check_values
 from .config import KernelConfig
 from .divergences import EntropyGate
-from .engine import block_math_of, select_backend
+from .engine.block_math import BlockMath
 from .engine.fused import ChunkedProblem, chunked_loss
-from .engine.fused_grads import GradNeeds
-from .engine.gemm import GemmPolicy
+from .engine.fused_grads import GemmPolicy
 from .engine.logits import statistics_dtype
 from .engine.reference import reference_loss
-from .exchange import LocalExchange, RecordExchange
-from .kernels import is_available
+from .engine.row_walk import RowWalk
+from .engine.torch_math import TorchBlockMath
+from .kernels import is_available, unavailable_reason
 from .options import GradScalerLike, LossOptions
 from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import VocabLayout
-from .parallel.local_shards import LocalInputs, shard_inputs
+from .parallel.local_shards import LocalInputs, local_error, shard_inputs
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
-from .value_checks import check_values, local_error
 
-__all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
+__all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available", "select_backend"]
 
 TeacherArgument = TeacherSource | TeacherHead
 
@@ -47,6 +55,32 @@ class DistillationLossOutput(NamedTuple):
     student_ce: Tensor
     teacher_ce: Tensor
     kl: Tensor
+
+
+@functools.cache
+def select_backend(requested: str, device_type: str, dtype: torch.dtype) -> BlockMath | None:
+    """The block math of the chunked backend that runs a call on ``device_type`` tensors whose
+    statistics are ``dtype`` (None: the "reference" backend); decided once per combination.
+
+    "auto" takes the Triton kernels on a CUDA device with fp16/bf16/fp32 inputs, and otherwise the
+    chunked torch backend; on a CUDA device it says once why it fell back. An explicit "triton"
+    that cannot run raises.
+    """
+    if requested == "reference":
+        return None
+    if requested == "torch":
+        return TorchBlockMath()
+    reason = unavailable_reason(torch.device(device_type), dtype)
+    if requested == "triton" and reason is not None:
+        raise ValueError(f"backend='triton' is unavailable on this machine: {reason}")
+    if reason is None and (requested == "triton" or device_type == "cuda"):
+        from .kernels.ops import TritonBlockMath  # imports triton: only where it runs
+
+        return TritonBlockMath()
+    if device_type == "cuda":
+        message = f"orda_tp: backend='auto' runs the chunked torch backend because {reason}"
+        warnings.warn(message, stacklevel=caller_stacklevel())
+    return TorchBlockMath()
 
 
 def _denominator(
@@ -79,63 +113,11 @@ def _denominator(
     return float(num_valid_tokens)
 
 
-def _gradient_needs(plan: LossPlan, tensors: tuple[Tensor | None, ...]) -> GradNeeds:
-    """Which of the call's differentiable tensors receive a gradient (requires_grad, grad mode and
-    the plan's routing applied)."""
-    grad_on = torch.is_grad_enabled()
-    student_hidden, weight, teacher_hidden, teacher_weight = (
-        grad_on and tensor is not None and tensor.requires_grad for tensor in tensors
-    )
-    teacher_trains = plan.teacher_receives_grad
-    tied_teacher_trains = plan.teacher_kind == "tied" and teacher_trains
-    return GradNeeds(
-        student_hidden=student_hidden and plan.student_receives_grad,
-        weight=weight and (plan.student_receives_grad or tied_teacher_trains),
-        teacher_hidden=teacher_hidden and teacher_trains,
-        teacher_weight=teacher_weight and teacher_trains,
-    )
-
-
-def _exchange(
-    plan: LossPlan, options: LossOptions, local: LocalInputs, teacher: TeacherSource, layout: VocabLayout
-) -> RecordExchange:
-    """The record exchange of this call; value checks raise here on one device, and travel with
-    the first record exchange on a tensor-parallel shard."""
-    config = options.kernel_config
-    if local.group is None:
-        check_values(plan, config, local.student_hidden, local.weight, local.teacher, layout.real_local_columns)
-        return LocalExchange()
-    error = local_error(plan, config, local.student_hidden, local.weight, local.teacher, teacher, layout)
-    return ShardExchange(local.group, layout.sequence_parallel, error)
-
-
-def _one_device_inputs(
-    options: LossOptions, student_hidden: Tensor, weight: Tensor, labels: Tensor, teacher: TeacherSource
-) -> tuple[LocalInputs, VocabLayout]:
-    """The call's tensors on one device, checked (types, shapes, devices), and the layout of the
-    whole head (its rows at or past ``vocab_size`` are padding)."""
-    if options.vocab_range is not None:
-        raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
-    if options.sequence_parallel:
-        raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
-    check_inputs(student_hidden, weight, labels, teacher)
-    layout = VocabLayout.single_device(weight.shape[0], options.vocab_size)
-    return LocalInputs(student_hidden, weight, labels, teacher, None, None, False), layout
-
-
-def _is_sharded(options: LossOptions, tensors: Sequence[object]) -> bool:
-    """A tensor-parallel call: a ``tp_group``, or DTensor inputs (whose placements say)."""
-    return options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
-
-
 @contextmanager
 def _readable_teacher(teacher: object, reduction: str) -> Iterator[TeacherSource]:
-    """The teacher as a descriptor of tensors: a :class:`TeacherHead` becomes the
-    :class:`SeparateTeacher` of its module's weight, gathered for the call if FSDP2 shards it
-    (kept past the call when a "none" reduction's backward recomputes the logits)."""
-    if isinstance(teacher, TeacherSource):
-        yield teacher
-        return
+    """A :class:`TeacherHead` as the :class:`SeparateTeacher` of its module's weight, gathered for
+    the call if FSDP2 shards it (kept past the call when a "none" reduction's backward recomputes
+    the logits)."""
     if not isinstance(teacher, TeacherHead):
         raise TypeError(
             "teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher (or a TeacherHead), "
@@ -159,55 +141,55 @@ def _run(
     teacher: object,
     num_valid_tokens: object,
 ) -> DistillationLossOutput:
-    with _readable_teacher(teacher, options.reduction) as source:
-        return _run_on_tensors(options, student_hidden, weight, labels, source, num_valid_tokens)
-
-
-def _run_on_tensors(
-    options: LossOptions,
-    student_hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    teacher: TeacherSource,
-    num_valid_tokens: object,
-) -> DistillationLossOutput:
+    """The loss of one call: its tensors checked (types, shapes, devices, and the values where
+    host checks run; on a tensor-parallel group a failure waits for the handshake, so that every
+    rank raises it), its plan, and the selected backend run with autocast off (statistics are
+    fp32/fp64 whatever autocast would pick for the GEMMs)."""
+    if not isinstance(teacher, TeacherSource):
+        with _readable_teacher(teacher, options.reduction) as source:
+            return _run(options, student_hidden, weight, labels, source, num_valid_tokens)
     tensors = [student_hidden, weight, labels, *(tensor for _, tensor in teacher.named_tensors())]
-    if _is_sharded(options, tensors):
+    sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
+    if sharded:
 
         def precheck(local: LocalInputs) -> None:
             _denominator(num_valid_tokens, options.reduction, None, local.student_hidden.device)
 
         local, layout = shard_inputs(options, student_hidden, weight, labels, teacher, precheck)
     else:
-        local, layout = _one_device_inputs(options, student_hidden, weight, labels, teacher)
+        if options.vocab_range is not None:
+            raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
+        if options.sequence_parallel:
+            raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
+        check_inputs(student_hidden, weight, labels, teacher, vocab_size=options.vocab_size)
+        local = LocalInputs(student_hidden, weight, labels, teacher, None, None, False)
+        columns = weight.shape[0]
+        vocab_size = columns if options.vocab_size is None else options.vocab_size
+        layout = VocabLayout(0, columns, columns, vocab_size, columns, columns, vocab_size)
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
-    device = local.student_hidden.device
-    config = options.kernel_config
-    if not config.assume_valid_labels and config.runs_host_checks(local.labels.device.type == "cpu"):
+    config, device = plan.config, local.student_hidden.device
+    # Checks that read values on the host: for CPU tensors only, unless the config says (on CUDA a
+    # read would synchronize with the device).
+    host_checks = device.type == "cpu" if config.host_checks is None else config.host_checks
+    if not config.assume_valid_labels and host_checks:
         check_label_range(local.labels, layout.vocab_size, options.ignore_index)
-    exchange = _exchange(plan, options, local, teacher, layout)
+    exchange = None
+    if local.group is not None:  # the value checks travel with the first record exchange
+        error = local_error(plan, local, teacher, layout, host_checks)
+        exchange = ShardExchange(local.group, layout.sequence_parallel, error)
+    else:
+        read_cache, finite_inputs = host_checks and plan.needs_teacher_logits, config.check_finite_inputs
+        check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
     valid = local.labels != options.ignore_index
     denominator = _denominator(num_valid_tokens, options.reduction, valid, device)
-    teacher_hidden, teacher_weight, teacher_logits = local.teacher.head_inputs()
-    inputs = (local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits)
-    backend = select_backend(options.backend, device, statistics_dtype(*inputs))
-    # Statistics are computed in fp32/fp64 whatever autocast would pick for the GEMMs.
+    inputs = (local.student_hidden, local.weight, *local.teacher.head_inputs())
+    block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))
     with torch.autocast(device.type, enabled=False):
-        if backend == "reference":
+        if block_math is None:
             outputs = reference_loss(plan, local.labels, denominator, *inputs, vocab_size=layout.vocab_size)
         else:
-            problem = ChunkedProblem(
-                plan=plan,
-                labels=local.labels,
-                valid=valid,
-                denominator=denominator,
-                grad_needs=_gradient_needs(plan, inputs[:4]),
-                exchange=exchange,
-                layout=layout,
-                math=block_math_of(backend),
-                gemms=GemmPolicy(options.gradient_scale),
-            )
-            outputs = chunked_loss(problem, *inputs)
+            walk = RowWalk(plan, local.labels, valid, exchange, layout, block_math)
+            outputs = chunked_loss(ChunkedProblem(walk, denominator, GemmPolicy(options.gradient_scale)), *inputs)
     return DistillationLossOutput(*outputs)
 
 

@@ -2,8 +2,8 @@
 values (a host read, where it costs nothing or is asked for).
 
 Every bad input raises a ValueError/TypeError that names the argument, what was expected and what
-was received; nothing is clamped or reinterpreted. This module imports nothing of orda_tp at run
-time, so that every other module may use it.
+was received; nothing is clamped or reinterpreted. Of orda_tp this module imports only the teacher
+descriptors (whose shapes and cached values it checks), so that every other module may use it.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import sys
 from collections.abc import Sequence
 from numbers import Integral, Real
 from types import FrameType
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TypeGuard
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .teachers import TeacherSource
+from .teachers import TeacherSource
 
 __all__ = [
     "IgnoredArgumentWarning",
@@ -34,10 +33,10 @@ __all__ = [
     "check_inputs",
     "check_label_range",
     "check_labels",
-    "check_matrix",
     "check_number",
     "check_same_device",
     "check_shape",
+    "check_values",
     "first_non_finite",
     "is_int",
 ]
@@ -87,7 +86,7 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
 
 def check_ignore_index(ignore_index: object) -> int:
     """An integer that fits in torch.long, like the labels it is compared with, as an ``int``."""
-    if not is_int(ignore_index):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, Integral):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if not INT64_MIN <= int(ignore_index) <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in torch.long (int64) like the labels, got {ignore_index!r}")
@@ -117,8 +116,9 @@ def caller_stacklevel() -> int:
     return level
 
 
-def check_floating(name: str, value: object, shape: str = "") -> Tensor:
-    """A floating-point tensor; ``shape`` (e.g. "[..., vocab]") describes it in the message."""
+def check_floating(name: str, value: object, shape: str = "", *, dims: int | None = None) -> Tensor:
+    """A floating-point tensor, with ``dims`` dimensions when given (2: a matrix); ``shape``
+    (e.g. "[..., vocab]") describes it in the message."""
     if not isinstance(value, Tensor):
         described = f" of shape {shape}" if shape else ""
         raise TypeError(f"{name} must be a torch.Tensor{described}, got {type(value).__name__}")
@@ -126,14 +126,8 @@ def check_floating(name: str, value: object, shape: str = "") -> Tensor:
         raise TypeError(
             f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {value.dtype}"
         )
-    return value
-
-
-def check_matrix(name: str, value: object, shape: str = "") -> Tensor:
-    """A 2-D floating-point tensor."""
-    value = check_floating(name, value, shape)
-    if value.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
+    if dims is not None and value.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(value.shape)}")
     return value
 
 
@@ -168,23 +162,50 @@ def check_inputs(
     *,
     sharded: bool = False,
     row_shards: int = 1,
+    vocab_size: int | None = None,
 ) -> None:
     """Types, shapes and devices of the tensors of a call (no host synchronization).
 
     ``sharded``: the heads are vocabulary shards, whose column counts the tensor-parallel layout
     checks across ranks (so that every rank raises the same error). ``row_shards``: under
     sequence parallelism the hidden states hold ``labels.shape[0] / row_shards`` rows.
+    ``vocab_size`` (one device): the real vocabulary, at most the head's rows.
     """
-    hidden = check_matrix("student_hidden", student_hidden)
-    head = check_matrix("weight", weight)
+    hidden = check_floating("student_hidden", student_hidden, dims=2)
+    head = check_floating("weight", weight, dims=2)
     rows, width = hidden.shape
     check_shape("weight", head, (head.shape[0], width), "vocab × hidden, matching student_hidden's hidden size")
     label_rows = rows * row_shards
     meaning = "one label per row of student_hidden" + (f" on each of {row_shards} ranks" if row_shards > 1 else "")
     labels = check_labels(labels, (label_rows,), meaning)
-    teacher.check_shapes(rows, width, label_rows, None if sharded else head.shape[0])
+    for expected in teacher.expected_shapes(rows, width, label_rows, None if sharded else head.shape[0]):
+        check_shape(expected.name, expected.tensor, expected.shape, expected.meaning)
     named = [(f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()]
     check_same_device("student_hidden", hidden.device, [("weight", head), ("labels", labels), *named])
+    if vocab_size is not None and vocab_size > head.shape[0]:
+        raise ValueError(f"vocab_size must be <= the head's {head.shape[0]} rows, got {vocab_size}")
+
+
+def check_values(
+    student_hidden: Tensor,
+    weight: Tensor,
+    teacher: TeacherSource,
+    columns: int,
+    read_cache: bool,
+    finite_inputs: bool,
+) -> None:
+    """One device: raise on a cache modified in place, on a non-finite cache where it is read
+    (``read_cache``: host checks run and the teacher's logits are read; ``columns``: the real
+    columns, padding past ``vocab_size`` is not read), or with ``finite_inputs``
+    (``KernelConfig.check_finite_inputs``) on a non-finite hidden state or weight of the student
+    or of a trainable teacher."""
+    if not teacher.trainable:  # a cache: unchanged since it was built, and finite where it is read
+        teacher.check_unmodified()
+        for check in teacher.checked_values(columns) if read_cache else []:
+            check_finite(check.name, check.tensor, allow_neg_inf=check.allow_neg_inf)
+    if finite_inputs:
+        for name, tensor in [("student_hidden", student_hidden), ("weight", weight), *teacher.trained_tensors()]:
+            check_finite(name, tensor)
 
 
 def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int) -> None:

@@ -13,7 +13,7 @@ and ignored with an ``IgnoredArgumentWarning``); :func:`reset_autotune_cache` an
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from numbers import Integral
 from typing import Any
@@ -28,10 +28,9 @@ __all__ = [
     "KernelConfig",
     "LOSS_OVERRIDES",
     "PROFILES",
-    "RowLayout",
+    "apply_loss_overrides",
     "begin_autotune_run",
     "reset_autotune_cache",
-    "resolve_config",
     "spelled",
 ]
 
@@ -60,15 +59,6 @@ FAST_FACTOR = 4
 CHUNKS_PER_GROUP = 3
 GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
 MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
-    ``group_rows`` (a multiple of ``chunk_rows``) share one pair of gradient GEMMs."""
-
-    chunk_rows: int
-    group_rows: int
 
 
 _ROLE = "orda_tp.role"  # metadata key: what an orda-kernel field of KernelConfig does here
@@ -131,6 +121,8 @@ class KernelConfig:
     - ``kl_weight``, ``kl_temperature``, ``kl_teacher_temperature``, ``kl_divergence``,
       ``kl_alpha``, ``kl_beta``, ``entropy_gate``: override the call's keyword of the same name
       (:func:`apply_loss_overrides`); their values are checked as the call's keywords are.
+
+    How the chunking fields become rows per chunk: ``orda_tp.engine.row_walk.row_layout``.
     """
 
     chunk_size: ChunkSize = field(default_factory=ChunkSize)
@@ -230,51 +222,6 @@ class KernelConfig:
             if spec.metadata.get(_ROLE) == "ignored" and getattr(self, spec.name) is not None
         }
 
-    def runs_host_checks(self, on_cpu: bool) -> bool:
-        """Whether value checks that read tensors on the host run for tensors on this device."""
-        return on_cpu if self.host_checks is None else self.host_checks
-
-    def row_layout(
-        self, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int, shards: int = 1
-    ) -> RowLayout:
-        """Rows per chunk and per gradient group for ``local_vocab`` columns.
-
-        ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
-        ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
-        ``shards``: the tensor-parallel group's size. The default's minimum rows grow with it, so
-        that a shard's chunk does a single device's work per record exchange (two collectives
-        per chunk) in no more memory than a single device's chunk.
-        """
-        size = self.chunk_size
-        factor = FAST_FACTOR if size.fast else 1
-        per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
-        if self.workspace_mib is None:
-            fitting = DEFAULT_WORKSPACE_MIB * factor * (1 << 20) // per_row
-            default = max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
-            cap = None
-        else:
-            fitting = self.workspace_mib * factor * (1 << 20) // per_row
-            default = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
-            cap = default if size.dynamic else None
-        requested = self._requested_rows(total_rows, default)
-        rows = default if requested is None else requested if cap is None else min(requested, cap)
-        rows = max(1, min(rows, max(total_rows, 1)))
-        chunks = min(CHUNKS_PER_GROUP, -(-total_rows // rows)) if staged_bytes > 0 else 1
-        return RowLayout(chunk_rows=rows, group_rows=rows * max(1, chunks))
-
-    def _requested_rows(self, total_rows: int, default: int) -> int | None:
-        """Rows per chunk asked for instead of ``default``: ``chunk_size.nrows``, or
-        ``ceil(rows / num_chunks)``, or ``ceil(rows / max_chunks)`` where ``default`` rows would
-        make more than ``max_chunks`` chunks; None when nothing is asked."""
-        rows = max(total_rows, 1)
-        if self.chunk_size.nrows is not None:
-            return self.chunk_size.nrows
-        if self.num_chunks is not None:
-            return -(-rows // self.num_chunks)
-        if self.max_chunks is not None and -(-rows // default) > self.max_chunks:
-            return -(-rows // self.max_chunks)
-        return None
-
 
 LOSS_OVERRIDES = tuple(spec.name for spec in fields(KernelConfig) if spec.metadata.get(_ROLE) == "loss keyword")
 
@@ -289,35 +236,38 @@ def spelled(config: KernelConfig, names: Iterable[str]) -> str:
     return "KernelConfig(" + ", ".join(f"{name}={getattr(config, name)!r}" for name in names) + ")"
 
 
-def resolve_config(profile: object, config: object) -> KernelConfig:
-    """The profile's preset, or ``config`` when given (the profile name is still validated).
+def _same_value(a: object, b: object) -> bool:
+    """Equality of plain keyword values (numbers, strings, gates, None); anything else differs."""
+    plain = (type(None), int, float, str, EntropyGate)
+    return isinstance(a, plain) and isinstance(b, plain) and a == b
 
-    Each orda-kernel field of ``config`` that has no effect gives one ``IgnoredArgumentWarning``,
-    attributed to the caller's line. A ``config`` that still overrides loss keywords raises: the
-    entry point must apply them first (:func:`apply_loss_overrides`), or they would be ignored
-    without a word.
+
+def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, object]:
+    """The keywords of a :func:`distillation_loss` call (or :class:`DistillationLoss`
+    construction) with orda-kernel's precedence applied: a loss keyword that ``keywords["config"]``
+    sets (:data:`LOSS_OVERRIDES`) replaces the call's keyword of the same name, whatever the call
+    gave, and the returned ``config`` no longer carries it.
+
+    ``defaults``: the keywords' default values. A keyword the call gave (not its default) that the
+    config replaces by another value gives one ``IgnoredArgumentWarning``, attributed to the
+    caller's line. The values are checked afterwards, as the call's keywords.
     """
-    if not isinstance(profile, str) or profile not in PROFILES:
-        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
-    if config is None:
-        return PROFILES[profile]
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
-    overrides = config.loss_overrides()
-    if overrides:
-        raise ValueError(
-            f"{spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
-            f"pass {', '.join(overrides)} to the call instead"
-        )
-    ignored = config.ignored_fields()
-    if ignored:
-        for name, reason in ignored.items():
+    merged = dict(keywords)
+    config = merged.get("config")
+    if not isinstance(config, KernelConfig) or not config.loss_overrides():
+        return merged
+    for name, value in config.loss_overrides().items():
+        given = merged[name]
+        if not _same_value(given, defaults[name]) and not _same_value(given, value):
             warnings.warn(
-                f"{spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
+                f"{name}={given!r} is ignored: config={spelled(config, [name])} overrides it (as in orda-kernel); "
+                f"leave {name} at its default ({defaults[name]!r}) to silence this warning",
                 IgnoredArgumentWarning,
                 stacklevel=caller_stacklevel(),
             )
-    return replace(config)
+        merged[name] = value
+    merged["config"] = config.without_loss_overrides()
+    return merged
 
 
 def reset_autotune_cache() -> None:

@@ -9,7 +9,6 @@ a call (the teacher's kind, the vocabulary) is resolved by :class:`orda_tp.plan.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal, Protocol, TypeGuard
 
@@ -24,10 +23,19 @@ from .checks import (
     check_number,
     is_int,
 )
-from .config import KernelConfig, resolve_config, spelled
+from .config import PROFILES, KernelConfig, apply_loss_overrides, spelled
 from .divergences import DIVERGENCES, KL_VARIANTS, Divergence, DivergenceParams, EntropyGate
 
-__all__ = ["BACKENDS", "LOGITS_BACKENDS", "REDUCTIONS", "GradScalerLike", "LogitsOptions", "LossOptions"]
+__all__ = [
+    "BACKENDS",
+    "LOGITS_BACKENDS",
+    "REDUCTIONS",
+    "GradScalerLike",
+    "LogitsOptions",
+    "LossOptions",
+    "resolve_config",
+    "resolve_divergence",
+]
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 #: The logits-level losses read logits; "reference" builds them from hidden states.
@@ -124,38 +132,35 @@ def check_group(group: object) -> dist.ProcessGroup | None:
     return group
 
 
-def _same_value(a: object, b: object) -> bool:
-    """Equality of plain keyword values (numbers, strings, gates, None); anything else differs."""
-    plain = (type(None), int, float, str, EntropyGate)
-    return isinstance(a, plain) and isinstance(b, plain) and a == b
+def resolve_config(profile: object, config: object) -> KernelConfig:
+    """The profile's preset, or ``config`` when given (the profile name is still validated).
 
-
-def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, object]:
-    """The keywords of a :func:`distillation_loss` call (or :class:`DistillationLoss`
-    construction) with orda-kernel's precedence applied: a loss keyword that ``keywords["config"]``
-    sets (:data:`LOSS_OVERRIDES`) replaces the call's keyword of the same name, whatever the call
-    gave, and the returned ``config`` no longer carries it.
-
-    ``defaults``: the keywords' default values. A keyword the call gave (not its default) that the
-    config replaces by another value gives one ``IgnoredArgumentWarning``, attributed to the
-    caller's line. The values are checked afterwards, as the call's keywords.
+    Each orda-kernel field of ``config`` that has no effect gives one ``IgnoredArgumentWarning``,
+    attributed to the caller's line. A ``config`` that still overrides loss keywords raises: the
+    entry point must apply them first (:func:`apply_loss_overrides`), or they would be ignored
+    without a word.
     """
-    merged = dict(keywords)
-    config = merged.get("config")
-    if not isinstance(config, KernelConfig) or not config.loss_overrides():
-        return merged
-    for name, value in config.loss_overrides().items():
-        given = merged[name]
-        if not _same_value(given, defaults[name]) and not _same_value(given, value):
+    if not isinstance(profile, str) or profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    if config is None:
+        return PROFILES[profile]
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+    overrides = config.loss_overrides()
+    if overrides:
+        raise ValueError(
+            f"{spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
+            f"pass {', '.join(overrides)} to the call instead"
+        )
+    ignored = config.ignored_fields()
+    if ignored:
+        for name, reason in ignored.items():
             warnings.warn(
-                f"{name}={given!r} is ignored: config={spelled(config, [name])} overrides it (as in orda-kernel); "
-                f"leave {name} at its default ({defaults[name]!r}) to silence this warning",
+                f"{spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
                 IgnoredArgumentWarning,
                 stacklevel=caller_stacklevel(),
             )
-        merged[name] = value
-    merged["config"] = config.without_loss_overrides()
-    return merged
+    return replace(config)
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,8 @@ class LossOptions:
         values["ignore_index"] = check_ignore_index(values["ignore_index"])
         values["reduction"] = check_choice("reduction", values["reduction"], REDUCTIONS)
         values["backend"] = check_choice("backend", values["backend"], BACKENDS)
-        _check_parallel_keywords(values)
+        if any(values[name] is not None for name in PARALLEL_KEYWORDS):
+            _check_parallel_keywords(values)
         kernel_config = resolve_config(values["profile"], values["config"])
         if values["kl_teacher_temperature"] not in (None, values["kl_temperature"]) and divergence.cotrains_teacher:
             raise ValueError(
@@ -254,6 +260,7 @@ _NUMBERS = {
     "kl_teacher_temperature": True,
 }
 _OPTIONAL = ("teacher_ce_weight", "kl_teacher_temperature")
+PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_parallel")
 
 
 def _check_parallel_keywords(values: dict[str, object]) -> None:
@@ -289,7 +296,7 @@ def _check_parallel_keywords(values: dict[str, object]) -> None:
 class LogitsOptions:
     """The validated keywords every logits-level loss shares (each loss checks its own sizes).
 
-    ``chunk_rows``: rows per chunk, 0 for the default workspace (:meth:`KernelConfig.row_layout`);
+    ``chunk_rows``: rows per chunk, 0 for the default workspace (``engine.row_walk.row_layout``);
     ``config.vocab_block``: columns per block of the torch backend.
     """
 

@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass, field
 
 from .config import KernelConfig
-from .divergences import Divergence, DivergenceParams
+from .divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
 from .options import LogitsOptions, LossOptions
 from .records import LogitFamily
 from .teachers import TeacherSource
 
-__all__ = ["LossPlan"]
+__all__ = ["LossPlan", "StepKey"]
 
 
 def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
@@ -29,13 +29,16 @@ def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size
     return DivergenceParams(params.alpha, params.beta, params.gate, math.log(vocab_size))
 
 
-def _teacher_temperature(options: LossOptions, teacher: TeacherSource) -> float:
-    """``T_t``: 1 for a cache already divided by its temperature (used as it is, as orda-kernel
-    does), else ``kl_teacher_temperature``, else ``kl_temperature``."""
-    tempered = teacher.cache_temperature
-    if tempered is None:
-        given = options.kl_teacher_temperature
-        return options.kl_temperature if given is None else given
+def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weight: float) -> None:
+    """A cache of logits already divided by ``tempered`` is used as it is (as orda-kernel does):
+    it cannot give the teacher CE (``LSE(t) − t_y`` on raw logits), nor another temperature."""
+    if teacher_ce_weight > 0:
+        raise ValueError(
+            f"teacher_ce_weight={teacher_ce_weight} needs raw teacher logits, but "
+            f"PrecomputedTeacher(logits_temperature={tempered!r}) declares a cache already "
+            "divided by that temperature, from which the teacher CE cannot be formed; pass teacher_ce_weight=0.0, "
+            "or pass the raw logits without logits_temperature (the KL then divides them by kl_teacher_temperature)"
+        )
     if options.kl_teacher_temperature not in (None, tempered):
         raise ValueError(
             f"kl_teacher_temperature={options.kl_teacher_temperature!r} disagrees with "
@@ -43,21 +46,21 @@ def _teacher_temperature(options: LossOptions, teacher: TeacherSource) -> float:
             "leave kl_teacher_temperature=None (the cache is used as it is), or pass the raw logits "
             "without logits_temperature"
         )
-    return 1.0
 
 
-def _teacher_ce_weight(options: LossOptions, teacher: TeacherSource) -> float:
-    weight = teacher.default_ce_weight if options.teacher_ce_weight is None else options.teacher_ce_weight
-    tempered = teacher.cache_temperature
-    if tempered is not None and weight > 0:
-        # The teacher CE is LSE(t) − t_y on raw logits; a tempered cache holds t / T only.
-        raise ValueError(
-            f"teacher_ce_weight={weight} needs raw teacher logits, but "
-            f"PrecomputedTeacher(logits_temperature={tempered!r}) declares a cache already "
-            "divided by that temperature, from which the teacher CE cannot be formed; pass teacher_ce_weight=0.0, "
-            "or pass the raw logits without logits_temperature (the KL then divides them by kl_teacher_temperature)"
-        )
-    return weight
+@dataclass(frozen=True)
+class StepKey:
+    """What a call's row programs (:mod:`orda_tp.engine.row_formulas`) depend on: its structure,
+    never its weights or temperatures. The indices of ``LossPlan.families`` that hold the student's
+    and the teacher's CE families (``T = 1``) and KL families, and the first teacher family (each
+    None where the call has none)."""
+
+    num_families: int
+    ce_student: int | None
+    ce_teacher: int | None
+    kl_student: int | None
+    kl_teacher: int | None
+    teacher_family: int | None
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,9 @@ class LossPlan:
     has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
     ``families`` lists the distinct logit families whose log-partitions round 1 computes;
     ``logit_grad_weights = (w_s, w_kl·T_s, w_kl·T_s²/T_t)`` are the factors of the student's CE
-    gradient, of ``∂D/∂u`` in ``∂loss/∂s`` and of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale).
+    gradient, of ``∂D/∂u`` in ``∂loss/∂s`` and of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale);
+    ``step_key`` is what the row programs depend on, ``formulas`` the variant's trees (None without
+    a KL term) and ``grad_row_names`` the gradient kernel's row constants, in the order it reads them.
     """
 
     student_ce_weight: float
@@ -91,41 +96,55 @@ class LossPlan:
     teacher_ce_trains_teacher: bool = field(init=False)
     student_receives_grad: bool = field(init=False)
     logit_grad_weights: tuple[float, float, float] = field(init=False)
-    ce_student_family: LogitFamily = field(init=False)
-    ce_teacher_family: LogitFamily = field(init=False)
-    kl_student_family: LogitFamily = field(init=False)
-    kl_teacher_family: LogitFamily = field(init=False)
     families: tuple[LogitFamily, ...] = field(init=False)
+    step_key: StepKey = field(init=False)
+    formulas: VariantFormulas | None = field(init=False)
+    grad_row_names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         computes_kl = self.kl_weight > 0 and self.divergence is not None
         teacher_trains = not self.teacher_kind.startswith("precomputed") and (
             self.teacher_role == "cotrained" or (self.teacher_role == "trained" and self.teacher_ce_weight > 0)
         )
+        teacher_ce_trains = teacher_trains and self.teacher_ce_weight > 0
         kl_student = self.kl_weight * self.student_temperature
-        families = {
-            "ce_student_family": LogitFamily("student", 1.0),
-            "ce_teacher_family": LogitFamily("teacher", 1.0),
-            "kl_student_family": LogitFamily("student", self.student_temperature),
-            "kl_teacher_family": LogitFamily("teacher", self.teacher_temperature),
-        }
-        wanted = [families["ce_student_family"]] if self.student_ce_weight > 0 else []
-        wanted += [families["ce_teacher_family"]] if self.teacher_ce_weight > 0 else []
-        wanted += [families["kl_student_family"], families["kl_teacher_family"]] if computes_kl else []
+        ce_families = LogitFamily("student", 1.0), LogitFamily("teacher", 1.0)
+        kl_families = LogitFamily("student", self.student_temperature), LogitFamily("teacher", self.teacher_temperature)
+        wanted = [ce_families[0]] if self.student_ce_weight > 0 else []
+        wanted += [ce_families[1]] if self.teacher_ce_weight > 0 else []
+        wanted += list(kl_families) if computes_kl else []
+        families = tuple(dict.fromkeys(wanted))
+        step_key = StepKey(
+            num_families=len(families),
+            ce_student=families.index(ce_families[0]) if self.student_ce_weight > 0 else None,
+            ce_teacher=families.index(ce_families[1]) if self.teacher_ce_weight > 0 else None,
+            kl_student=families.index(kl_families[0]) if computes_kl else None,
+            kl_teacher=families.index(kl_families[1]) if computes_kl else None,
+            teacher_family=next((i for i, family in enumerate(families) if family.side == "teacher"), None),
+        )
+        formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
+        # The gradient kernel's row constants, in the order it reads them (row_formulas.grad_step).
+        grad_row_names = ["scale", *(["lse_s"] if self.student_ce_weight > 0 else [])]
+        grad_row_names += ["lse_t", "c_ce_t"] if teacher_ce_trains else []
+        if formulas is not None:
+            grad_row_names += ["lse_u", "lse_v", "keep"]
+            grad_row_names += [name for name in formulas.row_names if name not in grad_row_names]
         derived = {
             "computes_kl": computes_kl,
             "needs_teacher_logits": computes_kl or self.teacher_ce_weight > 0,
             "teacher_receives_grad": teacher_trains,
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
-            "teacher_ce_trains_teacher": teacher_trains and self.teacher_ce_weight > 0,
+            "teacher_ce_trains_teacher": teacher_ce_trains,
             "student_receives_grad": self.student_ce_weight > 0 or computes_kl,
             "logit_grad_weights": (
                 self.student_ce_weight,
                 kl_student,
                 kl_student * self.student_temperature / self.teacher_temperature,
             ),
-            **families,
-            "families": tuple(dict.fromkeys(wanted)),
+            "families": families,
+            "step_key": step_key,
+            "formulas": formulas,
+            "grad_row_names": tuple(grad_row_names),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -139,7 +158,16 @@ class LossPlan:
                 f"kl_divergence={divergence.name!r} trains the teacher and needs a TiedTeacher or SeparateTeacher; "
                 "got a PrecomputedTeacher (use a teacher-detached variant such as 'jeffreys')"
             )
-        teacher_ce_weight = _teacher_ce_weight(options, teacher)
+        teacher_ce_weight = (
+            teacher.default_ce_weight if options.teacher_ce_weight is None else options.teacher_ce_weight
+        )
+        tempered = teacher.cache_temperature
+        if tempered is None:
+            given = options.kl_teacher_temperature
+            teacher_temperature = options.kl_temperature if given is None else given
+        else:
+            _check_tempered_cache(options, tempered, teacher_ce_weight)
+            teacher_temperature = 1.0
         if divergence.cotrains_teacher and options.kl_weight > 0:
             role = "cotrained"
         elif teacher_ce_weight > 0:
@@ -155,7 +183,7 @@ class LossPlan:
             teacher_ce_weight=teacher_ce_weight,
             kl_weight=options.kl_weight,
             student_temperature=options.kl_temperature,
-            teacher_temperature=_teacher_temperature(options, teacher),
+            teacher_temperature=teacher_temperature,
             divergence=divergence,
             params=with_vocabulary(divergence, options.params, vocab_size),
             reduction=options.reduction,

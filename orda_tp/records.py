@@ -10,7 +10,7 @@ temperature, e.g. ``u = s/T_s``), the partial log-partition ``(m, z)`` with ``m 
 the raw student and teacher logits at the label column (only the owning block contributes, merge
 by sum) and how many blocks owned the label (a row whose label no block owns comes out NaN).
 
-Round 2 sums (the variant's :meth:`Divergence.block_sums`) merge by plain addition.
+Round 2 sums (of the variant's column terms) merge by plain addition.
 
 Records pack into one (rows, K) tensor so that a tensor-parallel exchange is one collective.
 """
@@ -29,7 +29,6 @@ __all__ = [
     "block_partition_record",
     "merge_partition_records",
     "merge_stacked_partition_records",
-    "sum_records",
 ]
 
 
@@ -107,28 +106,6 @@ def merge_stacked_partition_records(stacked: Tensor, num_families: int) -> Parti
     )
 
 
-def sum_records(records: Sequence[Tensor]) -> Tensor:
-    """Merge round-2 sums: plain addition, left to right."""
-    total = records[0]
-    for record in records[1:]:
-        total = total + record
-    return total
-
-
-def partial_log_partition(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(max x, Σ e^{x − max})`` over the columns of x; an all −inf row gives (−inf, 0)."""
-    row_max = x.amax(dim=1)
-    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
-    return row_max, torch.exp(x - shift[:, None]).sum(dim=1)
-
-
-def gather_label_column(logits: Tensor, local_labels: Tensor, owned: Tensor) -> Tensor:
-    """Logit at the label column for rows whose label lies in this block, else 0."""
-    index = torch.where(owned, local_labels, 0)
-    picked = logits.gather(1, index[:, None]).squeeze(1)
-    return torch.where(owned, picked, 0.0)
-
-
 def block_partition_record(
     student: Tensor,
     teacher: Tensor | None,
@@ -136,25 +113,32 @@ def block_partition_record(
     col_start: int,
     families: Sequence[LogitFamily],
 ) -> PartitionRecord:
-    """Round-1 record of a block whose columns start at global column ``col_start``.
+    """Round-1 record of a block whose columns start at global column ``col_start``, with torch ops
+    (the torch backend's, and the kernels' when no family is asked for).
 
     ``student``/``teacher``: (rows, cols) raw logits in the statistics dtype; ``labels``: (rows,)
-    global label ids of valid rows.
+    global label ids of valid rows. Per family ``x = logits/T``: ``(max x, Σ e^{x − max x})``, an
+    all −inf row giving (−inf, 0); the logits at the label column for rows whose label lies in the
+    block, else 0.
     """
     sides = {"student": student, "teacher": teacher}
     maxes, sumexps = [], []
     for family in families:
         logits = sides[family.side]
         assert logits is not None, f"family {family} needs {family.side} logits"
-        row_max, sumexp = partial_log_partition(logits if family.temperature == 1.0 else logits / family.temperature)
+        x = logits if family.temperature == 1.0 else logits / family.temperature
+        row_max = x.amax(dim=1)
+        shift = torch.where(row_max == float("-inf"), 0.0, row_max)
         maxes.append(row_max)
-        sumexps.append(sumexp)
+        sumexps.append(torch.exp(x - shift[:, None]).sum(dim=1))
     local_labels = labels - col_start
     owned = (local_labels >= 0) & (local_labels < student.shape[1])
-    target_student = gather_label_column(student, local_labels, owned)
-    target_teacher = (
-        gather_label_column(teacher, local_labels, owned) if teacher is not None else torch.zeros_like(target_student)
-    )
+    index = torch.where(owned, local_labels, 0)[:, None]
+    target_student = torch.where(owned, student.gather(1, index).squeeze(1), 0.0)
+    if teacher is None:
+        target_teacher = torch.zeros_like(target_student)
+    else:
+        target_teacher = torch.where(owned, teacher.gather(1, index).squeeze(1), 0.0)
     empty = student.new_zeros(student.shape[0], 0)
     return PartitionRecord(
         maxes=torch.stack(maxes, dim=1) if maxes else empty,

@@ -25,7 +25,6 @@ from orda_tp.divergences.expr import (
     Q,
     absolute,
     equal,
-    evaluate,
     exp,
     expm1,
     greater,
@@ -37,6 +36,7 @@ from orda_tp.divergences.expr import (
     row,
     where,
 )
+from orda_tp.engine.torch_math import evaluate
 from orda_tp.kernels import cache, kernel_source, print_kernel, variant_terms
 from orda_tp.kernels.__main__ import main
 from orda_tp.kernels.expr_compiler import FunctionSpec, function_source
@@ -158,7 +158,7 @@ def test_the_rows_kernel_prints_a_row_steps_formulas() -> None:
 
 
 # The generated code, run with torch standing in for Triton: the operations the trees say, in
-# their order, so the results equal expr.evaluate's bit for bit.
+# their order, so the results equal the torch interpreter's (torch_math.evaluate) bit for bit.
 TORCH_TL = types.SimpleNamespace(exp=torch.exp, log=torch.log, abs=torch.abs, where=torch.where, constexpr=object)
 NAMESPACE = {
     "triton": types.SimpleNamespace(jit=lambda function: function),

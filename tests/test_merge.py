@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from orda_tp import KL_VARIANTS, TiedTeacher
-from orda_tp.engine.logits import LogitsBlock
+from orda_tp.engine.logits import LogitGrads, LogitsBlock
 from orda_tp.engine.reference import reference_loss
-from orda_tp.engine.rounds import chunk_row_stats, grad_rows
-from orda_tp.engine.torch_math import TorchBlockMath, block_logit_grads
-from orda_tp.exchange import LocalExchange
+from orda_tp.engine.row_walk import RowWalk, chunk_row_stats, grad_rows
+from orda_tp.engine.torch_math import TorchBlockMath
 from orda_tp.options import LossOptions
+from orda_tp.parallel.layout import VocabLayout
 from orda_tp.plan import LossPlan
 from orda_tp.records import (
     PartitionRecord,
@@ -69,7 +69,9 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
         for start, stop in zip(BOUNDARIES[:-1], BOUNDARIES[1:])
     ]
     random.Random(variant).shuffle(blocks)
-    stats = chunk_row_stats(plan, blocks, 0, labels, LocalExchange(), TorchBlockMath(), student)
+    layout = VocabLayout(0, vocab, vocab, vocab, vocab, vocab, vocab)
+    walk = RowWalk(plan, labels, torch.ones(rows, dtype=torch.bool), None, layout, TorchBlockMath())
+    stats = chunk_row_stats(walk, blocks, labels, student)
     for actual, reference in zip((stats.student_ce, stats.teacher_ce, stats.kl), expected[1:]):
         assert relative_error(actual.sum(), reference) <= 1e-12
 
@@ -79,10 +81,9 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
     upstream, valid = torch.ones((), dtype=torch.float64), torch.ones(rows, dtype=torch.bool)
     rows = grad_rows(plan, stats, upstream, valid, math, student)
     for block in blocks:
-        grad_s, grad_t = block_logit_grads(plan, rows, block.student, block.teacher, labels - block.start)
-        student_grad[:, block.start : block.stop] = grad_s
-        assert grad_t is not None
-        teacher_grad[:, block.start : block.stop] = grad_t
+        columns = slice(block.start, block.stop)
+        out = LogitGrads(student_grad[:, columns], teacher_grad[:, columns])
+        math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, block.start, out)
     assert relative_error(student_grad, expected_student_grad) <= 1e-12
     assert relative_error(teacher_grad, expected_teacher_grad) <= 1e-12
 

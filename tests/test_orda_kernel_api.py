@@ -46,8 +46,9 @@ from orda_tp import (
     build_precomputed_span_teacher,
     distillation_loss,
 )
-from orda_tp.config import LOSS_OVERRIDES, resolve_config
-from orda_tp.options import apply_loss_overrides
+from orda_tp.config import LOSS_OVERRIDES, apply_loss_overrides
+from orda_tp.engine.row_walk import row_layout
+from orda_tp.options import resolve_config
 
 from .distributed import run_distributed
 
@@ -103,7 +104,7 @@ def test_chunk_size_constructors_and_fields_share_their_names() -> None:
 
 def rows_per_chunk(config: KernelConfig, rows: int = 1000) -> int:
     """Rows per chunk for ``rows`` rows of 10**5 columns, fp32 student and teacher, bf16 staging."""
-    return config.row_layout(rows, 10**5, 8, 2).chunk_rows
+    return row_layout(config, rows, 10**5, 8, 2).chunk_rows
 
 
 def test_chunk_size_nrows_is_exact_even_under_a_workspace_cap() -> None:

@@ -12,12 +12,10 @@ import torch
 
 import orda_tp
 from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
-from orda_tp.config import RowLayout
-from orda_tp.engine import block_math_of
-from orda_tp.engine.fused_grads import GradientStaging
-from orda_tp.engine.logits import HeadLogits, PairedLogits, StoredLogits, TiedLogits
-from orda_tp.engine.row_walk import GradTarget, RowWalk, row_ranges, walk_rows
-from orda_tp.exchange import LocalExchange
+from orda_tp.api import select_backend
+from orda_tp.engine import fused
+from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
+from orda_tp.engine.row_walk import GradTarget, RowLayout, RowWalk, row_ranges, walk_rows
 from orda_tp.parallel.layout import VocabLayout
 
 from .cases import (
@@ -38,7 +36,7 @@ HOST_CHECKS_OFF = KernelConfig(host_checks=False)  # what a CUDA call does by de
 @pytest.fixture
 def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 5 rows, gradient groups of 10: several groups and a short last chunk."""
-    monkeypatch.setattr(KernelConfig, "row_layout", lambda self, *args: RowLayout(chunk_rows=5, group_rows=10))
+    monkeypatch.setattr(fused, "row_layout", lambda *args: RowLayout(chunk_rows=5, group_rows=10))
 
 
 def problem_for(mode: str, seed: int, dtype: torch.dtype = torch.float64):  # noqa: ANN201
@@ -87,8 +85,9 @@ def test_one_walker_reads_stored_formed_and_tied_logits_alike(backend: str) -> N
     labels = torch.randint(0, vocab, (rows,), generator=generator)
     labels[::4] = -100
     plan = make_plan("jeffreys", vocab, TiedTeacher(teacher))  # both sides trained: two staged gradients
-    walk = RowWalk(plan, labels, labels != -100, LocalExchange(), VocabLayout.single_device(vocab, None),
-                   block_math_of(backend))  # fmt: skip
+    math = select_backend(backend, student.device.type, dtype)
+    assert math is not None
+    walk = RowWalk(plan, labels, labels != -100, None, VocabLayout(0, vocab, vocab, vocab, vocab, vocab, vocab), math)
     identity = torch.eye(vocab, dtype=dtype)
     sources = [
         PairedLogits(StoredLogits(student), StoredLogits(teacher)),
@@ -99,8 +98,8 @@ def test_one_walker_reads_stored_formed_and_tied_logits_alike(backend: str) -> N
     walked = []
     for source in sources:
         stats = walk_rows(walk, source, chunks, dtype)
-        staging = GradientStaging.allocate(0, rows, vocab, dtype, student.device, with_teacher=True)
-        walk_rows(walk, source, chunks, dtype, stats, GradTarget(staging, torch.ones((), dtype=dtype)))
+        staging = LogitGrads(torch.empty(rows, vocab, dtype=dtype), torch.empty(rows, vocab, dtype=dtype))
+        walk_rows(walk, source, chunks, dtype, stats, GradTarget(staging, 0, torch.ones((), dtype=dtype)))
         walked.append((torch.cat([s.kl for s in stats]), torch.cat([s.student_ce for s in stats]), staging))
     (kl, student_ce, staging), *others = walked
     assert torch.isfinite(kl).any() and staging.teacher is not None

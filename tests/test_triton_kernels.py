@@ -13,7 +13,8 @@ import torch
 
 import orda_tp
 from orda_tp import KL_VARIANTS
-from orda_tp.divergences.expr import equal, evaluate_rows, greater, log, row, where
+from orda_tp.divergences.expr import equal, greater, log, row, where
+from orda_tp.engine.torch_math import evaluate_rows
 from orda_tp.records import LogitFamily, block_partition_record, merge_stacked_partition_records
 
 from .cases import (
@@ -175,7 +176,7 @@ def block_logits(rows: int, cols: int, dtype: torch.dtype, seed: int) -> tuple[t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("families", FAMILY_SETS)
 def test_partition_kernel_gives_the_torch_record(families: str, dtype: torch.dtype) -> None:
-    from orda_tp.kernels import ops
+    from orda_tp.kernels.ops import TritonBlockMath
 
     student, teacher = block_logits(21, 300, dtype, stable_seed(families, str(dtype)))
     col_start = 50
@@ -184,7 +185,7 @@ def test_partition_kernel_gives_the_torch_record(families: str, dtype: torch.dty
     labels[1], labels[2], labels[3] = col_start - 1, col_start + 300, col_start + 299
     with_teacher = families != "student"
     other = teacher if with_teacher else None
-    actual = ops.partition_record(student, other, labels, col_start, FAMILY_SETS[families])
+    actual = TritonBlockMath().partition(student, other, labels, col_start, FAMILY_SETS[families])
     expected = block_partition_record(
         student.float(), None if other is None else other.float(), labels, col_start, FAMILY_SETS[families]
     )
@@ -197,18 +198,19 @@ def test_partition_kernel_gives_the_torch_record(families: str, dtype: torch.dty
 
 @pytest.mark.parametrize("num_families", [1, 2, 4])
 def test_merge_kernel_gives_the_torch_merge(num_families: int) -> None:
-    from orda_tp.kernels import ops
+    from orda_tp.kernels.ops import TritonBlockMath
 
     stacked = torch.randn(5, 37, 2 * num_families + 3, generator=torch.Generator().manual_seed(num_families))
     stacked[:, 3, :num_families] = float("-inf")  # a row empty in every split
     stacked[1, 8, 0] = float("-inf")  # one empty split
-    actual = ops.merge_stacked_records(stacked, num_families).pack()
+    actual = TritonBlockMath().merge_stacked(stacked, num_families).pack()
     expected = merge_stacked_partition_records(stacked, num_families).pack()
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_row_kernel_gives_the_torch_row_formulas() -> None:
-    from orda_tp.kernels import ops
+    from orda_tp.engine.row_formulas import RowProgram
+    from orda_tp.kernels.ops import TritonBlockMath
 
     m, z, flag, upstream = row("m"), row("z"), row("flag"), row("upstream")
     lse = where(equal(m, float("-inf")), 0.0, m) + log(z)
@@ -222,6 +224,7 @@ def test_row_kernel_gives_the_torch_row_formulas() -> None:
     }
     values["m"][::7] = float("-inf")
     like = torch.empty(0)
-    actual = ops.row_program(("m", "z", "flag", "upstream"), ("t",), exprs, values, {"t": 1.5}, like)
+    program = RowProgram(("m", "z", "flag", "upstream"), ("t",), ("lse", "scaled", "upstream_t", "flag"), exprs)
+    actual = TritonBlockMath().rows(program, values, {"t": 1.5}, like)
     expected = evaluate_rows(exprs, {**values, "t": torch.full((300,), 1.5)}, like)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=0.0, equal_nan=True)  # log: an ulp apart

@@ -1,10 +1,9 @@
 """KL variants: each defined once (statistics, finalize, gradient) and shared by all backends."""
 
-from .base import BlockTerms, Divergence, DivergenceParams, EntropyGate, Finalized, RowTargets
+from .base import Divergence, DivergenceParams, EntropyGate, Finalized, RowTargets, VariantFormulas, formulas_of
 from .registry import DIVERGENCES, KL_VARIANTS, get_divergence
 
 __all__ = [
-    "BlockTerms",
     "DIVERGENCES",
     "Divergence",
     "DivergenceParams",
@@ -12,5 +11,7 @@ __all__ = [
     "Finalized",
     "KL_VARIANTS",
     "RowTargets",
+    "VariantFormulas",
+    "formulas_of",
     "get_divergence",
 ]

@@ -5,12 +5,16 @@ Every variant works on normalized log-probabilities of one block of columns,
 the first statistics round (the log-partitions) is merged. A variant then
 
 1. sums ``num_sums`` elementwise terms over the block's columns (:meth:`Divergence.column_terms`,
-   written as :mod:`expr` trees that every backend evaluates or compiles);
+   written as :mod:`expr` trees that every backend evaluates or compiles: the torch backend's
+   interpreter is ``orda_tp.engine.torch_math``, the Triton backend's compiler ``orda_tp.kernels``);
    the per-block sums of all blocks (or tensor-parallel shards) add up to the row's sums;
 2. turns the merged sums into the row value ``D`` and the row constants its gradient needs
    (:meth:`Divergence.finalize`);
 3. forms ``∂D/∂u`` (and ``∂D/∂v`` when it co-trains the teacher) from a block's columns and the
    row constants (:meth:`Divergence.student_grad_expr`, :meth:`Divergence.teacher_grad_expr`).
+
+The trees of a variant and its parameters are built once (:func:`formulas_of`) and reused by every
+call.
 
 Tensors are (rows, cols) for blocks and (rows,) for rows; all arithmetic is in the statistics
 dtype (fp32, or fp64 for fp64 inputs). Zero-support columns (p = 0 or q = 0, from −inf logits)
@@ -21,19 +25,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
-import torch
 from torch import Tensor
 
-from .expr import Expr, equal, evaluate, expm1, greater, logical_and, where
+from .expr import Expr, equal, expm1, greater, logical_and, row_names, where
 
 __all__ = [
-    "BlockTerms",
     "Divergence",
     "DivergenceParams",
     "EntropyGate",
     "Finalized",
     "RowTargets",
+    "VariantFormulas",
+    "formulas_of",
     "power_gap",
     "xlogratio",
     "zero_where_both_zero",
@@ -78,20 +83,6 @@ class DivergenceParams:
     beta: float | None = None
     gate: EntropyGate | None = None
     log_vocab: float = 0.0
-
-
-@dataclass(frozen=True)
-class BlockTerms:
-    """Normalized distributions of one block of columns for a chunk of rows."""
-
-    logp: Tensor
-    logq: Tensor
-    p: Tensor
-    q: Tensor
-    is_target: Tensor | None = None  # (rows, cols) bool, only for variants with ``needs_target``
-
-    def columns(self) -> dict[str, Tensor | None]:
-        return {"logp": self.logp, "logq": self.logq, "p": self.p, "q": self.q, "is_target": self.is_target}
 
 
 @dataclass(frozen=True)
@@ -143,16 +134,28 @@ class Divergence:
         """``∂D/∂v`` on a column (co-training variants only)."""
         raise NotImplementedError(f"{self.name} does not train the teacher through the KL")
 
-    def block_sums(self, terms: BlockTerms, params: DivergenceParams) -> Tensor:
-        """(rows, num_sums) partial sums over this block's columns."""
-        values = evaluate(self.column_terms(params), terms.columns(), {})
-        return torch.stack([value.sum(1) for value in values], dim=1)
 
-    def student_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return evaluate([self.student_grad_expr(params)], terms.columns(), consts)[0]
+@dataclass(frozen=True)
+class VariantFormulas:
+    """A variant's trees for one set of parameters: ``column_terms`` (the ``num_sums`` terms that
+    round 2 sums over the columns), ``student_grad`` (``∂D/∂u``), ``teacher_grad`` (``∂D/∂v``, for
+    the co-training variants, else None) and ``row_names``, the finalize constants that the
+    gradients read, in first-use order."""
 
-    def teacher_grad(self, terms: BlockTerms, consts: dict[str, Tensor], params: DivergenceParams) -> Tensor:
-        return evaluate([self.teacher_grad_expr(params)], terms.columns(), consts)[0]
+    column_terms: tuple[Expr, ...]
+    student_grad: Expr
+    teacher_grad: Expr | None
+    row_names: tuple[str, ...]
+
+
+@cache
+def formulas_of(divergence: Divergence, params: DivergenceParams) -> VariantFormulas:
+    """The trees of ``divergence`` with ``params``, built once: the variants are registry
+    singletons and their parameters frozen, so every later call reads the same trees."""
+    student = divergence.student_grad_expr(params)
+    teacher = divergence.teacher_grad_expr(params) if divergence.cotrains_teacher else None
+    gradients = [student] if teacher is None else [student, teacher]
+    return VariantFormulas(tuple(divergence.column_terms(params)), student, teacher, tuple(row_names(gradients)))
 
 
 def xlogratio(x: Expr, log_x: Expr, log_y: Expr) -> Expr:

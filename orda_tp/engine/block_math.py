@@ -3,7 +3,7 @@ sums and logit gradients, and how a row step runs.
 
 The walk (row chunks, column blocks, record exchange) is the same for every backend; the block
 math differs: torch ops (:class:`.torch_math.TorchBlockMath`) or generated Triton kernels
-(:class:`.triton_math.TritonBlockMath`). Both read the same variant formulas.
+(``orda_tp.kernels.ops.TritonBlockMath``). Both read the same variant formulas.
 """
 
 from __future__ import annotations

@@ -3,165 +3,159 @@ GEMMs on a row group's staged logit gradients.
 
 A group's staged ``dS`` (rows × real local columns) feeds ``dh[rows] += dS·W`` and
 ``dW += dSᵀ·h[rows]`` (and the same for the teacher's tensors): two GEMMs per side and group.
+
+Logit gradients are staged in :meth:`GemmPolicy.staging_dtype`: bf16 as they are for bf16
+operands on CUDA (the kernels write them once, in bf16); otherwise in the statistics dtype. fp16
+operands then meet an fp32 staging through a ``scale`` (``gradient_materialization_scale``, or
+the GradScaler's scale, a number or a device tensor) that keeps the small gradients out of fp16's
+subnormal range, lowered on the device where it would push the largest gradient past fp16's
+range; the product is divided by it. Without a scale fp16 gradient GEMMs run in fp32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .gemm import GemmPolicy, full_precision_reductions
-from .head import HeadTensors
-from .logits import LogitGrads
+from .logits import HeadTensors, LogitGrads
 
-__all__ = ["GradNeeds", "GradientBuffers", "GradientStaging", "run_gradient_gemms", "weight_grad_dtype"]
+__all__ = ["GemmPolicy", "GradNeeds", "GradientBuffers", "allocate_buffers", "run_gradient_gemms"]
+
+FP16_HEADROOM = 6.0e4  # below fp16's largest finite value, 65504
+_ADDMM_OUT_DTYPE = [True]  # cleared once if this torch has no addmm(..., out_dtype=...)
 
 
-@dataclass(frozen=True)
-class GradNeeds:
+class GradNeeds(NamedTuple):
     """Whether each head input receives a gradient (requires_grad, grad mode and the plan's
-    routing already applied)."""
+    routing already applied), in :class:`HeadTensors` order."""
 
     student_hidden: bool
     weight: bool
     teacher_hidden: bool
     teacher_weight: bool
 
-    @property
-    def any(self) -> bool:
-        return self.student_hidden or self.weight or self.teacher_hidden or self.teacher_weight
 
+class GradientBuffers(NamedTuple):
+    """Gradients of the head inputs that receive one (None for the others), summed over row
+    groups, in :class:`HeadTensors` order.
 
-def weight_grad_dtype(weight: Tensor, statistics: torch.dtype, accumulation: str) -> torch.dtype:
-    """The dtype a head weight's gradient is summed in (``KernelConfig.grad_weight_accumulation``)."""
-    if accumulation == "compute" or (accumulation == "auto" and weight.dtype == torch.bfloat16):
-        return weight.dtype
-    return statistics
-
-
-@dataclass(frozen=True)
-class GradientBuffers:
-    """Gradients of the head inputs that receive one (None for the others), summed over row groups.
-
-    Hidden gradients are in ``hidden_dtype`` (the inputs' dtype on one device, where each row is
-    written once; the statistics dtype where shards' partial sums still have to be added), head
-    weights in :func:`weight_grad_dtype`."""
+    Hidden gradients are in the inputs' dtype on one device, where each row is written once, and
+    in the statistics dtype on a shard, whose partial sums still have to be added; a head weight's
+    in ``KernelConfig.grad_weight_accumulation``'s dtype: its own for "compute" (and "auto" with a
+    bf16 weight: no extra memory, one rounding per group), else the statistics dtype."""
 
     student_hidden: Tensor | None
     weight: Tensor | None
     teacher_hidden: Tensor | None
     teacher_weight: Tensor | None
 
-    @staticmethod
-    def allocate(
-        head: HeadTensors,
-        needs: GradNeeds,
-        hidden_dtype: torch.dtype | None,
-        statistics: torch.dtype,
-        accumulation: str,
-    ) -> GradientBuffers:
-        """Zeroed buffers; ``hidden_dtype`` None: each hidden gradient in its input's dtype."""
 
-        def hidden_buffer(tensor: Tensor | None, need: bool) -> Tensor | None:
-            if not need or tensor is None:
-                return None
-            dtype = tensor.dtype if hidden_dtype is None else hidden_dtype
-            return torch.zeros(tensor.shape, dtype=dtype, device=tensor.device)
+def allocate_buffers(
+    head: HeadTensors, needs: GradNeeds, sharded: bool, statistics: torch.dtype, accumulation: str
+) -> GradientBuffers:
+    """Zeroed gradient buffers of the inputs that need one (see :class:`GradientBuffers`)."""
+    buffers: list[Tensor | None] = []
+    for tensor, need, is_weight in zip(head[:4], needs, (False, True, False, True)):
+        if not need or tensor is None:
+            buffers.append(None)
+            continue
+        if is_weight:
+            own = accumulation == "compute" or (accumulation == "auto" and tensor.dtype == torch.bfloat16)
+        else:
+            own = not sharded
+        dtype = tensor.dtype if own else statistics
+        buffers.append(torch.zeros(tensor.shape, dtype=dtype, device=tensor.device))
+    return GradientBuffers(*buffers)
 
-        def weight_buffer(tensor: Tensor | None, need: bool) -> Tensor | None:
-            if not need or tensor is None:
-                return None
-            dtype = weight_grad_dtype(tensor, statistics, accumulation)
-            return torch.zeros(tensor.shape, dtype=dtype, device=tensor.device)
 
-        return GradientBuffers(
-            student_hidden=hidden_buffer(head.student_hidden, needs.student_hidden),
-            weight=weight_buffer(head.weight, needs.weight),
-            teacher_hidden=hidden_buffer(head.teacher_hidden, needs.teacher_hidden),
-            teacher_weight=weight_buffer(head.teacher_weight, needs.teacher_weight),
-        )
-
-    @property
-    def hidden(self) -> list[Tensor]:
-        """The hidden-state gradients present (student's first): the ones summed over shards."""
-        return [grad for grad in (self.student_hidden, self.teacher_hidden) if grad is not None]
-
-    def with_hidden(self, summed: list[Tensor]) -> GradientBuffers:
-        """These buffers with :attr:`hidden` replaced, in order, by ``summed``."""
-        replacements = iter(summed)
-        return GradientBuffers(
-            student_hidden=None if self.student_hidden is None else next(replacements),
-            weight=self.weight,
-            teacher_hidden=None if self.teacher_hidden is None else next(replacements),
-            teacher_weight=self.teacher_weight,
-        )
-
-    @property
-    def present(self) -> list[Tensor]:
-        """The gradients present, in input order."""
-        grads = (self.student_hidden, self.weight, self.teacher_hidden, self.teacher_weight)
-        return [grad for grad in grads if grad is not None]
+@contextmanager
+def full_precision_reductions() -> Iterator[None]:
+    """Within it, cuBLAS may not reduce split-K partial sums in bf16/fp16 (torch allows that by
+    default for bf16/fp16 outputs): a gradient GEMM then rounds once, to its output, as its fp32-output
+    counterpart on a vocabulary shard does."""
+    flags = torch.backends.cuda.matmul
+    saved = (flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction)
+    flags.allow_bf16_reduced_precision_reduction = False
+    flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 
 @dataclass(frozen=True)
-class GradientStaging:
-    """Staged logit gradients of rows ``[begin, begin + rows)`` over the real local columns:
-    ``student`` always, ``teacher`` when the teacher is trained (else None)."""
+class GemmPolicy:
+    """How staged logit gradients meet the gradient GEMMs: ``scale`` for fp16 materialization."""
 
-    begin: int
-    student: Tensor
-    teacher: Tensor | None
+    scale: float | Tensor | None = None
 
     @staticmethod
-    def allocate(
-        begin: int, rows: int, columns: int, dtype: torch.dtype, device: torch.device, with_teacher: bool
-    ) -> GradientStaging:
-        def buffer() -> Tensor:
-            return torch.empty(rows, columns, dtype=dtype, device=device)
+    def staging_dtype(operands: Sequence[Tensor], statistics: torch.dtype) -> torch.dtype:
+        """The dtype logit gradients are staged in for the gradient GEMMs with ``operands`` (the
+        head weights and hidden states they meet): bf16 when every operand is a bf16 CUDA tensor,
+        else the statistics dtype."""
+        if statistics == torch.float32 and all(t.is_cuda and t.dtype == torch.bfloat16 for t in operands):
+            return torch.bfloat16
+        return statistics
 
-        return GradientStaging(begin, buffer(), buffer() if with_teacher else None)
+    def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor) -> None:
+        """``target += staged · operand`` with ``staged`` in :meth:`staging_dtype`.
 
-    def views(self, begin: int, end: int, start: int, stop: int) -> LogitGrads:
-        """The staging of batch rows ``[begin, end)`` and local columns ``[start, stop)``."""
-        r0, r1 = begin - self.begin, end - self.begin
-        teacher = None if self.teacher is None else self.teacher[r0:r1, start:stop]
-        return LogitGrads(self.student[r0:r1, start:stop], teacher)
-
-
-def _side_gemms(
-    staged: Tensor,
-    hidden: Tensor,
-    weight: Tensor,
-    hidden_grad: Tensor | None,
-    weight_grad: Tensor | None,
-    begin: int,
-    valid: Tensor,
-    gemms: GemmPolicy,
-) -> None:
-    """One side: ``dh[rows] += dS·W`` and ``dW += dSᵀ·h[rows]`` (ignored rows' ``h`` read as 0)."""
-    end = begin + staged.shape[0]
-    columns = staged.shape[1]
-    if hidden_grad is not None:
-        gemms.accumulate(hidden_grad[begin:end], staged, weight.detach()[:columns])
-    if weight_grad is not None:
-        rows = hidden.detach()[begin:end]
-        rows = torch.where(valid[:, None], rows, 0.0)
-        gemms.accumulate(weight_grad[:columns], staged.T, rows)
+        bf16 on CUDA: one GEMM that adds into ``target`` in its epilogue (fp32 or bf16 target,
+        fp32 accumulation inside the GEMM). fp16 with a scale: the staged fp32 gradient is scaled
+        into fp16 for the tensor cores and the product unscaled. Otherwise in ``staged``'s dtype."""
+        if staged.dtype == torch.bfloat16:
+            if target.dtype == torch.bfloat16:
+                target.addmm_(staged, operand)
+                return
+            if _ADDMM_OUT_DTYPE[0] and target.dtype == torch.float32 and target.is_contiguous():
+                try:
+                    torch.addmm(target, staged, operand, out_dtype=torch.float32, out=target)
+                    return
+                except TypeError:  # a torch without addmm(out_dtype=...)
+                    _ADDMM_OUT_DTYPE[0] = False
+            target += torch.mm(staged, operand, torch.float32).to(target.dtype)
+            return
+        if operand.is_cuda and operand.dtype == torch.float16 and self.scale is not None:
+            # Lowered on the device where scale·max|gradient| would leave fp16's range.
+            factor = torch.clamp(FP16_HEADROOM / staged.abs().amax(), max=self.scale)
+            scaled = (staged * factor).to(torch.float16)
+            target += (torch.mm(scaled, operand, torch.float32) / factor).to(target.dtype)
+            return
+        target += (staged @ operand.to(staged.dtype)).to(target.dtype)
 
 
 def run_gradient_gemms(
-    head: HeadTensors, staging: GradientStaging, valid: Tensor, buffers: GradientBuffers, gemms: GemmPolicy
+    head: HeadTensors, staged: LogitGrads, begin: int, valid: Tensor, buffers: GradientBuffers, gemms: GemmPolicy
 ) -> None:
-    """Add the staged group's contribution to ``buffers``; ``valid`` marks the group's rows that are
-    not ignored (the others' hidden rows are not read, so a non-finite ignored row stays out)."""
-    begin = staging.begin
+    """Add the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``,
+    side by side: ``dh[rows] += dS·W`` and ``dW += dSᵀ·h[rows]``. ``valid`` marks the group's rows
+    that are not ignored (the others' hidden rows are not read, so a non-finite ignored row stays
+    out); a tied teacher's weight gradient adds to the student head's."""
+    sides = [(staged.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight)]
+    if staged.teacher is not None and head.teacher_hidden is not None:
+        if head.teacher_weight is None:  # tied: the student's head
+            sides.append((staged.teacher, head.teacher_hidden, head.weight, buffers.teacher_hidden, buffers.weight))
+        else:
+            sides.append(
+                (
+                    staged.teacher,
+                    head.teacher_hidden,
+                    head.teacher_weight,
+                    buffers.teacher_hidden,
+                    buffers.teacher_weight,
+                )
+            )
     with full_precision_reductions():
-        _side_gemms(staging.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight, begin,
-                    valid, gemms)  # fmt: skip
-        if staging.teacher is not None and head.teacher_hidden is not None:
-            # A tied teacher's weight gradient adds to the student head's.
-            weight_grad = buffers.teacher_weight if head.teacher_weight is not None else buffers.weight
-            _side_gemms(staging.teacher, head.teacher_hidden, head.teacher_head, buffers.teacher_hidden, weight_grad,
-                        begin, valid, gemms)  # fmt: skip
+        for logit_grads, hidden, weight, hidden_grad, weight_grad in sides:
+            end, columns = begin + logit_grads.shape[0], logit_grads.shape[1]
+            if hidden_grad is not None:
+                gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns])
+            if weight_grad is not None:
+                rows = torch.where(valid[:, None], hidden.detach()[begin:end], 0.0)
+                gemms.accumulate(weight_grad[:columns], logit_grads.T, rows)

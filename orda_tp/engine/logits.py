@@ -9,26 +9,25 @@ rows ``[begin, end)`` on each column block ``[start, stop)``:
 - :class:`TiedLogits`: a tied head, whose student and teacher rows are stacked once per chunk so
   that one GEMM per block serves both sides.
 
-:class:`PairedLogits` pairs a student side with a teacher side (or none). Logits are formed in
-the statistics dtype (:func:`statistics_dtype`), never rounded to bf16/fp16 first
-(:func:`.gemm.logits_mm`); stored logits arrive either converted to it or as stored, for block
-math that upcasts them itself.
+:class:`PairedLogits` pairs a student side with a teacher side (or none); :func:`logits_source`
+picks the fused path's source from its :class:`HeadTensors`. Logits are formed in the statistics
+dtype (:func:`statistics_dtype`), never rounded to bf16/fp16 first (:func:`logits_mm`); stored
+logits arrive either converted to it or as stored, for block math that upcasts them itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from .gemm import logits_mm
-
 __all__ = [
     "ColumnRange",
     "HeadLogits",
+    "HeadTensors",
     "LogitGrads",
     "LogitsBlock",
     "LogitsSource",
@@ -36,12 +35,14 @@ __all__ = [
     "SideLogits",
     "StoredLogits",
     "TiedLogits",
-    "column_blocks",
+    "logits_mm",
+    "logits_source",
     "statistics_dtype",
     "stored_logits_block",
 ]
 
 ColumnRange = tuple[int, int]  # half-open local columns [start, stop)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def statistics_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -49,9 +50,14 @@ def statistics_dtype(*tensors: Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def column_blocks(num_columns: int, block: int) -> list[ColumnRange]:
-    """Half-open local column ranges of at most ``block`` columns covering ``[0, num_columns)``."""
-    return [(start, min(start + block, num_columns)) for start in range(0, num_columns, block)]
+def logits_mm(hidden: Tensor, weight_block: Tensor, dtype: torch.dtype) -> Tensor:
+    """``hidden · weight_blockᵀ`` in ``dtype`` (fp32/fp64), never rounded through the inputs' dtype:
+    fp16/bf16 operands of one dtype on CUDA run on the tensor cores with an fp32 result
+    (``torch.mm(a, b, out_dtype)``); anything else is cast to ``dtype`` first."""
+    same_low_precision = hidden.dtype == weight_block.dtype and hidden.dtype in LOW_PRECISION
+    if hidden.is_cuda and same_low_precision and dtype == torch.float32:
+        return torch.mm(hidden, weight_block.T, torch.float32)
+    return hidden.to(dtype) @ weight_block.to(dtype).T
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,8 @@ class LogitsBlock:
 
 @dataclass(frozen=True)
 class LogitGrads:
-    """Where one block's logit gradients go (views): ``student``, and ``teacher`` when the teacher
-    is trained (else None)."""
+    """Logit gradients (or views of them, one block's): ``student``, and ``teacher`` when the
+    teacher is trained (else None)."""
 
     student: Tensor
     teacher: Tensor | None
@@ -169,3 +175,32 @@ class TiedLogits:
             both = logits_mm(stacked, self.weight.detach()[start:stop], dtype)
             blocks.append(LogitsBlock(start, stop, both[:rows], both[rows:]))
         return blocks
+
+
+class HeadTensors(NamedTuple):
+    """The fused path's differentiable tensors, which produce this device's logits.
+
+    ``weight`` (V_local, H) is the student head; the teacher reads ``teacher_weight`` when set
+    (separate head, or a cached hidden + head), ``weight`` when tied (neither ``teacher_weight``
+    nor ``teacher_logits``), or ``teacher_logits`` (a cache, (BT, V_local)).
+    """
+
+    student_hidden: Tensor
+    weight: Tensor
+    teacher_hidden: Tensor | None
+    teacher_weight: Tensor | None
+    teacher_logits: Tensor | None
+
+
+def logits_source(head: HeadTensors, with_teacher: bool) -> LogitsSource:
+    """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: through the same GEMM
+    as the student's (tied), from the cache, or ``h_t·W_tᵀ``."""
+    student = HeadLogits(head.student_hidden, head.weight)
+    if not with_teacher:
+        return PairedLogits(student, None)
+    if head.teacher_logits is not None:
+        return PairedLogits(student, StoredLogits(head.teacher_logits))
+    assert head.teacher_hidden is not None
+    if head.teacher_weight is None:
+        return TiedLogits(head.student_hidden, head.teacher_hidden, head.weight)
+    return PairedLogits(student, HeadLogits(head.teacher_hidden, head.teacher_weight))

@@ -15,7 +15,7 @@ small tensor ops per chunk.
   ``max(D, 0)`` and ``KL = T_s²·max(D, 0)`` (both 0 on absent rows, NaN on unowned ones) and
   ``keep``, whether the row's KL gradient is formed (teacher present and ``D ≠ +inf``).
 - :func:`grad_step`, before a gradient pass: the row constants of the gradient kernel, in
-  :func:`grad_row_names` order: ``scale`` = the upstream gradient (0 on ignored rows, NaN on
+  ``LossPlan.grad_row_names`` order: ``scale`` = the upstream gradient (0 on ignored rows, NaN on
   unowned ones), the teacher CE's ``LSE(t)`` and coefficient ``c_ce_t = w_t·scale`` (both 0 on
   absent rows), the KL's log-partitions and ``keep``, and the variant's finalize constants.
 
@@ -28,25 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from torch import Tensor
+from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, where
+from ..plan import StepKey
 
-from ..divergences import Divergence, DivergenceParams
-from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, row_names, where
-from ..plan import LossPlan
-from ..records import LogitFamily, PartitionRecord
-
-__all__ = [
-    "RowProgram",
-    "StepKey",
-    "divergence_row_names",
-    "finish_step",
-    "grad_row_names",
-    "grad_step",
-    "is_set",
-    "partition_inputs",
-    "partition_scalars",
-    "partition_step",
-]
+__all__ = ["RowProgram", "finish_step", "grad_step", "is_set", "partition_step"]
 
 NEG_INF = float("-inf")
 NAN = float("nan")
@@ -55,16 +40,14 @@ NAN = float("nan")
 @dataclass(frozen=True, eq=False)
 class RowProgram:
     """Row formulas: ``exprs[i]`` computes output ``outputs[i]`` from the (rows,) tensors named
-    ``inputs`` and the runtime floats named ``scalars``. Identity is the cache key of its kernel."""
+    ``inputs`` and the runtime floats named ``scalars``; a run returns them as the columns of one
+    (rows, len(outputs)) tensor. Identity is the cache key of its kernel, and every program is
+    built once (the functions below are cached), so a call builds nothing."""
 
     inputs: tuple[str, ...]
     scalars: tuple[str, ...]
     outputs: tuple[str, ...]
     exprs: tuple[Expr, ...]
-
-    def columns(self, packed: Tensor) -> dict[str, Tensor]:
-        """The program's (rows, outputs) result as each output's (rows,) view, by name."""
-        return {name: packed[:, j] for j, name in enumerate(self.outputs)}
 
 
 def is_set(flag: Expr) -> Expr:
@@ -77,56 +60,9 @@ def _program(inputs: list[str], scalars: list[str], outputs: dict[str, Expr]) ->
 
 
 def record_inputs(num_families: int) -> list[str]:
-    """Names of the packed record's columns (:meth:`PartitionRecord.pack` order)."""
+    """Names of the packed record's columns (:meth:`orda_tp.records.PartitionRecord.pack` order)."""
     f = num_families
     return [f"m{i}" for i in range(f)] + [f"z{i}" for i in range(f)] + ["s_y", "t_y", "hits"]
-
-
-def partition_inputs(record: PartitionRecord) -> dict[str, Tensor]:
-    """The merged record's columns as the inputs of :func:`partition_step`, by name (views)."""
-    columns = [record.maxes, record.sumexps, record.target_logits, record.label_hits[:, None]]
-    names = iter(record_inputs(record.maxes.shape[1]))
-    return {next(names): column[:, j] for column in columns for j in range(column.shape[1])}
-
-
-@dataclass(frozen=True)
-class StepKey:
-    """What a call's row programs depend on: its structure, never its weights or temperatures."""
-
-    num_families: int
-    student_ce: bool
-    teacher_ce: bool
-    computes_kl: bool
-    ce_student: int | None  # family indices
-    ce_teacher: int | None
-    kl_student: int | None
-    kl_teacher: int | None
-    teacher_family: int | None
-
-    @staticmethod
-    def of(plan: LossPlan) -> StepKey:
-        families = plan.families
-
-        def index(wanted: bool, family: LogitFamily) -> int | None:
-            return families.index(family) if wanted else None
-
-        teacher = next((i for i, family in enumerate(families) if family.side == "teacher"), None)
-        kl = plan.computes_kl
-        return StepKey(
-            num_families=len(families),
-            student_ce=plan.student_ce_weight > 0,
-            teacher_ce=plan.teacher_ce_weight > 0,
-            computes_kl=kl,
-            ce_student=index(plan.student_ce_weight > 0, plan.ce_student_family),
-            ce_teacher=index(plan.teacher_ce_weight > 0, plan.ce_teacher_family),
-            kl_student=index(kl, plan.kl_student_family),
-            kl_teacher=index(kl, plan.kl_teacher_family),
-            teacher_family=teacher,
-        )
-
-
-def partition_scalars(plan: LossPlan) -> dict[str, float]:
-    return {"t_s": plan.student_temperature, "t_t": plan.teacher_temperature}
 
 
 @cache
@@ -152,8 +88,8 @@ def partition_step(key: StepKey) -> RowProgram:
     if key.ce_teacher is not None:
         assert absent is not None
         outputs["teacher_ce"] = where(absent, 0.0, lse[key.ce_teacher] - row("t_y")) + nan_elsewhere
-    if key.computes_kl:
-        assert absent is not None and key.kl_student is not None and key.kl_teacher is not None
+    if key.kl_student is not None:
+        assert absent is not None and key.kl_teacher is not None
         lse_u = lse[key.kl_student]
         lse_v = where(absent, 0.0, lse[key.kl_teacher])
         outputs["lse_u"], outputs["lse_v"] = lse_u, lse_v
@@ -177,24 +113,11 @@ def finish_step() -> RowProgram:
     return _program(["value", "absent", "owned"], ["t_s_squared"], outputs)
 
 
-def grad_row_names(plan: LossPlan) -> tuple[str, ...]:
-    """The gradient kernel's row constants, in the order it reads them: ``scale``, then
-    ``lse_s`` (student CE), ``lse_t``, ``c_ce_t`` (teacher CE training the teacher), ``lse_u``,
-    ``lse_v``, ``keep`` and the variant's constants (KL)."""
-    names = ["scale"]
-    if plan.student_ce_weight > 0:
-        names.append("lse_s")
-    if plan.teacher_ce_trains_teacher:
-        names += ["lse_t", "c_ce_t"]
-    if plan.computes_kl:
-        names += ["lse_u", "lse_v", "keep"]
-        names += [name for name in divergence_row_names(plan.divergence, plan.params) if name not in names]
-    return tuple(names)
-
-
 @cache
 def grad_step(key: StepKey, names: tuple[str, ...]) -> RowProgram:
-    """The gradient kernel's row constants ``names`` (see :func:`grad_row_names`)."""
+    """The gradient kernel's row constants ``names`` (``LossPlan.grad_row_names``: ``scale``, then
+    ``lse_s`` (student CE), ``lse_t``, ``c_ce_t`` (teacher CE training the teacher), ``lse_u``,
+    ``lse_v``, ``keep`` and the variant's constants (KL))."""
     scale = where(is_set(row("valid")), where(is_set(row("owned")), row("upstream"), NAN), 0.0)
     formulas: dict[str, Expr] = {"scale": scale}
     if key.ce_student is not None:
@@ -211,15 +134,3 @@ def grad_step(key: StepKey, names: tuple[str, ...]) -> RowProgram:
     if "lse_t" in names:
         inputs += ["absent", f"lse{key.ce_teacher}"]
     return _program(inputs, ["w_t"], outputs)
-
-
-@cache
-def divergence_row_names(divergence: Divergence | None, params: DivergenceParams) -> tuple[str, ...]:
-    """The row constants of the variant's gradient formulas (its finalize constants); the
-    variants are registry singletons and their parameters frozen, so this is built once each."""
-    if divergence is None:
-        return ()
-    exprs = [divergence.student_grad_expr(params)]
-    if divergence.cotrains_teacher:
-        exprs.append(divergence.teacher_grad_expr(params))
-    return tuple(row_names(exprs))

@@ -5,37 +5,138 @@ logits-level losses (logits the caller holds). Per chunk of rows ``[begin, end)`
 
 1. its logits blocks over this device's real columns come from a :class:`.logits.LogitsSource`
    (stored, ``hidden · weight_blockᵀ``, or one GEMM for a tied head's two sides);
-2. round 1 and round 2 merge the blocks' records through the exchange (identity on one device,
-   one all-gather per round across a tensor-parallel group) and the row steps finalize each row
-   (:func:`.rounds.chunk_row_stats`), unless statistics ``saved`` by an earlier walk are given;
+2. round 1 merges the blocks' records (per logit family the partial log-partition ``(m, z)``,
+   the label logits ``s_y``, ``t_y`` and the label-owner count) and the partition step turns the
+   merged record into log-partitions, CE values and the KL's row inputs; round 2 (KL only) sums
+   the variant's column terms, and the variant's finalize and the finish step give the row's
+   divergence. Across a tensor-parallel group each round's record goes through the
+   :class:`RecordExchange` (one all-gather); on one device there is none. Statistics ``saved`` by
+   an earlier walk skip both rounds;
 3. when asked (a :class:`GradTarget`), the grad step forms the chunk's gradient row constants
-   and the block math writes each block's logit gradients into the target's views: a staging
-   buffer for the fused path's gradient GEMMs, the logits' gradient itself for the logits path.
+   and the block math writes each block's logit gradients into the target: a staging buffer for
+   the fused path's gradient GEMMs, the logits' gradient itself for the logits path.
 
-A chunk's logits live only while the chunk is processed: the next chunk's are formed after they
-are freed. Nothing here knows the variant, the number of ranks or what the gradients feed.
+Each row step is one program of :mod:`.row_formulas` (one launch on the Triton backend), whose
+result is unpacked here, once, into the named fields of :mod:`.stats`. A chunk's logits live only
+while the chunk is processed: the next chunk's are formed after they are freed. Nothing here knows
+the variant, the number of ranks or what the gradients feed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from ..exchange import RecordExchange
+from ..config import CHUNKS_PER_GROUP, DEFAULT_WORKSPACE_MIB, FAST_FACTOR, MIN_CHUNK_ROWS, KernelConfig
+from ..divergences import RowTargets
 from ..parallel.layout import VocabLayout
 from ..plan import LossPlan
+from ..records import PartitionRecord, merge_partition_records
 from .block_math import BlockMath
-from .logits import ColumnRange, LogitGrads, LogitsSource, column_blocks
-from .rounds import chunk_row_stats, grad_rows
-from .stats import RowStats
+from .logits import ColumnRange, LogitGrads, LogitsBlock, LogitsSource
+from .row_formulas import finish_step, grad_step, partition_step
+from .stats import GradRows, KLRowStats, RowStats
 
-__all__ = ["GradDestination", "GradTarget", "RowRange", "RowWalk", "row_ranges", "walk_rows"]
+__all__ = [
+    "GradTarget",
+    "RecordExchange",
+    "RowLayout",
+    "RowRange",
+    "RowWalk",
+    "chunk_row_stats",
+    "grad_rows",
+    "row_layout",
+    "row_ranges",
+    "walk_rows",
+]
 
 RowRange = tuple[int, int]  # half-open rows [begin, end) of the batch
+
+
+class RecordExchange(Protocol):
+    """How a shard's statistics and gradients meet those of the other vocabulary shards
+    (:class:`orda_tp.parallel.shard_exchange.ShardExchange`); a call on one device has none."""
+
+    def merge_partitions(
+        self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
+    ) -> PartitionRecord:
+        """Round 1: the record of all shards' columns, identical on every shard; ``merge_stacked``
+        merges (shards, rows, 2F+3) packed records (the backend's merge)."""
+        ...
+
+    def sum_over_shards(self, local: Tensor) -> Tensor:
+        """Round 2: the sums over all shards' columns, identical on every shard."""
+        ...
+
+    def finish(self, like: Tensor) -> None:
+        """End of the forward statistics (lets a call with no rows still agree on errors)."""
+        ...
+
+    def gather_rows(self, tensors: list[Tensor]) -> list[Tensor]:
+        """The full batch's rows of each hidden tensor (sequence parallelism), else the inputs."""
+        ...
+
+    def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
+        """Rows ``[begin, end)`` of the hidden gradients ``grads`` are complete on this device:
+        their sum over the shards may start now, overlapping the rows still to come."""
+        ...
+
+    def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
+        """Hidden gradients summed over the shards (this rank's rows under sequence parallelism)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
+    ``group_rows`` (a multiple of ``chunk_rows``) share one pair of gradient GEMMs."""
+
+    chunk_rows: int
+    group_rows: int
+
+
+def row_layout(
+    config: KernelConfig, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int, shards: int = 1
+) -> RowLayout:
+    """Rows per chunk and per gradient group for ``local_vocab`` columns (``KernelConfig``'s
+    chunking fields).
+
+    ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
+    ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
+    ``shards``: the tensor-parallel group's size. The default's minimum rows grow with it, so that
+    a shard's chunk does a single device's work per record exchange (two collectives per chunk)
+    in no more memory than a single device's chunk. Rows asked for instead of the workspace's:
+    ``chunk_size.nrows``, or ``ceil(rows / num_chunks)``, or ``ceil(rows / max_chunks)`` where the
+    workspace's rows would make more than ``max_chunks`` chunks; a dynamic ``chunk_size`` lowers
+    them to fit an explicit ``workspace_mib``.
+    """
+    size = config.chunk_size
+    factor = FAST_FACTOR if size.fast else 1
+    per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
+    if config.workspace_mib is None:
+        fitting = DEFAULT_WORKSPACE_MIB * factor * (1 << 20) // per_row
+        default = max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
+        cap = None
+    else:
+        fitting = config.workspace_mib * factor * (1 << 20) // per_row
+        default = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
+        cap = default if size.dynamic else None
+    rows = max(total_rows, 1)
+    requested = None
+    if size.nrows is not None:
+        requested = size.nrows
+    elif config.num_chunks is not None:
+        requested = -(-rows // config.num_chunks)
+    elif config.max_chunks is not None and -(-rows // default) > config.max_chunks:
+        requested = -(-rows // config.max_chunks)
+    chunk = default if requested is None else requested if cap is None else min(requested, cap)
+    chunk = max(1, min(chunk, rows))
+    chunks = min(CHUNKS_PER_GROUP, -(-total_rows // chunk)) if staged_bytes > 0 else 1
+    return RowLayout(chunk_rows=chunk, group_rows=chunk * max(1, chunks))
 
 
 def row_ranges(begin: int, end: int, size: int) -> list[RowRange]:
@@ -49,32 +150,26 @@ class RowWalk:
 
     ``labels``: (rows,) the labels the statistics read (an ignored row's too: its values go
     unused); ``valid``: (rows,) the rows that count; ``exchange``: how records meet those of the
-    other shards; ``layout``: this device's columns; ``math``: how a block becomes records and
-    gradients (torch or Triton).
+    other shards (None on one device); ``layout``: this device's columns; ``math``: how a block
+    becomes records and gradients (torch or Triton).
     """
 
     plan: LossPlan
     labels: Tensor
     valid: Tensor
-    exchange: RecordExchange
+    exchange: RecordExchange | None
     layout: VocabLayout
     math: BlockMath
 
 
-class GradDestination(Protocol):
-    """Where a walk writes logit gradients."""
-
-    def views(self, begin: int, end: int, start: int, stop: int) -> LogitGrads:
-        """The views for batch rows ``[begin, end)`` and local columns ``[start, stop)``."""
-        ...
-
-
 @dataclass(frozen=True)
 class GradTarget:
-    """Logit gradients wanted: written into ``destination``, for the upstream gradient
-    ``upstream`` (÷ N for "mean"; 0-d, or (rows,) per row) in the statistics dtype."""
+    """Logit gradients wanted: written into ``grads``, whose first row is batch row ``first_row``
+    (its columns are the local columns), for the upstream gradient ``upstream`` (÷ N for "mean";
+    0-d, or (rows,) per row) in the statistics dtype."""
 
-    destination: GradDestination
+    grads: LogitGrads
+    first_row: int
     upstream: Tensor
 
 
@@ -84,18 +179,19 @@ def walk_rows(
     chunks: Sequence[RowRange],
     dtype: torch.dtype,
     saved: Sequence[RowStats] | None = None,
-    grads: GradTarget | None = None,
+    target: GradTarget | None = None,
 ) -> list[RowStats]:
     """Walk ``chunks`` in order: each chunk's row statistics (computed, or ``saved[i]`` for
-    ``chunks[i]``), with ``grads`` its logit gradients written. Returns the statistics in chunk
+    ``chunks[i]``), with ``target`` its logit gradients written. Returns the statistics in chunk
     order. ``dtype``: the statistics dtype."""
     like = torch.empty(0, dtype=dtype, device=walk.labels.device)
     columns = walk.layout.real_local_columns
-    column_ranges = column_blocks(columns, walk.math.block_columns(walk.plan.config.vocab_block, columns))
+    block = walk.math.block_columns(walk.plan.config.vocab_block, columns)
+    column_ranges = [(start, min(start + block, columns)) for start in range(0, columns, block)]
     walked = []
     for index, (begin, end) in enumerate(chunks):
         stats = None if saved is None else saved[index]
-        walked.append(_walk_chunk(walk, source, begin, end, column_ranges, stats, grads, like))
+        walked.append(_walk_chunk(walk, source, begin, end, column_ranges, stats, target, like))
     return walked
 
 
@@ -106,22 +202,131 @@ def _walk_chunk(
     end: int,
     column_ranges: Sequence[ColumnRange],
     stats: RowStats | None,
-    grads: GradTarget | None,
+    target: GradTarget | None,
     like: Tensor,
 ) -> RowStats:
-    """One chunk: its logits, its statistics (computed unless given), and with ``grads`` its logit
+    """One chunk: its logits, its statistics (computed unless given), and with ``target`` its logit
     gradients. The logits live only as long as this call."""
-    blocks = source.blocks(begin, end, column_ranges, like.dtype, walk.math.reads_stored_cache)
+    plan, math = walk.plan, walk.math
+    blocks = source.blocks(begin, end, column_ranges, like.dtype, math.reads_stored_cache)
     labels = walk.labels[begin:end]
-    vocab_start = walk.layout.vocab_start
     if stats is None:
-        stats = chunk_row_stats(walk.plan, blocks, vocab_start, labels, walk.exchange, walk.math, like)
-    if grads is not None:
-        upstream = grads.upstream[begin:end] if grads.upstream.dim() else grads.upstream
-        rows = grad_rows(walk.plan, stats, upstream, walk.valid[begin:end], walk.math, like)
+        stats = chunk_row_stats(walk, blocks, labels, like)
+    if target is not None:
+        upstream = target.upstream[begin:end] if target.upstream.dim() else target.upstream
+        rows = grad_rows(plan, stats, upstream, walk.valid[begin:end], math, like)
+        first, last, teacher = begin - target.first_row, end - target.first_row, target.grads.teacher
         for block in blocks:
-            walk.math.stage_logit_grads(
-                walk.plan, rows, block.student, block.teacher, labels, vocab_start + block.start,
-                grads.destination.views(begin, end, block.start, block.stop),
-            )  # fmt: skip
+            out = LogitGrads(
+                target.grads.student[first:last, block.start : block.stop],
+                None if teacher is None else teacher[first:last, block.start : block.stop],
+            )
+            global_start = walk.layout.vocab_start + block.start
+            math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out)
     return stats
+
+
+def chunk_row_stats(walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor, like: Tensor) -> RowStats:
+    """Round 1 (and, with a KL term, round 2) of a chunk from its column blocks (no blocks: this
+    device holds only vocabulary padding). ``labels``: the chunk's (rows,) labels; ``like``: any
+    tensor of the statistics dtype and device."""
+    plan, math, exchange = walk.plan, walk.math, walk.exchange
+    vocab_start, families = walk.layout.vocab_start, plan.families
+    records = [math.partition(b.student, b.teacher, labels, vocab_start + b.start, families) for b in blocks]
+    if not records:
+        records = [PartitionRecord.empty(labels.shape[0], len(families), like)]
+    record = merge_partition_records(records)
+    if exchange is not None:
+        record = exchange.merge_partitions(record, math.merge_stacked)
+    step = partition_step(plan.step_key)
+    record_columns = [record.maxes, record.sumexps, record.target_logits, record.label_hits[:, None]]
+    inputs = dict(zip(step.inputs, (column for part in record_columns for column in part.unbind(1))))
+    scalars = {"t_s": plan.student_temperature, "t_t": plan.teacher_temperature}
+    partition = math.rows(step, inputs, scalars, like)
+    outputs = dict(zip(step.outputs, partition.unbind(1)))
+    kl, kl_stats = outputs.get("kl"), None
+    if plan.computes_kl:
+        kl, kl_stats = _kl_round(walk, blocks, labels, outputs, like)
+    assert kl is not None
+    return RowStats(
+        log_partitions=partition[:, : plan.step_key.num_families],
+        owned=outputs["owned"],
+        absent=outputs.get("absent"),
+        student_ce=outputs["student_ce"],
+        teacher_ce=outputs["teacher_ce"],
+        kl=kl,
+        kl_stats=kl_stats,
+    )
+
+
+def _kl_round(
+    walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor, partition: dict[str, Tensor], like: Tensor
+) -> tuple[Tensor, KLRowStats]:
+    """Round 2 and the finish step, from the partition step's outputs ``partition``: the rows' KL
+    component ``T_s²·max(D, 0)`` and the KL term's statistics. Round 2's sums merge by addition,
+    block after block."""
+    plan, math = walk.plan, walk.math
+    divergence = plan.divergence
+    assert divergence is not None
+    lse_u, lse_v = partition["lse_u"], partition["lse_v"]
+    vocab_start = walk.layout.vocab_start
+    partial_sums = [
+        math.kl_sums(plan, block.student, block.teacher, labels, vocab_start + block.start, lse_u, lse_v)
+        for block in blocks
+        if block.teacher is not None
+    ]
+    sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], divergence.num_sums)
+    for block_sums in partial_sums[1:]:
+        sums = sums + block_sums
+    if walk.exchange is not None:
+        sums = walk.exchange.sum_over_shards(sums)
+    targets = RowTargets(logp_y=partition["logp_y"], logq_y=partition["logq_y"])
+    finalized = divergence.finalize(sums, targets, plan.params)
+    finish = finish_step()
+    values = {"value": finalized.value, "absent": partition["absent"], "owned": partition["owned"]}
+    finished = math.rows(finish, values, {"t_s_squared": plan.student_temperature**2}, like)
+    outputs = dict(zip(finish.outputs, finished.unbind(1)))
+    kl_stats = KLRowStats(
+        lse_u=lse_u,
+        lse_v=lse_v,
+        logp_y=targets.logp_y,
+        logq_y=targets.logq_y,
+        divergence=outputs["divergence"],
+        keep=outputs["keep"],
+        consts=finalized.consts,
+    )
+    return outputs["kl"], kl_stats
+
+
+def grad_rows(
+    plan: LossPlan, stats: RowStats, upstream_scale: Tensor, valid: Tensor, math: BlockMath, like: Tensor
+) -> GradRows:
+    """The gradient's row constants of a chunk (``row_formulas.grad_step``), by name.
+    ``upstream_scale``: 0-d or the chunk's (rows,) upstream gradient (÷ N for "mean"); ``valid``:
+    the chunk's (rows,) valid-row mask."""
+    program = grad_step(plan.step_key, plan.grad_row_names)
+    statistics = dict(zip((f"lse{f}" for f in range(stats.log_partitions.shape[1])), stats.log_partitions.unbind(1)))
+    statistics["owned"] = stats.owned
+    if stats.absent is not None:
+        statistics["absent"] = stats.absent
+    kl = stats.kl_stats
+    if kl is not None:
+        statistics.update(lse_u=kl.lse_u, lse_v=kl.lse_v, keep=kl.keep)
+        statistics.update(kl.consts)
+    values = {name: statistics[name] for name in program.inputs if name not in ("upstream", "valid")}
+    values["upstream"] = upstream_scale.expand(valid.shape[0]) if upstream_scale.dim() == 0 else upstream_scale
+    values["valid"] = valid
+    packed = math.rows(program, values, {"w_t": plan.teacher_ce_weight}, like)
+    columns = dict(zip(program.outputs, packed.unbind(1)))
+    return GradRows(
+        packed=packed,
+        names=program.outputs,
+        scale=columns["scale"],
+        lse_s=columns.get("lse_s"),
+        lse_t=columns.get("lse_t"),
+        c_ce_t=columns.get("c_ce_t"),
+        lse_u=columns.get("lse_u"),
+        lse_v=columns.get("lse_v"),
+        keep=columns.get("keep"),
+        consts={name: columns[name] for name in (plan.formulas.row_names if plan.formulas else ())},
+    )

@@ -1,19 +1,17 @@
 """A chunk's per-row statistics, and the per-row constants of its logit gradients, by name.
 
-The row steps (:mod:`.row_formulas`) each produce one (rows, K) tensor; the chunk's rounds
-(:mod:`.rounds`) unpack it once into the fields below (views of it), so nothing downstream
+The row steps (:mod:`.row_formulas`) each produce one (rows, K) tensor; the row walk
+(:mod:`.row_walk`) unpacks it once into the fields below (views of it), so nothing downstream
 looks a statistic up by name. Flags are stored as 1.0/0.0. The variant's finalize constants
 stay a mapping keyed by the names its gradient expressions read (the variant's own namespace).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import Tensor
-
-from .row_formulas import RowProgram
 
 __all__ = ["GradRows", "KLRowStats", "RowStats"]
 
@@ -80,21 +78,3 @@ class GradRows:
     lse_v: Tensor | None
     keep: Tensor | None
     consts: Mapping[str, Tensor]
-
-    @staticmethod
-    def unpack(program: RowProgram, packed: Tensor, const_names: Sequence[str]) -> GradRows:
-        """The fields of the grad step ``program``'s result ``packed``; ``const_names``: the
-        variant's constants among its outputs."""
-        columns = program.columns(packed)
-        return GradRows(
-            packed=packed,
-            names=program.outputs,
-            scale=columns["scale"],
-            lse_s=columns.get("lse_s"),
-            lse_t=columns.get("lse_t"),
-            c_ce_t=columns.get("c_ce_t"),
-            lse_u=columns.get("lse_u"),
-            lse_v=columns.get("lse_v"),
-            keep=columns.get("keep"),
-            consts={name: columns[name] for name in const_names},
-        )

@@ -1,5 +1,10 @@
 """Block math on torch ops over (rows × block) tensors: runs anywhere, fp64 included.
 
+This is the torch interpreter of the expression trees (:mod:`orda_tp.divergences.expr`), as
+``orda_tp.kernels`` is their Triton compiler: a variant's column terms and gradients are
+evaluated on a block's symbols ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)``, ``p``, ``q``
+(and ``is_target`` for the variants that read the label column), a row program on (rows,) tensors.
+
 Logit gradients of a block with student logits ``s`` and teacher logits ``t`` (row scale ``c`` =
 upstream gradient × 1/N for "mean"; 0 on ignored rows, whose logit gradients are exactly 0):
 
@@ -10,38 +15,114 @@ upstream gradient × 1/N for "mean"; 0 on ignored rows, whose logit gradients ar
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from ..divergences import BlockTerms
-from ..divergences.expr import evaluate_rows
+from ..divergences.expr import Expr
 from ..plan import LossPlan
-from ..records import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
+from ..records import block_partition_record, merge_stacked_partition_records
 from .logits import LogitGrads
 from .row_formulas import RowProgram
 from .stats import GradRows
 
-__all__ = ["TorchBlockMath", "block_logit_grads", "kl_block_terms"]
+__all__ = ["TorchBlockMath", "evaluate", "evaluate_rows"]
+
+_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
+    "exp": torch.exp,
+    "log": torch.log,
+    "expm1": torch.expm1,
+    "abs": torch.abs,
+    "neg": torch.neg,
+}
+_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "eq": torch.eq,
+    "gt": torch.gt,
+    "lt": torch.lt,
+    "and": torch.logical_and,
+    "or": torch.logical_or,
+    "logaddexp": torch.logaddexp,
+}
 
 
-def kl_block_terms(
-    plan: LossPlan,
-    student: Tensor,
-    teacher: Tensor,
-    lse_u: Tensor,
-    lse_v: Tensor,
-    local_labels: Tensor | None,
-) -> BlockTerms:
-    """Normalized ``log p``, ``log q``, ``p``, ``q`` of a block (and the label mask for dkd)."""
+def _evaluate(
+    node: Expr,
+    memo: dict[int, Tensor],
+    columns: Mapping[str, Tensor | None],
+    rows: Mapping[str, Tensor],
+    like: Tensor,
+    as_columns: bool,
+) -> Tensor:
+    """The value of the tree ``node``: ``columns`` maps the column symbols to (rows, cols) tensors,
+    ``rows`` the row constants to (rows,) tensors (read as (rows, 1) columns when ``as_columns``);
+    constants are 0-d tensors of ``like``'s dtype. A subtree shared in Python (``memo``, by
+    identity) is computed once."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if node.op == "const":
+        # A 0-d CPU tensor acts as a scalar beside device tensors: no host-to-device copy.
+        result = torch.tensor(node.value, dtype=like.dtype)
+    elif node.op == "column":
+        value = columns[str(node.value)]
+        assert value is not None, f"the block has no {node.value}"
+        result = value
+    elif node.op == "row":
+        result = rows[str(node.value)]
+        result = result[:, None] if as_columns else result
+    else:
+        args = [_evaluate(arg, memo, columns, rows, like, as_columns) for arg in node.args]
+        if node.op == "where":
+            result = torch.where(args[0], args[1], args[2])
+        elif node.op in _UNARY:
+            result = _UNARY[node.op](args[0])
+        else:
+            result = _BINARY[node.op](args[0], args[1])
+    memo[key] = result
+    return result
+
+
+def _block_symbols(
+    plan: LossPlan, student: Tensor, teacher: Tensor, lse_u: Tensor, lse_v: Tensor, local_labels: Tensor | None
+) -> dict[str, Tensor | None]:
+    """The column symbols of a block: normalized ``log p``, ``log q``, ``p``, ``q``, and the label
+    mask ``is_target`` for a variant that reads it (else None)."""
     logp = student / plan.student_temperature - lse_u[:, None]
     logq = teacher / plan.teacher_temperature - lse_v[:, None]
     is_target = None
     if local_labels is not None:
         columns = torch.arange(student.shape[1], device=student.device)
         is_target = columns[None, :] == local_labels[:, None]
-    return BlockTerms(logp=logp, logq=logq, p=torch.exp(logp), q=torch.exp(logq), is_target=is_target)
+    return {"logp": logp, "logq": logq, "p": torch.exp(logp), "q": torch.exp(logq), "is_target": is_target}
+
+
+def evaluate(exprs: Sequence[Expr], columns: Mapping[str, Tensor | None], rows: Mapping[str, Tensor]) -> list[Tensor]:
+    """The trees ``exprs`` on a block, each as a (rows, cols) tensor: ``columns`` maps the column
+    symbols to (rows, cols) tensors, ``rows`` the row constants to (rows,) tensors. Intermediates
+    live only as long as this call."""
+    reference = columns["logp"]
+    assert reference is not None
+    memo: dict[int, Tensor] = {}
+    values = [_evaluate(expr, memo, columns, rows, reference, True) for expr in exprs]
+    return [value.to(reference.device).expand_as(reference) for value in values]
+
+
+def evaluate_rows(exprs: Sequence[Expr], rows: Mapping[str, Tensor], like: Tensor) -> Tensor:
+    """Row formulas on (rows,) tensors: ``rows`` maps the row constants to (rows,) tensors (any
+    dtype; booleans read as 0/1); the results stacked as (rows, len(exprs)) in ``like``'s dtype and
+    device (a constant result filled on the device: no host-to-device copy)."""
+    memo: dict[int, Tensor] = {}
+    count = next(iter(rows.values())).shape[0]
+    outputs = []
+    for expr in exprs:
+        result = _evaluate(expr, memo, {}, rows, like, False)
+        outputs.append(result.to(like).expand(count) if result.dim() else like.new_full((count,), result.item()))
+    return torch.stack(outputs, dim=1)
 
 
 def _cross_entropy_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, coef: Tensor) -> Tensor:
@@ -51,55 +132,16 @@ def _cross_entropy_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, coef:
     return (torch.exp(logits - lse[:, None]) - one_hot) * coef[:, None]
 
 
-def _masked(grad: Tensor, keep: Tensor) -> Tensor:
-    return torch.where(keep[:, None], grad, 0.0)
-
-
-def block_logit_grads(
-    plan: LossPlan, rows: GradRows, student: Tensor, teacher: Tensor | None, local_labels: Tensor
-) -> tuple[Tensor, Tensor | None]:
-    """``(∂loss/∂s, ∂loss/∂t)`` on one block; the teacher part is None when it is not trained.
-    Rows whose ``scale`` is 0 get exactly 0 (whatever their logits hold)."""
-    row_scale = rows.scale
-    student_grad = torch.zeros_like(student)
-    teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
-    w_ce_s, w_kl_s, w_kl_t = plan.logit_grad_weights
-    if rows.lse_s is not None:
-        student_grad += _cross_entropy_grad(student, rows.lse_s, local_labels, w_ce_s * row_scale)
-    if teacher_grad is not None and rows.lse_t is not None and rows.c_ce_t is not None:
-        assert teacher is not None
-        teacher_grad += _cross_entropy_grad(teacher, rows.lse_t, local_labels, rows.c_ce_t)
-    if plan.computes_kl:
-        divergence = plan.divergence
-        assert divergence is not None and teacher is not None
-        assert rows.lse_u is not None and rows.lse_v is not None and rows.keep is not None
-        keep, consts = rows.keep > 0, dict(rows.consts)
-        labels = local_labels if divergence.needs_target else None
-        terms = kl_block_terms(plan, student, teacher, rows.lse_u, rows.lse_v, labels)
-        student_kl = divergence.student_grad(terms, consts, plan.params)
-        student_grad += (w_kl_s * row_scale)[:, None] * _masked(student_kl, keep)
-        if teacher_grad is not None and plan.kl_trains_teacher:
-            teacher_kl = divergence.teacher_grad(terms, consts, plan.params)
-            teacher_grad += (w_kl_t * row_scale)[:, None] * _masked(teacher_kl, keep)
-    active = row_scale != 0
-    return _masked(student_grad, active), None if teacher_grad is None else _masked(teacher_grad, active)
-
-
 class TorchBlockMath:
-    """Torch ops on (rows × block) tensors."""
+    """Torch ops on (rows × block) tensors: the records of :mod:`orda_tp.records`, the trees
+    interpreted here."""
 
     reads_stored_cache = False
+    partition = staticmethod(block_partition_record)
+    merge_stacked = staticmethod(merge_stacked_partition_records)
 
     def block_columns(self, configured: int, local_columns: int) -> int:
         return configured  # each block's temporaries are (rows × block) tensors
-
-    def partition(
-        self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
-    ) -> PartitionRecord:
-        return block_partition_record(student, teacher, labels, col_start, families)
-
-    def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
-        return merge_stacked_partition_records(stacked, num_families)
 
     def kl_sums(
         self,
@@ -111,14 +153,16 @@ class TorchBlockMath:
         lse_u: Tensor,
         lse_v: Tensor,
     ) -> Tensor:
-        divergence = plan.divergence
-        assert divergence is not None
-        local_labels = labels - col_start if divergence.needs_target else None
-        return divergence.block_sums(kl_block_terms(plan, student, teacher, lse_u, lse_v, local_labels), plan.params)
+        """(rows, num_sums) column sums of the variant's terms over the block."""
+        assert plan.divergence is not None and plan.formulas is not None
+        local_labels = labels - col_start if plan.divergence.needs_target else None
+        symbols = _block_symbols(plan, student, teacher, lse_u, lse_v, local_labels)
+        return torch.stack([value.sum(1) for value in evaluate(plan.formulas.column_terms, symbols, {})], dim=1)
 
     def rows(
         self, program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
     ) -> Tensor:
+        """The program's outputs as the columns of one (rows, outputs) tensor of ``like``'s dtype."""
         constants = {name: torch.tensor(value, dtype=like.dtype) for name, value in scalars.items()}
         return evaluate_rows(program.exprs, {**values, **constants}, like)
 
@@ -132,8 +176,33 @@ class TorchBlockMath:
         col_start: int,
         out: LogitGrads,
     ) -> None:
-        student_grad, teacher_grad = block_logit_grads(plan, rows, student, teacher, labels - col_start)
-        out.student.copy_(student_grad)
+        """``∂loss/∂s`` and, where ``out.teacher`` is not None, ``∂loss/∂t`` of the block (module
+        docstring) written into ``out``; rows whose ``scale`` is 0 get exactly 0, whatever their
+        logits hold."""
+        local_labels, row_scale = labels - col_start, rows.scale
+        student_grad = torch.zeros_like(student)
+        teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
+        w_ce_s, w_kl_s, w_kl_t = plan.logit_grad_weights
+        if rows.lse_s is not None:
+            student_grad += _cross_entropy_grad(student, rows.lse_s, local_labels, w_ce_s * row_scale)
+        if teacher_grad is not None and rows.lse_t is not None and rows.c_ce_t is not None:
+            assert teacher is not None
+            teacher_grad += _cross_entropy_grad(teacher, rows.lse_t, local_labels, rows.c_ce_t)
+        if plan.computes_kl:
+            divergence, formulas = plan.divergence, plan.formulas
+            assert divergence is not None and formulas is not None and teacher is not None
+            assert rows.lse_u is not None and rows.lse_v is not None and rows.keep is not None
+            keep, consts = rows.keep[:, None] > 0, dict(rows.consts)
+            target = local_labels if divergence.needs_target else None
+            symbols = _block_symbols(plan, student, teacher, rows.lse_u, rows.lse_v, target)
+            (student_kl,) = evaluate([formulas.student_grad], symbols, consts)
+            student_grad += (w_kl_s * row_scale)[:, None] * torch.where(keep, student_kl, 0.0)
+            if teacher_grad is not None and plan.kl_trains_teacher:
+                assert formulas.teacher_grad is not None
+                (teacher_kl,) = evaluate([formulas.teacher_grad], symbols, consts)
+                teacher_grad += (w_kl_t * row_scale)[:, None] * torch.where(keep, teacher_kl, 0.0)
+        active = row_scale[:, None] != 0
+        out.student.copy_(torch.where(active, student_grad, 0.0))
         if out.teacher is not None:
             assert teacher_grad is not None
-            out.teacher.copy_(teacher_grad)
+            out.teacher.copy_(torch.where(active, teacher_grad, 0.0))

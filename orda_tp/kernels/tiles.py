@@ -4,19 +4,16 @@ A kernel walks (BLOCK_R rows × BLOCK_C columns) tiles; the columns of a block a
 ``program_id(1)`` so that about ``programs`` programs run (their partial records and sums are
 merged afterwards). The choice depends only on which bucket the block's columns fall in and on
 whether the kernels are interpreted, never on the exact row count, so a new sequence length
-neither re-tunes nor recompiles. The CUDA entries were chosen with ``benchmarks/tune_kernels.py`` on
-an H200 (see docs/benchmarks.md); the interpreter's small tiles keep CPU tests quick.
+neither re-tunes nor recompiles. ``kernels.ops`` reads the table at every launch, so that
+``benchmarks/tune_kernels.py``, which chose the CUDA entries on an H200 (see docs/benchmarks.md),
+can try others; the interpreter's small tiles keep CPU tests quick.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
-
-from . import interpreted
-
-__all__ = ["Tiles", "grid", "tiles_for"]
+__all__ = ["CUDA_TILES", "INTERPRETED", "Tiles"]
 
 
 @dataclass(frozen=True)
@@ -40,18 +37,3 @@ CUDA_TILES: dict[tuple[str, bool], Tiles] = {
     ("sums", False): Tiles(block_r=1, block_c=2048, num_warps=4, programs=1056),
     ("grads", False): Tiles(block_r=8, block_c=256, num_warps=8, programs=528),
 }
-
-
-def tiles_for(kind: str, columns: int) -> Tiles:
-    """Tiles of kernel ``kind`` ("partition", "sums" or "grads") for a block of ``columns``."""
-    if interpreted():
-        return INTERPRETED
-    return CUDA_TILES[(kind, columns >= 1 << 15)]
-
-
-def grid(tiles: Tiles, rows: int, cols: int) -> tuple[tuple[int, int], int]:
-    """Row tiles × column splits, and the columns of one split (a multiple of BLOCK_C)."""
-    row_tiles = triton.cdiv(max(rows, 1), tiles.block_r)
-    wanted_splits = max(1, min(triton.cdiv(cols, tiles.block_c), triton.cdiv(tiles.programs, row_tiles)))
-    per_split = triton.cdiv(triton.cdiv(max(cols, 1), wanted_splits), tiles.block_c) * tiles.block_c
-    return (row_tiles, triton.cdiv(max(cols, 1), per_split)), per_split

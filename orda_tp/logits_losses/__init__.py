@@ -7,7 +7,7 @@
   teacher's hidden states and LM head (the teacher's logits formed block by block).
 
 Both run the fused path's statistics and gradient code on logits blocks
-(:mod:`orda_tp.logits_losses.row_walk`).
+(:mod:`orda_tp.engine.row_walk`).
 """
 
 from .flash_kd import flash_ce_kd_loss

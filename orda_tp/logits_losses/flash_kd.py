@@ -22,7 +22,6 @@ from ..checks import (
     check_floating,
     check_label_range,
     check_labels,
-    check_matrix,
     check_same_device,
 )
 from ..config import KernelConfig
@@ -53,7 +52,7 @@ def _check_scoring_inputs(
              ("teacher_lm_head_weight", weight, "[V, D]"))  # fmt: skip
     for name, value, shape in specs:  # every type first, then every shape
         check_floating(name, value, shape)
-    student, hidden, weight = (check_matrix(name, value, shape) for name, value, shape in specs)
+    student, hidden, weight = (check_floating(name, value, shape, dims=2) for name, value, shape in specs)
     rows, columns = student.shape
     if hidden.shape[0] != rows:
         raise ValueError(
@@ -162,7 +161,8 @@ def _scores(
     over the student's stored logits beside the teacher's, formed block by block."""
     plan = LossPlan.for_logits(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
     valid = labels != options.ignore_index
-    if options.config.runs_host_checks(labels.device.type == "cpu"):
+    host_checks = options.config.host_checks
+    if labels.device.type == "cpu" if host_checks is None else host_checks:
         check_label_range(labels, layout.vocab_size, options.ignore_index)
     dtype = statistics_dtype(student, hidden, weight)
     # Ignored rows read column 0 as their label: their CE is zeroed, their KD does not read it.

@@ -11,8 +11,6 @@ receive a gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
@@ -23,16 +21,6 @@ from ..engine.stats import RowStats
 from .problem import LogitsProblem, row_statistics
 
 __all__ = ["logits_distillation"]
-
-
-@dataclass(frozen=True)
-class StudentLogitsGrad:
-    """The gradient of the student's (rows, local columns) logits, written in place by the walk."""
-
-    grad: Tensor
-
-    def views(self, begin: int, end: int, start: int, stop: int) -> LogitGrads:
-        return LogitGrads(self.grad[begin:end, start:stop], None)
 
 
 class _LogitsContext(FunctionCtx):
@@ -72,7 +60,7 @@ class _LogitsDistillation(torch.autograd.Function):
         scale = (grad_loss / ctx.denominator).to(dtype)
         grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
         source = PairedLogits(StoredLogits(student), StoredLogits(teacher))
-        target = GradTarget(StudentLogitsGrad(grad), scale)
+        target = GradTarget(LogitGrads(grad, None), 0, scale)  # the walk writes the student's gradient in place
         with torch.autocast(student.device.type, enabled=False):
             walk_rows(problem.walk, source, problem.chunks(), dtype, ctx.walked, target)
         return None, None, grad, None

@@ -14,7 +14,14 @@ from numbers import Real
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_count, check_flag, check_floating, check_label_range, check_labels, check_same_device
+from ..checks import (
+    check_count,
+    check_flag,
+    check_floating,
+    check_label_range,
+    check_labels,
+    check_same_device,
+)
 from ..config import KernelConfig
 from ..divergences import EntropyGate
 from ..engine.logits import statistics_dtype
@@ -93,7 +100,8 @@ def _kd_loss(
     flat_labels = shard.labels
     valid = flat_labels != options.ignore_index
     if options.divergence.needs_target:
-        if options.config.runs_host_checks(flat_labels.device.type == "cpu"):
+        host_checks = options.config.host_checks
+        if flat_labels.device.type == "cpu" if host_checks is None else host_checks:
             check_label_range(flat_labels, layout.vocab_size, options.ignore_index)
         stats_labels = flat_labels
     else:

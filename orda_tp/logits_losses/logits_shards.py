@@ -194,7 +194,8 @@ def agree_vocabulary(
     None); the handshake makes every rank raise it."""
     if group is None:
         assert shard is not None
-        return VocabLayout.single_device(shard.columns, None)
+        columns = shard.columns
+        return VocabLayout(0, columns, columns, columns, columns, columns, columns)
     if failure is not None or shard is None:
         return resolve_layout(group, ShardClaim(failed=1), None, None, failure)
     start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)

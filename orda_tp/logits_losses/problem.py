@@ -4,7 +4,7 @@ besides the logits, and the rows per chunk.
 The walk is the fused path's, reading logits blocks instead of forming them from hidden states:
 each column block of the student's logits (and the teacher's: stored too, or
 ``hidden · weight_blockᵀ``) feeds the same block math, the records merge through the same
-exchange (identity on one device, one all-gather per round across a tensor-parallel group) and
+exchange (none on one device, one all-gather per round across a tensor-parallel group) and
 the same row steps finalize the rows. Nothing here knows the variant or the number of ranks.
 
 Memory: the torch backend converts one chunk's blocks to the statistics dtype (``chunk_rows ×
@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..engine import block_math_of, select_backend
+from ..api import select_backend
 from ..engine.logits import LogitsSource
-from ..engine.row_walk import RowRange, RowWalk, row_ranges, walk_rows
+from ..engine.row_walk import RowRange, RowWalk, row_layout, row_ranges, walk_rows
 from ..engine.stats import RowStats
-from ..exchange import LocalExchange
 from ..options import LogitsOptions
 from ..parallel.layout import VocabLayout
 from ..parallel.shard_exchange import ShardExchange
@@ -56,16 +55,17 @@ def build_problem(
     layout: VocabLayout,
     dtype: torch.dtype,
 ) -> LogitsProblem:
-    """The problem of a call: its exchange (local, or across ``group``), block math (the backend
-    selected for ``dtype`` on the labels' device) and rows per chunk (``options.chunk_rows``, or
-    as many as fit the default workspace of fp32 student and teacher rows, sized from the widest
-    shard so that every rank walks the same chunks)."""
+    """The problem of a call: its exchange (none on one device, else across ``group``), block math
+    (the backend selected for ``dtype`` on the labels' device) and rows per chunk
+    (``options.chunk_rows``, or as many as fit the default workspace of fp32 student and teacher
+    rows, sized from the widest shard so that every rank walks the same chunks)."""
     chunk_rows = options.chunk_rows
     if chunk_rows == 0:
         rows, columns = labels.shape[0], layout.max_local_columns
-        chunk_rows = options.config.row_layout(rows, columns, 2 * dtype.itemsize, 0, layout.world_size).chunk_rows
-    exchange = LocalExchange() if group is None else ShardExchange(group, sequence_parallel=False, local_error=None)
-    math = block_math_of(select_backend(options.backend, labels.device, dtype))
+        chunk_rows = row_layout(options.config, rows, columns, 2 * dtype.itemsize, 0, layout.world_size).chunk_rows
+    exchange = None if group is None else ShardExchange(group, sequence_parallel=False, local_error=None)
+    math = select_backend(options.backend, labels.device.type, dtype)
+    assert math is not None  # the logits-level losses have no "reference" backend
     return LogitsProblem(RowWalk(plan, labels, valid, exchange, layout, math), chunk_rows)
 
 
@@ -73,5 +73,6 @@ def row_statistics(problem: LogitsProblem, source: LogitsSource, dtype: torch.dt
     """Each chunk's finalized row statistics, in row order, and the end of the call's exchange
     (a chunk's blocks live only while its statistics are formed)."""
     walked = walk_rows(problem.walk, source, problem.chunks(), dtype)
-    problem.walk.exchange.finish(torch.empty(0, dtype=dtype, device=problem.walk.labels.device))
+    if problem.walk.exchange is not None:
+        problem.walk.exchange.finish(torch.empty(0, dtype=dtype, device=problem.walk.labels.device))
     return walked

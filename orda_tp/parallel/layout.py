@@ -29,33 +29,25 @@ __all__ = ["HeadShard", "ShardClaim", "VocabLayout", "resolve_layout", "shard_fi
 
 @dataclass(frozen=True)
 class VocabLayout:
-    """This rank's share of the vocabulary (and of the rows, under sequence parallelism)."""
+    """This rank's share of the vocabulary (and of the rows, under sequence parallelism).
+
+    Global columns ``[vocab_start, vocab_stop)`` are this rank's ``local_columns``, of which
+    ``real_local_columns`` lie below ``vocab_size`` (the rest is padding); ``total_columns``: all
+    shards' columns; ``max_local_columns``: the widest shard's. On one device the layout is the
+    whole head: ``VocabLayout(0, V, V, vocab_size, V, V, vocab_size)``.
+    """
 
     vocab_start: int
     vocab_stop: int
     total_columns: int
     vocab_size: int
     max_local_columns: int
+    local_columns: int
+    real_local_columns: int
     group: dist.ProcessGroup | None = None
     rank: int = 0
     world_size: int = 1
     sequence_parallel: bool = False
-
-    @property
-    def local_columns(self) -> int:
-        return self.vocab_stop - self.vocab_start
-
-    @property
-    def real_local_columns(self) -> int:
-        """Columns of this shard below ``vocab_size`` (the rest is padding)."""
-        return max(0, min(self.vocab_stop, self.vocab_size) - self.vocab_start)
-
-    @staticmethod
-    def single_device(columns: int, vocab_size: int | None) -> VocabLayout:
-        real = columns if vocab_size is None else vocab_size
-        if real > columns:
-            raise ValueError(f"vocab_size must be <= the head's {columns} rows, got {real}")
-        return VocabLayout(0, columns, columns, real, columns)
 
 
 @dataclass(frozen=True)
@@ -189,6 +181,8 @@ def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.Process
         total_columns=total,
         vocab_size=vocab_size,
         max_local_columns=max(c.local_columns for c in claims),
+        local_columns=stop - start,
+        real_local_columns=max(0, min(stop, vocab_size) - start),
         group=group,
         rank=rank,
         world_size=len(claims),

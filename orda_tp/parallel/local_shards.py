@@ -1,8 +1,10 @@
-"""Turn a call's arguments into local shards and an agreed :class:`VocabLayout`.
+"""Turn a tensor-parallel call's arguments into local shards and an agreed :class:`VocabLayout`,
+and check this rank's values (:func:`local_error`).
 
 Inputs may be DTensors (group, vocabulary range and sequence parallelism read off their
 placements) or plain local shards with an explicit ``tp_group``. Without either, the call runs on
-one device and the layout covers the whole head (minus padding past ``vocab_size``).
+one device (``orda_tp.api``) and the layout covers the whole head (minus padding past
+``vocab_size``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checks import check_inputs
+from ..checks import check_inputs, first_non_finite
 from ..options import LossOptions
+from ..plan import LossPlan
 from ..teachers import TeacherSource
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
 from .fsdp import check_not_fsdp_sharded
 from .layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
+from .shard_exchange import LocalError, LocalErrorCode
 
-__all__ = ["DTensorShards", "LocalInputs", "same_ranks", "shard_inputs"]
+__all__ = ["DTensorShards", "LocalInputs", "local_error", "same_ranks", "shard_inputs"]
 
 
 @dataclass(frozen=True)
@@ -201,3 +205,40 @@ def shard_inputs(
     layout = _agree_layout(group, local, options.vocab_size, failure)
     assert local is not None
     return local, layout
+
+
+def local_error(
+    plan: LossPlan, local: LocalInputs, teacher: TeacherSource, layout: VocabLayout, host_checks: bool
+) -> LocalError | None:
+    """The first failed value check of this rank's tensors (``local``; ``teacher`` is the
+    descriptor as the call received it), as a :class:`LocalError` (global column numbers) that the
+    first record exchange shares, so that every rank raises it; or None. The checks are those of
+    :func:`orda_tp.checks.check_values` on one device: a cache modified in place, a non-finite
+    cache where it is read (``host_checks`` run and the teacher's logits are read), and with
+    ``check_finite_inputs`` a non-finite hidden state or weight.
+
+    A descriptor that cannot stand for one vocabulary shard raises at once: that is a property of
+    how the program built it, not of the shard's values, so every rank of the group built it alike
+    and raises here (after the handshake, before the first record exchange)."""
+    teacher.check_shardable()
+    try:
+        teacher.check_unmodified()
+    except ValueError:
+        return LocalError(LocalErrorCode.CACHE_MODIFIED)
+    checks = (
+        local.teacher.checked_values(layout.real_local_columns) if plan.needs_teacher_logits and host_checks else []
+    )
+    for check in checks:
+        index = first_non_finite(check.tensor, allow_neg_inf=check.allow_neg_inf)
+        if index is not None:
+            # A logits cache (−inf allowed) is located by row and global column; a hidden cache is not.
+            if check.allow_neg_inf:
+                return LocalError(LocalErrorCode.TEACHER_LOGITS_NOT_FINITE, index[0], layout.vocab_start + index[1])
+            return LocalError(LocalErrorCode.CACHE_NOT_FINITE)
+    if plan.config.check_finite_inputs:
+        tensors = [("student_hidden", local.student_hidden), ("weight", local.weight), *local.teacher.trained_tensors()]
+        for _, tensor in tensors:
+            index = first_non_finite(tensor)
+            if index is not None:
+                return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1])
+    return None

@@ -68,7 +68,7 @@ class LocalError:
 
 
 class ShardExchange:
-    """The tensor-parallel :class:`orda_tp.exchange.RecordExchange`."""
+    """The tensor-parallel :class:`orda_tp.engine.row_walk.RecordExchange`."""
 
     def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool, local_error: LocalError | None) -> None:
         self.group = group

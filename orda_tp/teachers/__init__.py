@@ -13,13 +13,23 @@ asks which kind it holds.
 """
 
 from .cached import PrecomputedTeacher
-from .source import TEACHER_MODES, SeparateTeacher, ShardReader, TeacherHead, TeacherSource, TiedTeacher, ValueCheck
+from .source import (
+    TEACHER_MODES,
+    ExpectedShape,
+    SeparateTeacher,
+    ShardReader,
+    TeacherHead,
+    TeacherSource,
+    TiedTeacher,
+    ValueCheck,
+)
 
 Teacher = TiedTeacher | SeparateTeacher | PrecomputedTeacher
 """The descriptors a call reads tensors from (a :class:`TeacherHead` becomes a SeparateTeacher)."""
 
 __all__ = [
     "TEACHER_MODES",
+    "ExpectedShape",
     "PrecomputedTeacher",
     "SeparateTeacher",
     "ShardReader",

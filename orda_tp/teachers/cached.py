@@ -9,9 +9,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..checks import check_shape
 from ..parallel.dtensor import is_dtensor
-from .source import ShardReader, TeacherSource, ValueCheck, check_tensor, columns
+from .source import ExpectedShape, ShardReader, TeacherSource, ValueCheck, check_tensor, columns
 
 __all__ = ["CACHE_DTYPES", "PrecomputedTeacher"]
 
@@ -106,17 +105,25 @@ class PrecomputedTeacher(TeacherSource):
         hidden, weight, logits = self.teacher_hidden, self.teacher_weight, self.logits
         return _savable(hidden), _savable(weight), _savable(logits)
 
-    def check_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> None:
+    def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         if self.logits is not None:
             expected = (label_rows, columns(self.logits, 1, vocab))
-            check_shape("teacher.logits", self.logits, expected, "one row per label × the student's vocab size")
-            return
+            return [
+                ExpectedShape("teacher.logits", self.logits, expected, "one row per label × the student's vocab size")
+            ]
         assert self.teacher_hidden is not None and self.teacher_weight is not None
         depth = self.teacher_hidden.shape[1]
-        meaning = "one row per row of student_hidden"
-        check_shape("teacher.teacher_hidden", self.teacher_hidden, (rows, depth), meaning)
-        expected = (columns(self.teacher_weight, 0, vocab), depth)
-        check_shape("teacher.teacher_weight", self.teacher_weight, expected, "the student's vocab size")
+        return [
+            ExpectedShape(
+                "teacher.teacher_hidden", self.teacher_hidden, (rows, depth), "one row per row of student_hidden"
+            ),
+            ExpectedShape(
+                "teacher.teacher_weight",
+                self.teacher_weight,
+                (columns(self.teacher_weight, 0, vocab), depth),
+                "the student's vocab size",
+            ),
+        ]
 
     def localized(self, reader: ShardReader) -> PrecomputedTeacher:
         if self.logits is not None:

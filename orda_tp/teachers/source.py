@@ -10,10 +10,9 @@ from typing import ClassVar, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_shape
-
 __all__ = [
     "TEACHER_MODES",
+    "ExpectedShape",
     "SeparateTeacher",
     "ShardReader",
     "TeacherHead",
@@ -52,6 +51,15 @@ class ShardReader(Protocol):
         ...
 
 
+class ExpectedShape(NamedTuple):
+    """The shape a teacher tensor must have (``meaning`` explains it in the error message)."""
+
+    name: str
+    tensor: Tensor
+    shape: tuple[int, ...]
+    meaning: str
+
+
 class ValueCheck(NamedTuple):
     """A teacher tensor whose values a check reads: finite everywhere, or finite or −inf
     (``allow_neg_inf``, a logits cache where −inf marks an impossible token)."""
@@ -66,7 +74,9 @@ class TeacherSource:
     teacher is one subclass.
 
     ``kind``: "tied", "separate", "precomputed_logits" or "precomputed_hidden" (the plan's
-    routing); ``trainable``: whether a loss term may send it a gradient; ``default_ce_weight``:
+    routing); ``trainable``: whether a loss term may send it a gradient (a descriptor that is not
+    is a cache: its tensors are watched for in-place changes, :meth:`check_unmodified`, and its
+    values checked where they are read, :meth:`checked_values`); ``default_ce_weight``:
     ``teacher_ce_weight`` when the call leaves it None (orda-kernel trains a tied teacher's CE).
     """
 
@@ -83,10 +93,11 @@ class TeacherSource:
         """``(hidden, head weight, logits)``: the head is None when it is the student's own."""
         raise NotImplementedError
 
-    def check_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> None:
-        """Shapes against the student's ``rows`` × ``width`` hidden states and ``label_rows``
-        labels; ``vocab``: the student head's rows, or None on a vocabulary shard (whose column
-        counts the tensor-parallel handshake compares across ranks)."""
+    def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
+        """The shapes its tensors must have, in the order they are checked, given the student's
+        ``rows`` × ``width`` hidden states and ``label_rows`` labels; ``vocab``: the student head's
+        rows, or None on a vocabulary shard (whose column counts the tensor-parallel handshake
+        compares across ranks)."""
         raise NotImplementedError
 
     def localized(self, reader: ShardReader) -> TeacherSource:
@@ -148,8 +159,8 @@ class TiedTeacher(TeacherSource):
     def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         return self.hidden, None, None
 
-    def check_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> None:
-        check_shape("teacher.hidden", self.hidden, (rows, width), "same shape as student_hidden")
+    def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
+        return [ExpectedShape("teacher.hidden", self.hidden, (rows, width), "same shape as student_hidden")]
 
     def localized(self, reader: ShardReader) -> TiedTeacher:
         return TiedTeacher(reader.hidden(self.hidden, "teacher.hidden"), self.mode)
@@ -185,11 +196,14 @@ class SeparateTeacher(TeacherSource):
     def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         return self.hidden, self.weight, None
 
-    def check_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> None:
+    def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         depth = self.hidden.shape[1]
-        check_shape("teacher.hidden", self.hidden, (rows, depth), "one row per row of student_hidden")
-        expected = (columns(self.weight, 0, vocab), depth)
-        check_shape("teacher.weight", self.weight, expected, "the student's vocab size")
+        return [
+            ExpectedShape("teacher.hidden", self.hidden, (rows, depth), "one row per row of student_hidden"),
+            ExpectedShape(
+                "teacher.weight", self.weight, (columns(self.weight, 0, vocab), depth), "the student's vocab size"
+            ),
+        ]
 
     def localized(self, reader: ShardReader) -> SeparateTeacher:
         return SeparateTeacher(reader.hidden(self.hidden, "teacher.hidden"), reader.head(self.weight, "teacher.weight"))
