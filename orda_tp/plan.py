@@ -88,6 +88,7 @@ class LossPlan:
     teacher_kind: str  # "tied", "separate", "precomputed_logits" or "precomputed_hidden"
     teacher_role: str
     config: KernelConfig
+    teacher_trainable: bool  # whether a loss term may send the teacher a gradient (not a cache)
     # Derived once from the fields above (read at every chunk, so not recomputed there).
     computes_kl: bool = field(init=False)
     needs_teacher_logits: bool = field(init=False)
@@ -103,7 +104,7 @@ class LossPlan:
 
     def __post_init__(self) -> None:
         computes_kl = self.kl_weight > 0 and self.divergence is not None
-        teacher_trains = not self.teacher_kind.startswith("precomputed") and (
+        teacher_trains = self.teacher_trainable and (
             self.teacher_role == "cotrained" or (self.teacher_role == "trained" and self.teacher_ce_weight > 0)
         )
         teacher_ce_trains = teacher_trains and self.teacher_ce_weight > 0
@@ -190,6 +191,7 @@ class LossPlan:
             ignore_index=options.ignore_index,
             teacher_kind=teacher.kind,
             teacher_role=role,
+            teacher_trainable=teacher.trainable,
             config=options.kernel_config,
         )
 
@@ -211,5 +213,6 @@ class LossPlan:
             ignore_index=options.ignore_index,
             teacher_kind=teacher_kind,
             teacher_role="frozen",
+            teacher_trainable=False,
             config=options.config,
         )
