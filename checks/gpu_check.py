@@ -77,6 +77,7 @@ from tests.cases import (  # noqa: E402
     call_kwargs,
     loss_and_grads,
     relative_error,
+    shard_problem,
 )
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -207,22 +208,6 @@ def make_check_problem(shape: CheckShape, seed: int, device: torch.device, mode:
         teacher_logits=logits,
     )
     return problem, upstream
-
-
-def shard(problem: Problem, start: int, stop: int) -> Problem:
-    """This rank's problem: head rows and cache columns ``[start, stop)``, every hidden row."""
-
-    def leaf(t: Tensor) -> Tensor:
-        return t.detach().clone().requires_grad_(t.requires_grad)
-
-    return Problem(
-        student_hidden=leaf(problem.student_hidden),
-        weight=leaf(problem.weight[start:stop]),
-        labels=problem.labels.clone(),
-        teacher_hidden=leaf(problem.teacher_hidden),
-        teacher_weight=leaf(problem.teacher_weight[start:stop]),
-        teacher_logits=problem.teacher_logits[:, start:stop].contiguous(),
-    )
 
 
 def check_kwargs(variant: str, mode: str, reduction: str, shape: CheckShape) -> dict[str, object]:
@@ -619,7 +604,7 @@ def tp_case(
                            base.teacher_logits, base.labels, upstream):  # fmt: skip
                 dist.broadcast(tensor, src=0)
         full = base.to(dtype)
-        local = shard(full, *columns)
+        local = shard_problem(full, columns)
         weights = loss_weights(upstream, full, reduction)
     except Exception as error:  # noqa: BLE001
         problems.append(f"inputs: {type(error).__name__}: {error}"[:300])

@@ -9,9 +9,7 @@ the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) with the torch or
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -20,17 +18,16 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .checks import caller_stacklevel, check_inputs, check_label_range, check_values
+from .checks import check_inputs, check_label_range, check_values, runs_host_checks
 from .config import KernelConfig
 from .divergences import EntropyGate
-from .engine.block_math import BlockMath
+from .engine.block_math import select_backend
 from .engine.fused import ChunkedProblem, chunked_loss
 from .engine.fused_grads import GemmPolicy
 from .engine.logits import statistics_dtype
 from .engine.reference import reference_loss
 from .engine.row_walk import RowWalk
-from .engine.torch_math import TorchBlockMath
-from .kernels import is_available, unavailable_reason
+from .kernels import is_available
 from .options import GradScalerLike, LossOptions
 from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import VocabLayout
@@ -39,7 +36,7 @@ from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
 
-__all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available", "select_backend"]
+__all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
 TeacherArgument = TeacherSource | TeacherHead
 
@@ -55,32 +52,6 @@ class DistillationLossOutput(NamedTuple):
     student_ce: Tensor
     teacher_ce: Tensor
     kl: Tensor
-
-
-@functools.cache
-def select_backend(requested: str, device_type: str, dtype: torch.dtype) -> BlockMath | None:
-    """The block math of the chunked backend that runs a call on ``device_type`` tensors whose
-    statistics are ``dtype`` (None: the "reference" backend); decided once per combination.
-
-    "auto" takes the Triton kernels on a CUDA device with fp16/bf16/fp32 inputs, and otherwise the
-    chunked torch backend; on a CUDA device it says once why it fell back. An explicit "triton"
-    that cannot run raises.
-    """
-    if requested == "reference":
-        return None
-    if requested == "torch":
-        return TorchBlockMath()
-    reason = unavailable_reason(torch.device(device_type), dtype)
-    if requested == "triton" and reason is not None:
-        raise ValueError(f"backend='triton' is unavailable on this machine: {reason}")
-    if reason is None and (requested == "triton" or device_type == "cuda"):
-        from .kernels.ops import TritonBlockMath  # imports triton: only where it runs
-
-        return TritonBlockMath()
-    if device_type == "cuda":
-        message = f"orda_tp: backend='auto' runs the chunked torch backend because {reason}"
-        warnings.warn(message, stacklevel=caller_stacklevel())
-    return TorchBlockMath()
 
 
 def _denominator(
@@ -168,9 +139,7 @@ def _run(
         layout = VocabLayout(0, columns, columns, vocab_size, columns, columns, vocab_size)
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     config, device = plan.config, local.student_hidden.device
-    # Checks that read values on the host: for CPU tensors only, unless the config says (on CUDA a
-    # read would synchronize with the device).
-    host_checks = device.type == "cpu" if config.host_checks is None else config.host_checks
+    host_checks = runs_host_checks(config.host_checks, device)
     if not config.assume_valid_labels and host_checks:
         check_label_range(local.labels, layout.vocab_size, options.ignore_index)
     exchange = None

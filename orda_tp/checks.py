@@ -36,6 +36,7 @@ __all__ = [
     "check_number",
     "check_same_device",
     "check_shape",
+    "runs_host_checks",
     "check_values",
     "first_non_finite",
     "is_int",
@@ -206,6 +207,13 @@ def check_values(
     if finite_inputs:
         for name, tensor in [("student_hidden", student_hidden), ("weight", weight), *teacher.trained_tensors()]:
             check_finite(name, tensor)
+
+
+def runs_host_checks(setting: bool | None, device: torch.device) -> bool:
+    """Whether the checks that read tensor values on the host run for tensors on ``device``:
+    ``setting`` (``KernelConfig.host_checks``) when given, else for CPU tensors only (on CUDA a
+    read would synchronize with the device)."""
+    return device.type == "cpu" if setting is None else setting
 
 
 def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int) -> None:

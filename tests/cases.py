@@ -168,3 +168,29 @@ def call_kwargs(variant: str, mode: str, reduction: str) -> dict[str, object]:
     elif mode == "precomputed":
         kwargs["teacher_ce_weight"] = 0.2
     return kwargs
+
+
+Columns = tuple[int, int]  # a shard's head rows / logits columns [start, stop)
+Rows = tuple[int, int] | None  # a rank's hidden rows under sequence parallelism (None: all)
+
+
+def leaf(tensor: Tensor) -> Tensor:
+    """A new leaf with ``tensor``'s values and ``requires_grad``."""
+    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
+
+
+def shard_problem(problem: Problem, columns: Columns, rows: Rows = None) -> Problem:
+    """This rank's inputs: its head rows / logits columns, and all rows or only ``rows``."""
+    start, stop = columns
+
+    def hidden(tensor: Tensor) -> Tensor:
+        return leaf(tensor if rows is None else tensor[rows[0] : rows[1]])
+
+    return Problem(
+        student_hidden=hidden(problem.student_hidden),
+        weight=leaf(problem.weight[start:stop]),
+        labels=problem.labels.clone(),
+        teacher_hidden=hidden(problem.teacher_hidden),
+        teacher_weight=leaf(problem.teacher_weight[start:stop]),
+        teacher_logits=problem.teacher_logits[:, start:stop].clone(),
+    )

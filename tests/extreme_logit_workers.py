@@ -15,18 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .cases import COTRAINED, TEACHER_MODES, Problem, stable_seed
+from .cases import COTRAINED, TEACHER_MODES, Columns, Problem, shard_problem, stable_seed
 from .tp_workers import (
     ROWS,
     SAMPLE_VARIANTS,
     VOCAB,
     Case,
-    Columns,
     call_kwargs,
     chunk_ranges,
     full_problem,
     run_case,
-    shard_problem,
     upstream_for,
 )
 

@@ -53,7 +53,7 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "kernels"
     monkeypatch.setenv(cache.CACHE_ENV, str(path))
     monkeypatch.setattr(cache, "_MODULES", {})
-    for build in (variant_terms.column_terms, variant_terms.student_grad, variant_terms.teacher_grad):
+    for build in (variant_terms.column_terms, variant_terms.kl_grad):
         build.cache_clear()
     return path
 

@@ -12,8 +12,8 @@ import torch
 
 import orda_tp
 from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
-from orda_tp.api import select_backend
 from orda_tp.engine import fused
+from orda_tp.engine.block_math import select_backend
 from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
 from orda_tp.engine.row_walk import GradTarget, RowLayout, RowWalk, row_ranges, walk_rows
 from orda_tp.parallel.layout import VocabLayout

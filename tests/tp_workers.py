@@ -36,7 +36,19 @@ from orda_tp import KL_VARIANTS, ChunkSize, KernelConfig
 from orda_tp.config import CHUNKS_PER_GROUP
 
 from . import cases
-from .cases import COTRAINED, TEACHER_MODES, Problem, loss_and_grads, make_problem, relative_error, stable_seed
+from .cases import (
+    COTRAINED,
+    TEACHER_MODES,
+    Columns,
+    Problem,
+    Rows,
+    leaf,
+    loss_and_grads,
+    make_problem,
+    relative_error,
+    shard_problem,
+    stable_seed,
+)
 from .distributed import note
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -49,9 +61,6 @@ VOCAB = 203  # uneven over 2, 3 and 4 ranks in torch.chunk order
 # A sample that exercises every kind of statistic (label column, entropy over the real vocabulary,
 # powers, contrasts, co-training) for the special layouts, where the full matrix would be slow.
 SAMPLE_VARIANTS = ("forward", "reverse", "mutual", "cojeffreys", "entropy_adaptive", "renyi", "dkd", "triangular")
-
-Columns = tuple[int, int]
-Rows = tuple[int, int] | None
 
 
 # ---------------------------------------------------------------------------- problems and shards
@@ -92,27 +101,6 @@ def chunk_ranges(columns: int, world: int) -> list[Columns]:
 def row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
     per_rank = rows // world
     return rank * per_rank, (rank + 1) * per_rank
-
-
-def _leaf(tensor: Tensor) -> Tensor:
-    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
-
-
-def shard_problem(problem: Problem, columns: Columns, rows: Rows = None) -> Problem:
-    """This rank's inputs: its head rows / logits columns, and all rows or only ``rows``."""
-    start, stop = columns
-
-    def hidden(tensor: Tensor) -> Tensor:
-        return _leaf(tensor if rows is None else tensor[rows[0] : rows[1]])
-
-    return Problem(
-        student_hidden=hidden(problem.student_hidden),
-        weight=_leaf(problem.weight[start:stop]),
-        labels=problem.labels.clone(),
-        teacher_hidden=hidden(problem.teacher_hidden),
-        teacher_weight=_leaf(problem.teacher_weight[start:stop]),
-        teacher_logits=problem.teacher_logits[:, start:stop].clone(),
-    )
 
 
 def pad_columns(problem: Problem, total: int, fill: float = 30.0) -> Problem:
@@ -413,8 +401,8 @@ def padded_case(
     real = full_problem(mode, dtype, stable_seed(variant, mode, reduction, "pad"), label_limit=vocab_size)
     real = replace(
         real,
-        weight=_leaf(real.weight[:vocab_size]),
-        teacher_weight=_leaf(real.teacher_weight[:vocab_size]),
+        weight=leaf(real.weight[:vocab_size]),
+        teacher_weight=leaf(real.teacher_weight[:vocab_size]),
         teacher_logits=real.teacher_logits[:, :vocab_size].clone(),
     )
     padded = pad_columns(real, total)
@@ -560,7 +548,7 @@ def _dtensor_problem(full: Problem, mesh: DeviceMesh, hidden_layout: str, sharde
 
     def hidden(tensor: Tensor) -> Tensor:
         if hidden_layout == "plain":
-            return _leaf(tensor)
+            return leaf(tensor)
         return _distribute(tensor, mesh, [Replicate() if hidden_layout == "replicate" else Shard(0)])
 
     logits = full.teacher_logits
@@ -617,7 +605,7 @@ def _dtensor_2d_problem(full: Problem, mesh: DeviceMesh, columns: Columns, rows:
 
     def hidden(tensor: Tensor) -> Tensor:
         if rows is None:
-            return _leaf(tensor)
+            return leaf(tensor)
         return _from_local(tensor[rows[0] : rows[1]], mesh, [Replicate(), Shard(0)])
 
     return Problem(
@@ -782,11 +770,11 @@ def _with_logit(value: float) -> Edit:
 
 
 def _drop_head_row(problem: Problem) -> Problem:
-    return replace(problem, weight=_leaf(problem.weight[:-1]))
+    return replace(problem, weight=leaf(problem.weight[:-1]))
 
 
 def _drop_teacher_head_row(problem: Problem) -> Problem:
-    return replace(problem, teacher_weight=_leaf(problem.teacher_weight[:-1]))
+    return replace(problem, teacher_weight=leaf(problem.teacher_weight[:-1]))
 
 
 def _drop_logits_column(problem: Problem) -> Problem:
@@ -800,7 +788,7 @@ def _change_a_label(problem: Problem) -> Problem:
 
 
 def _drop_hidden_row(problem: Problem) -> Problem:
-    return replace(problem, student_hidden=_leaf(problem.student_hidden[:-1]))
+    return replace(problem, student_hidden=leaf(problem.student_hidden[:-1]))
 
 
 def _on(target: int, rank: int, edit: Edit) -> Edit | None:
@@ -813,7 +801,7 @@ def _explicit_partition(rank: int, group: dist.ProcessGroup, partition: tuple[Co
     weight = full_problem("tied", torch.float64, 5).weight
 
     def edit(problem: Problem) -> Problem:
-        return replace(problem, weight=_leaf(weight[start:stop]))
+        return replace(problem, weight=leaf(weight[start:stop]))
 
     _error_call(rank, group, "tied", edit, vocab_range=(start, stop))
 

@@ -22,7 +22,7 @@ from torch import Tensor
 import orda_tp
 
 from . import cases
-from .cases import Problem, relative_error, stable_seed
+from .cases import Columns, Problem, Rows, relative_error, shard_problem, stable_seed
 from .distributed import note
 from .tp_workers import (
     DTYPES,
@@ -31,13 +31,10 @@ from .tp_workers import (
     TOLERANCE,
     TP_CHUNKS,
     VOCAB,
-    Columns,
-    Rows,
     _expected_part,
     chunk_ranges,
     full_problem,
     row_range,
-    shard_problem,
 )
 
 UPSTREAMS = (3.0, -0.75, 1e-30)  # positive, negative, tiny (still normal in fp32 times a gradient)

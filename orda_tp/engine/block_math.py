@@ -4,22 +4,29 @@ sums and logit gradients, and how a row step runs.
 The walk (row chunks, column blocks, record exchange) is the same for every backend; the block
 math differs: torch ops (:class:`.torch_math.TorchBlockMath`) or generated Triton kernels
 (``orda_tp.kernels.ops.TritonBlockMath``). Both read the same variant formulas.
+:func:`select_backend` picks one for a call.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
+from ..checks import caller_stacklevel
+from ..kernels import unavailable_reason
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord
 from .logits import LogitGrads
 from .row_formulas import RowProgram
 from .stats import GradRows
+from .torch_math import TorchBlockMath
 
-__all__ = ["BlockMath"]
+__all__ = ["BlockMath", "select_backend"]
 
 
 class BlockMath(Protocol):
@@ -74,3 +81,29 @@ class BlockMath(Protocol):
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is not None) of the block
         into the views ``out``, in their dtype, from the chunk's gradient row constants."""
         ...
+
+
+@functools.cache
+def select_backend(requested: str, device_type: str, dtype: torch.dtype) -> BlockMath | None:
+    """The block math of the chunked backend that runs a call on ``device_type`` tensors whose
+    statistics are ``dtype`` (None: the "reference" backend); decided once per combination.
+
+    "auto" takes the Triton kernels on a CUDA device with fp16/bf16/fp32 inputs, and otherwise the
+    chunked torch backend; on a CUDA device it says once why it fell back. An explicit "triton"
+    that cannot run raises.
+    """
+    if requested == "reference":
+        return None
+    if requested == "torch":
+        return TorchBlockMath()
+    reason = unavailable_reason(torch.device(device_type), dtype)
+    if requested == "triton" and reason is not None:
+        raise ValueError(f"backend='triton' is unavailable on this machine: {reason}")
+    if reason is None and (requested == "triton" or device_type == "cuda"):
+        from ..kernels.ops import TritonBlockMath  # imports triton: only where it runs
+
+        return TritonBlockMath()
+    if device_type == "cuda":
+        message = f"orda_tp: backend='auto' runs the chunked torch backend because {reason}"
+        warnings.warn(message, stacklevel=caller_stacklevel())
+    return TorchBlockMath()

@@ -166,8 +166,8 @@ class TritonBlockMath:
         student_kl, teacher_kl = plan.computes_kl, plan.kl_trains_teacher
         assert (out.teacher is not None) == (plan.teacher_ce_trains_teacher or teacher_kl)
         divergence = plan.divergence
-        student_grad = variant_terms.student_grad(divergence, plan.params).function if student_kl else None
-        teacher_grad = variant_terms.teacher_grad(divergence, plan.params).function if teacher_kl else None
+        student_grad = variant_terms.kl_grad(divergence, plan.params, "student").function if student_kl else None
+        teacher_grad = variant_terms.kl_grad(divergence, plan.params, "teacher").function if teacher_kl else None
         other = student if teacher is None else teacher
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", n_rows, cols)

@@ -167,7 +167,5 @@ def _generated(
     params = divergence.resolve(kl_alpha, kl_beta, entropy_gate)
     if kernel == "sums":
         return [variant_terms.column_terms(divergence, params)]
-    functions = [variant_terms.student_grad(divergence, params)]
-    if divergence.cotrains_teacher:
-        functions.append(variant_terms.teacher_grad(divergence, params))
-    return functions
+    sides = ("student", "teacher") if divergence.cotrains_teacher else ("student",)
+    return [variant_terms.kl_grad(divergence, params, side) for side in sides]

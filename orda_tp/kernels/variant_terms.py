@@ -32,7 +32,7 @@ from ..divergences.expr import Expr
 from .cache import load_generated_module
 from .expr_compiler import FunctionSpec, function_source, wrapped
 
-__all__ = ["GeneratedFunction", "column_terms", "row_step", "student_grad", "teacher_grad"]
+__all__ = ["GeneratedFunction", "column_terms", "kl_grad", "row_step"]
 
 COLUMNS = ("logp", "logq", "p", "q", "is_target")
 GRAD_PARAMETERS = (*COLUMNS, "rowc", "ROW_CONSTANTS: tl.constexpr")
@@ -80,32 +80,23 @@ def column_terms(divergence: Divergence, params: DivergenceParams) -> GeneratedF
     return _load(spec, f"sums_terms_{divergence.name}")
 
 
-@cache
-def student_grad(divergence: Divergence, params: DivergenceParams) -> GeneratedFunction:
-    """``<variant>_student_grad``: ``∂D/∂u`` of a column."""
-    spec = FunctionSpec(
-        name=f"{divergence.name}_student_grad",
-        parameters=GRAD_PARAMETERS,
-        doc=f"∂D/∂u (u = s/T_s) of a column for {_variant(divergence, params)}.",
-        outputs=(("grad", divergence.student_grad_expr(params)),),
-        read_row=_row_constant,
-        returns_tuple=False,
-    )
-    return _load(spec, f"grads_student_{divergence.name}")
+_GRAD_SIDES = {"student": ("u", "s/T_s", "student_grad_expr"), "teacher": ("v", "t/T_t", "teacher_grad_expr")}
 
 
 @cache
-def teacher_grad(divergence: Divergence, params: DivergenceParams) -> GeneratedFunction:
-    """``<variant>_teacher_grad``: ``∂D/∂v`` of a column (co-training variants)."""
+def kl_grad(divergence: Divergence, params: DivergenceParams, side: str) -> GeneratedFunction:
+    """``<variant>_<side>_grad``: ``∂D/∂u`` of a column for the student's side, ``∂D/∂v`` for the
+    teacher's (co-training variants)."""
+    symbol, meaning, method = _GRAD_SIDES[side]
     spec = FunctionSpec(
-        name=f"{divergence.name}_teacher_grad",
+        name=f"{divergence.name}_{side}_grad",
         parameters=GRAD_PARAMETERS,
-        doc=f"∂D/∂v (v = t/T_t) of a column for {_variant(divergence, params)}.",
-        outputs=(("grad", divergence.teacher_grad_expr(params)),),
+        doc=f"∂D/∂{symbol} ({symbol} = {meaning}) of a column for {_variant(divergence, params)}.",
+        outputs=(("grad", getattr(divergence, method)(params)),),
         read_row=_row_constant,
         returns_tuple=False,
     )
-    return _load(spec, f"grads_teacher_{divergence.name}")
+    return _load(spec, f"grads_{side}_{divergence.name}")
 
 
 @cache

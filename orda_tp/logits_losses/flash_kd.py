@@ -23,6 +23,7 @@ from ..checks import (
     check_label_range,
     check_labels,
     check_same_device,
+    runs_host_checks,
 )
 from ..config import KernelConfig
 from ..engine.logits import HeadLogits, PairedLogits, StoredLogits, statistics_dtype
@@ -161,8 +162,7 @@ def _scores(
     over the student's stored logits beside the teacher's, formed block by block."""
     plan = LossPlan.for_logits(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
     valid = labels != options.ignore_index
-    host_checks = options.config.host_checks
-    if labels.device.type == "cpu" if host_checks is None else host_checks:
+    if runs_host_checks(options.config.host_checks, labels.device):
         check_label_range(labels, layout.vocab_size, options.ignore_index)
     dtype = statistics_dtype(student, hidden, weight)
     # Ignored rows read column 0 as their label: their CE is zeroed, their KD does not read it.

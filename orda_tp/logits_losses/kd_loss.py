@@ -21,6 +21,7 @@ from ..checks import (
     check_label_range,
     check_labels,
     check_same_device,
+    runs_host_checks,
 )
 from ..config import KernelConfig
 from ..divergences import EntropyGate
@@ -100,8 +101,7 @@ def _kd_loss(
     flat_labels = shard.labels
     valid = flat_labels != options.ignore_index
     if options.divergence.needs_target:
-        host_checks = options.config.host_checks
-        if flat_labels.device.type == "cpu" if host_checks is None else host_checks:
+        if runs_host_checks(options.config.host_checks, flat_labels.device):
             check_label_range(flat_labels, layout.vocab_size, options.ignore_index)
         stats_labels = flat_labels
     else:

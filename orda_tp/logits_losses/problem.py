@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..api import select_backend
+from ..engine.block_math import select_backend
 from ..engine.logits import LogitsSource
 from ..engine.row_walk import RowRange, RowWalk, row_layout, row_ranges, walk_rows
 from ..engine.stats import RowStats
