@@ -233,8 +233,10 @@ def orda_step(
     variant: str = "forward",
     teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher | None = None,
     tp: bool = False,
+    terms: dict[str, float] | None = None,
 ) -> Step:
-    """orda_tp: student CE (+ the KL variant at T=1 unless task == "CE"); the tied teacher by default."""
+    """orda_tp: student CE (+ the KL variant at T=1 unless task == "CE"); the tied teacher by default;
+    ``terms``: the student's loss terms' keywords (label smoothing, z-loss)."""
     kwargs: dict[str, Any] = dict(
         student_ce_weight=1.0,
         teacher_ce_weight=0.0,
@@ -244,6 +246,7 @@ def orda_step(
         profile=profile,
         backend=backend,
         **VARIANT_KWARGS[variant],
+        **(terms or {}),
     )
     if tp:
         kwargs["tp_group"] = dist.group.WORLD
@@ -669,8 +672,17 @@ def main_specs(scale: Scale, impls: list[Impl], device: torch.device, small: boo
     return specs
 
 
+#: The student's loss terms timed beside KD (``--extras``), each against KD without them.
+LOSS_TERMS: dict[str, dict[str, float]] = {
+    "label smoothing": {"label_smoothing": 0.1},
+    "z-loss": {"z_loss_weight": 1e-4},
+    "both": {"label_smoothing": 0.1, "z_loss_weight": 1e-4},
+}
+
+
 def extras_specs(shape: BenchShape, device: torch.device) -> list[RowSpec]:
-    """KD with every KL variant, then with a separate and a precomputed-logits teacher (orda_tp's default)."""
+    """KD with every KL variant, with a separate and a precomputed-logits teacher, and with the
+    student's loss terms (orda_tp's default)."""
     name, options = orda_options(device)[0]
     specs = [
         RowSpec(
@@ -694,6 +706,18 @@ def extras_specs(shape: BenchShape, device: torch.device) -> list[RowSpec]:
                 gemms=gemms,
                 step=lambda inputs, m=make: orda_step(inputs, "KD", teacher=m(inputs), **options),
                 labels={"teacher": teacher},
+            )
+        )
+    for term, keywords in LOSS_TERMS.items():
+        specs.append(
+            RowSpec(
+                section="extras",
+                shape=shape,
+                case=f"KD + {term}",
+                impl=name,
+                gemms=TASK_GEMMS["KD"],
+                step=partial(orda_step, task="KD", terms=keywords, **options),
+                labels={"term": term},
             )
         )
     return specs
@@ -768,6 +792,10 @@ def report_variant_ratios(bench: Bench) -> None:
     slow = {v: round(r, 3) for v, r in ratios.items() if r > VARIANT_RATIO_TARGET}
     bench.reporter.line(f"   variants over {VARIANT_RATIO_TARGET}x forward KL's time: {slow or 'none'}")
     bench.reporter.data["bench"]["variant_ratios"] = ratios
+    terms = [r for r in bench.rows if "term" in r and r["status"] == "ok"]
+    for row in terms:
+        row["ratio_to_forward"] = row["ms"] / timed["forward"]["ms"]
+        bench.reporter.line(f"   KD + {row['term']}: {row['ratio_to_forward']:.3f}x KD without it")
 
 
 def report_not_run(bench: Bench) -> None:
@@ -877,6 +905,13 @@ def extras_tables(bench: Bench) -> list[str]:
              _cell(r.get("workspace_mib"), ".0f")]
             for r in variants
         ),
+    )  # fmt: skip
+    terms = [r for r in bench.rows if "term" in r]
+    out += ["", f"### Loss terms (KD, forward KL, {impl}, {shape})", ""]
+    out += _table(
+        ["term", "ms", "÷ KD without it", "peak MiB"],
+        ([r["term"], _ms_cell(r), _cell(r.get("ratio_to_forward"), ".3f"), _cell(r.get("peak_mib"), ".0f")]
+         for r in terms),
     )  # fmt: skip
     tied = [
         {**r, "teacher": "tied"}

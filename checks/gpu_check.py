@@ -9,7 +9,8 @@ Parts (each step is guarded: a failure is printed, counted as FAIL, and the scri
     against ``backend="reference"`` run in fp64 on the SAME rounded inputs upcast, for every variant ×
     teacher mode (tied, separate, precomputed logits; mutual/cojeffreys must raise with a
     precomputed teacher) × input dtype (fp32, fp16, bf16) × reduction ("mean", "none"), with
-    T_s ≠ T_t where allowed, 1 row in 7 ignored, a padded vocabulary (vocab_size < V), several row
+    T_s ≠ T_t where allowed, 1 row in 7 ignored, and "forward+terms", "skew_js+terms": those variants
+    with label smoothing 0.1 and a z-loss (weight 1e-3) added, a padded vocabulary (vocab_size < V), several row
     chunks and V not a multiple of the column block. ‖a−b‖/‖b‖ of the loss, the components and every
     gradient: fp32 1e-5 values / 1e-4 grads; fp16/bf16 1e-5 values / 1e-2 grads. On a GPU, an
     informational probe of host synchronization follows.
@@ -84,7 +85,11 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 REDUCTIONS = ("mean", "sum", "none")
 CHECK_BACKENDS = ("triton", "torch")
 PAD_FILL = 30.0  # cached teacher logits on padding columns: large, so that any leak into padding shows
-FIELDS = ("loss", "student_ce", "teacher_ce", "kl")
+FIELDS = ("loss", "student_ce", "teacher_ce", "kl", "z_loss")
+#: Cases with the student's loss terms on (orda_tp/terms.py), named "<variant>+terms": the
+#: variant's case with label smoothing and a z-loss added.
+TERMS = {"label_smoothing": 0.1, "z_loss_weight": 1e-3}
+TERM_CASES = ("forward+terms", "skew_js+terms")
 GRAD_NAMES = {
     "tied": ("student_hidden", "weight", "teacher_hidden"),
     "separate": ("student_hidden", "weight", "teacher_hidden", "teacher_weight"),
@@ -113,7 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, default_out="gpu_check_out")
     parser.add_argument("--check", action="store_true", help="the correctness checks (the default)")
-    parser.add_argument("--variants", default="all", help="comma list of KL variants (default: all 15)")
+    parser.add_argument(
+        "--variants", default="all", help=f"comma list of KL variants and {', '.join(TERM_CASES)} (default: all)"
+    )
     parser.add_argument("--modes", default="all", help="comma list of teacher modes: tied,separate,precomputed")
     parser.add_argument("--dtypes", default=None, help="comma list of fp32,fp16,bf16 (default: all; CPU: fp32)")
     parser.add_argument("--reductions", default="mean,none", help="comma list of mean,sum,none (default mean,none)")
@@ -146,7 +153,7 @@ def _choose(text: str | None, allowed: tuple[str, ...], default: tuple[str, ...]
 def selections(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     dtype_default = ("fp32",) if args.device == "cpu" else tuple(DTYPES)
     return {
-        "variants": _choose(args.variants, KL_VARIANTS, KL_VARIANTS, "variants"),
+        "variants": _choose(args.variants, KL_VARIANTS + TERM_CASES, KL_VARIANTS + TERM_CASES, "variants"),
         "modes": _choose(args.modes, TEACHER_MODES, TEACHER_MODES, "modes"),
         "dtypes": _choose(args.dtypes, tuple(DTYPES), dtype_default, "dtypes"),
         "reductions": _choose(args.reductions, REDUCTIONS, REDUCTIONS, "reductions"),
@@ -212,8 +219,11 @@ def make_check_problem(shape: CheckShape, seed: int, device: torch.device, mode:
 
 def check_kwargs(variant: str, mode: str, reduction: str, shape: CheckShape) -> dict[str, object]:
     """The tests' loss keywords (``tests.cases.call_kwargs``: every term on, T_s ≠ T_t where the
-    variant allows it) on this shape's padded vocabulary and chunks."""
-    return {**call_kwargs(variant, mode, reduction), "vocab_size": shape.vocab_size, "config": shape.config()}
+    variant allows it) on this shape's padded vocabulary and chunks; a ``<variant>+terms`` case
+    adds label smoothing and a z-loss."""
+    name, plus, _ = variant.partition("+")
+    extra = TERMS if plus else {}
+    return {**call_kwargs(name, mode, reduction), **extra, "vocab_size": shape.vocab_size, "config": shape.config()}
 
 
 def loss_weights(upstream: Tensor, problem: Problem, reduction: str) -> Tensor | None:
@@ -630,7 +640,7 @@ def tp_case(
             lambda: loss_and_grads(local, mode, weights, backend=backend, tp_group=dist.group.WORLD, **kwargs)
         )
     # Collectives every rank reaches: the outputs of every rank, bitwise.
-    packed = _pack(sharded[0] if sharded is not None else None, 4 * shape.rows, device)
+    packed = _pack(sharded[0] if sharded is not None else None, 5 * shape.rows, device)
     gathered = [torch.empty_like(packed) for _ in range(runtime.world)]
     dist.all_gather(gathered, packed)
     if not expect_error and not all(torch.equal(g, gathered[0]) for g in gathered):

@@ -45,13 +45,15 @@ class DistillationLossOutput(NamedTuple):
     """``loss`` (differentiable) and its unweighted components (detached).
 
     0-d tensors for "mean"/"sum", (BT,) per-row tensors for "none" (0 on ignored rows).
-    ``kl`` includes the ``T_s²`` factor; a term whose weight is 0 is not computed and reads 0.
+    ``kl`` includes the ``T_s²`` factor; ``z_loss`` is the rows' ``LSE(s)²``; a term whose weight
+    is 0 is not computed and reads 0. The first four fields are orda-kernel's.
     """
 
     loss: Tensor
     student_ce: Tensor
     teacher_ce: Tensor
     kl: Tensor
+    z_loss: Tensor
 
 
 def _denominator(
@@ -180,6 +182,8 @@ def distillation_loss(
     kl_alpha: float | None = None,
     kl_beta: float | None = None,
     entropy_gate: EntropyGate | None = None,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
     ignore_index: int = -100,
     reduction: str = "mean",
     profile: str = "balanced",
@@ -196,8 +200,9 @@ def distillation_loss(
     """Student CE, teacher CE and a KL term from hidden states and LM-head weights, without
     building the (BT, V) logits (except with ``backend="reference"``).
 
-    ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)`` with
-    ``s = student_hidden·weightᵀ``, ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``. See
+    ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)
+    + z_loss_weight·LSE(s)²`` with ``s = student_hidden·weightᵀ`` (``CE(s)`` label-smoothed by
+    ``label_smoothing``), ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``. See
     docs/reference.md for every argument and error, docs/variants.md for the 15 divergences. The
     keywords (all but ``num_valid_tokens``) are those of :class:`orda_tp.options.LossOptions`,
     which validates them.
@@ -222,6 +227,8 @@ def distillation_loss(
         kl_alpha=kl_alpha,
         kl_beta=kl_beta,
         entropy_gate=entropy_gate,
+        label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight,
         ignore_index=ignore_index,
         reduction=reduction,
         profile=profile,
@@ -269,4 +276,7 @@ class DistillationLoss(nn.Module):
             f"kl_divergence={o.kl_divergence!r}, student_ce_weight={o.student_ce_weight}, "
             f"teacher_ce_weight={o.teacher_ce_weight}, kl_weight={o.kl_weight}, kl_temperature={o.kl_temperature}, "
             f"reduction={o.reduction!r}, backend={o.backend!r}"
+            + "".join(
+                f", {name}={getattr(o, name)}" for name in ("label_smoothing", "z_loss_weight") if getattr(o, name)
+            )
         )

@@ -180,6 +180,8 @@ class LossOptions:
     kl_alpha: float | None = None
     kl_beta: float | None = None
     entropy_gate: EntropyGate | None = None
+    label_smoothing: float = 0.0
+    z_loss_weight: float = 0.0
     ignore_index: int = -100
     reduction: str = "mean"
     profile: str = "balanced"
@@ -205,6 +207,8 @@ class LossOptions:
         for name, positive in _NUMBERS.items():
             if values[name] is not None or name not in _OPTIONAL:
                 values[name] = check_number(name, values[name], positive=positive)
+        if values["label_smoothing"] >= 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {values['label_smoothing']!r}")
         if values["gradient_materialization_scale"] is not None or values["grad_scaler"] is not None:
             values["gradient_materialization_scale"], values["grad_scaler"] = check_precision(
                 values["gradient_materialization_scale"], values["grad_scaler"]
@@ -258,6 +262,8 @@ _NUMBERS = {
     "kl_weight": False,
     "kl_temperature": True,
     "kl_teacher_temperature": True,
+    "label_smoothing": False,
+    "z_loss_weight": False,
 }
 _OPTIONAL = ("teacher_ce_weight", "kl_teacher_temperature")
 PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_parallel")

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 from .config import KernelConfig
 from .divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
+from .divergences.expr import Expr
 from .options import LogitsOptions, LossOptions
 from .records import LogitFamily
 from .teachers import TeacherSource
+from .terms import STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 
 __all__ = ["LossPlan", "StepKey"]
 
@@ -52,11 +54,14 @@ def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weig
 class StepKey:
     """What a call's row programs (:mod:`orda_tp.engine.row_formulas`) depend on: its structure,
     never its weights or temperatures. The indices of ``LossPlan.families`` that hold the student's
-    and the teacher's CE families (``T = 1``) and KL families, and the first teacher family (each
-    None where the call has none)."""
+    family at ``T = 1`` (read by the student's row terms), the teacher's CE family and the KL
+    families, and the first teacher family (each None where the call has none); the student's
+    row terms (:mod:`orda_tp.terms`) and the number of column sums of round 1's record."""
 
     num_families: int
-    ce_student: int | None
+    student_terms: tuple[StudentTerm, ...]
+    num_column_sums: int
+    terms_family: int | None
     ce_teacher: int | None
     kl_student: int | None
     kl_teacher: int | None
@@ -65,18 +70,25 @@ class StepKey:
 
 @dataclass(frozen=True)
 class LossPlan:
-    """What to compute for ``loss = w_s·CE_s + w_t·CE_t + w_kl·T_s²·D(p, q)``.
+    """What to compute for ``loss = Σ_k w_k·L_k(s) + w_t·CE_t + w_kl·T_s²·D(p, q)``.
 
-    ``teacher_role`` follows docs/variants.md §2: "cotrained" when a co-training variant (mutual, cojeffreys)
-    has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
+    ``student_terms``: the student's row terms ``L_k`` whose weight is > 0 (:mod:`orda_tp.terms`:
+    its CE, z-loss), ``term_weights`` their weights ``w_k`` and ``term_scalars`` the runtime
+    values their formulas read (their parameters, ``inv_vocab = 1/V``).
+
+    ``teacher_role`` follows docs/variants.md §2: "cotrained" when a co-training variant (mutual,
+    cojeffreys) has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
     ``families`` lists the distinct logit families whose log-partitions round 1 computes;
-    ``logit_grad_weights = (w_s, w_kl·T_s, w_kl·T_s²/T_t)`` are the factors of the student's CE
-    gradient, of ``∂D/∂u`` in ``∂loss/∂s`` and of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale);
-    ``step_key`` is what the row programs depend on, ``formulas`` the variant's trees (None without
-    a KL term) and ``grad_row_names`` the gradient kernel's row constants, in the order it reads them.
+    ``kl_grad_weights = (w_kl·T_s, w_kl·T_s²/T_t)`` are the factors of ``∂D/∂u`` in ``∂loss/∂s`` and
+    of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale); ``column_sums`` the column terms of round
+    1's record (the terms'); ``step_key`` is what the row programs depend on, ``formulas`` the
+    variant's trees (None without a KL term) and ``grad_row_names`` the gradient kernel's row
+    constants, in the order it reads them.
     """
 
-    student_ce_weight: float
+    student_terms: tuple[StudentTerm, ...]
+    term_weights: tuple[float, ...]
+    term_scalars: dict[str, float]
     teacher_ce_weight: float
     kl_weight: float
     student_temperature: float
@@ -96,7 +108,8 @@ class LossPlan:
     kl_trains_teacher: bool = field(init=False)
     teacher_ce_trains_teacher: bool = field(init=False)
     student_receives_grad: bool = field(init=False)
-    logit_grad_weights: tuple[float, float, float] = field(init=False)
+    kl_grad_weights: tuple[float, float] = field(init=False)
+    column_sums: tuple[Expr, ...] = field(init=False)
     families: tuple[LogitFamily, ...] = field(init=False)
     step_key: StepKey = field(init=False)
     formulas: VariantFormulas | None = field(init=False)
@@ -111,13 +124,17 @@ class LossPlan:
         kl_student = self.kl_weight * self.student_temperature
         ce_families = LogitFamily("student", 1.0), LogitFamily("teacher", 1.0)
         kl_families = LogitFamily("student", self.student_temperature), LogitFamily("teacher", self.teacher_temperature)
-        wanted = [ce_families[0]] if self.student_ce_weight > 0 else []
+        student_terms = bool(self.student_terms)
+        wanted = [ce_families[0]] if student_terms else []
         wanted += [ce_families[1]] if self.teacher_ce_weight > 0 else []
         wanted += list(kl_families) if computes_kl else []
         families = tuple(dict.fromkeys(wanted))
+        column_sums = column_sums_of(self.student_terms)
         step_key = StepKey(
             num_families=len(families),
-            ce_student=families.index(ce_families[0]) if self.student_ce_weight > 0 else None,
+            student_terms=self.student_terms,
+            num_column_sums=len(column_sums),
+            terms_family=families.index(ce_families[0]) if student_terms else None,
             ce_teacher=families.index(ce_families[1]) if self.teacher_ce_weight > 0 else None,
             kl_student=families.index(kl_families[0]) if computes_kl else None,
             kl_teacher=families.index(kl_families[1]) if computes_kl else None,
@@ -125,7 +142,7 @@ class LossPlan:
         )
         formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
         # The gradient kernel's row constants, in the order it reads them (row_formulas.grad_step).
-        grad_row_names = ["scale", *(["lse_s"] if self.student_ce_weight > 0 else [])]
+        grad_row_names = ["scale", *(["lse_s", "c_p", "c_y", "c_u"] if student_terms else [])]
         grad_row_names += ["lse_t", "c_ce_t"] if teacher_ce_trains else []
         if formulas is not None:
             grad_row_names += ["lse_u", "lse_v", "keep"]
@@ -136,12 +153,9 @@ class LossPlan:
             "teacher_receives_grad": teacher_trains,
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
             "teacher_ce_trains_teacher": teacher_ce_trains,
-            "student_receives_grad": self.student_ce_weight > 0 or computes_kl,
-            "logit_grad_weights": (
-                self.student_ce_weight,
-                kl_student,
-                kl_student * self.student_temperature / self.teacher_temperature,
-            ),
+            "student_receives_grad": student_terms or computes_kl,
+            "kl_grad_weights": (kl_student, kl_student * self.student_temperature / self.teacher_temperature),
+            "column_sums": column_sums,
             "families": families,
             "step_key": step_key,
             "formulas": formulas,
@@ -179,8 +193,18 @@ class LossPlan:
             f"teacher_ce_weight={teacher_ce_weight}, kl_weight={options.kl_weight}, kl_divergence={divergence.name!r}"
         )
         teacher.check_role(role, weights)
+        # The registered terms whose weight is > 0, each with its nonzero parameters.
+        terms = [
+            term(frozenset(name for name in term.parameters if getattr(options, name)))
+            for term in STUDENT_TERMS
+            if getattr(options, term.weight) > 0
+        ]
+        scalars = {name: float(getattr(options, name)) for term in terms for name in term.given}
         return LossPlan(
-            student_ce_weight=options.student_ce_weight,
+            student_terms=tuple(terms),
+            term_weights=tuple(getattr(options, term.weight) for term in terms),
+            # 1/V (inf for an empty vocabulary, which the call's checks refuse)
+            term_scalars={**scalars, "inv_vocab": 1.0 / vocab_size if vocab_size else math.inf},
             teacher_ce_weight=teacher_ce_weight,
             kl_weight=options.kl_weight,
             student_temperature=options.kl_temperature,
@@ -202,7 +226,9 @@ class LossPlan:
         """``loss = w_s·CE(s) + T²·D(p, q)`` with ``p = softmax(s/T)``, ``q = softmax(t/T)`` on given
         logits: the teacher is frozen (no gradient reaches its logits, whatever the variant)."""
         return LossPlan(
-            student_ce_weight=student_ce_weight,
+            student_terms=(CrossEntropy(),) if student_ce_weight > 0 else (),
+            term_weights=(student_ce_weight,) if student_ce_weight > 0 else (),
+            term_scalars={"inv_vocab": 1.0 / vocab_size if vocab_size else math.inf},
             teacher_ce_weight=0.0,
             kl_weight=1.0,
             student_temperature=options.temperature,

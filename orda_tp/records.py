@@ -46,30 +46,41 @@ class PartitionRecord:
 
     ``maxes``/``sumexps``: (rows, F) partial log-partitions of the F families;
     ``target_logits``: (rows, 2) raw student and teacher logits at the label (0 if not owned);
-    ``label_hits``: (rows,) number of blocks that own the label column.
+    ``label_hits``: (rows,) number of blocks that own the label column; ``column_sums``:
+    (rows, E) the sums of the student terms' column terms (:attr:`orda_tp.plan.LossPlan.column_sums`).
     """
 
     maxes: Tensor
     sumexps: Tensor
     target_logits: Tensor
     label_hits: Tensor
+    column_sums: Tensor
 
     def pack(self) -> Tensor:
-        """(rows, 2F + 3) tensor, the layout exchanged between ranks."""
-        return torch.cat([self.maxes, self.sumexps, self.target_logits, self.label_hits[:, None]], dim=1)
+        """(rows, 2F + 3 + E) tensor, the layout exchanged between ranks."""
+        columns = [self.maxes, self.sumexps, self.target_logits, self.label_hits[:, None], self.column_sums]
+        return torch.cat(columns, dim=1)
 
     @staticmethod
-    def empty(rows: int, num_families: int, like: Tensor) -> PartitionRecord:
+    def empty(rows: int, num_families: int, num_column_sums: int, like: Tensor) -> PartitionRecord:
         """The record of no columns (a shard that holds only vocabulary padding)."""
         zeros = like.new_zeros(rows, num_families)
         return PartitionRecord(
-            torch.full_like(zeros, float("-inf")), zeros, like.new_zeros(rows, 2), like.new_zeros(rows)
+            torch.full_like(zeros, float("-inf")),
+            zeros,
+            like.new_zeros(rows, 2),
+            like.new_zeros(rows),
+            like.new_zeros(rows, num_column_sums),
         )
 
     @staticmethod
     def unpack(packed: Tensor, num_families: int) -> PartitionRecord:
+        """The record of an (rows, 2F + 3 + E) packed tensor (E read from its width)."""
         f = num_families
-        return PartitionRecord(packed[:, :f], packed[:, f : 2 * f], packed[:, 2 * f : 2 * f + 2], packed[:, 2 * f + 2])
+        hits = 2 * f + 2
+        return PartitionRecord(
+            packed[:, :f], packed[:, f : 2 * f], packed[:, 2 * f : hits], packed[:, hits], packed[:, hits + 1 :]
+        )
 
     def log_partitions(self) -> Tensor:
         """(rows, F) ``LSE = m + log z`` of the merged record (−inf for an all −inf row)."""
@@ -92,7 +103,7 @@ def merge_partition_records(records: Sequence[PartitionRecord]) -> PartitionReco
 
 
 def merge_stacked_partition_records(stacked: Tensor, num_families: int) -> PartitionRecord:
-    """Merge S packed records stacked as (S, rows, 2F+3) at once: every partial is rescaled to the
+    """Merge S packed records stacked as (S, rows, 2F+3+E) at once: every partial is rescaled to the
     overall max and summed, in a handful of tensor ops (deterministic for a given stack, so ranks
     that merge the same gathered stack get bitwise-identical records)."""
     f = num_families
@@ -103,6 +114,7 @@ def merge_stacked_partition_records(stacked: Tensor, num_families: int) -> Parti
         sumexps=_rescaled(sumexps, maxes, new_max.unsqueeze(0)).sum(dim=0),
         target_logits=rest[..., :2].sum(dim=0),
         label_hits=rest[..., 2].sum(dim=0),
+        column_sums=rest[..., 3:].sum(dim=0),
     )
 
 
@@ -112,9 +124,11 @@ def block_partition_record(
     labels: Tensor,
     col_start: int,
     families: Sequence[LogitFamily],
+    column_sums: Tensor | None = None,
 ) -> PartitionRecord:
     """Round-1 record of a block whose columns start at global column ``col_start``, with torch ops
-    (the torch backend's, and the kernels' when no family is asked for).
+    (the torch backend's, and the kernels' when no family is asked for); ``column_sums``: the
+    block's (rows, E) column sums, formed by the caller (none by default).
 
     ``student``/``teacher``: (rows, cols) raw logits in the statistics dtype; ``labels``: (rows,)
     global label ids of valid rows. Per family ``x = logits/T``: ``(max x, Σ e^{x − max x})``, an
@@ -145,4 +159,5 @@ def block_partition_record(
         sumexps=torch.stack(sumexps, dim=1) if sumexps else empty,
         target_logits=torch.stack([target_student, target_teacher], dim=1),
         label_hits=owned.to(student.dtype),
+        column_sums=empty if column_sums is None else column_sums,
     )

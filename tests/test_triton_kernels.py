@@ -13,9 +13,10 @@ import torch
 
 import orda_tp
 from orda_tp import KL_VARIANTS
-from orda_tp.divergences.expr import equal, greater, log, row, where
-from orda_tp.engine.torch_math import evaluate_rows
-from orda_tp.records import LogitFamily, block_partition_record, merge_stacked_partition_records
+from orda_tp.divergences.expr import equal, exp, greater, log, row, where
+from orda_tp.engine.torch_math import TorchBlockMath, evaluate_rows
+from orda_tp.records import LogitFamily, merge_stacked_partition_records
+from orda_tp.terms import RAW_STUDENT
 
 from .cases import (
     COTRAINED,
@@ -185,22 +186,27 @@ def test_partition_kernel_gives_the_torch_record(families: str, dtype: torch.dty
     labels[1], labels[2], labels[3] = col_start - 1, col_start + 300, col_start + 299
     with_teacher = families != "student"
     other = teacher if with_teacher else None
-    actual = TritonBlockMath().partition(student, other, labels, col_start, FAMILY_SETS[families])
-    expected = block_partition_record(
-        student.float(), None if other is None else other.float(), labels, col_start, FAMILY_SETS[families]
+    # The student terms' column sums (label smoothing's Σ s_j), with a second term of our own.
+    sums = () if families == "both" else (RAW_STUDENT, exp(RAW_STUDENT * 0.25))
+    actual = TritonBlockMath().partition(student, other, labels, col_start, FAMILY_SETS[families], sums)
+    expected = TorchBlockMath().partition(
+        student.float(), None if other is None else other.float(), labels, col_start, FAMILY_SETS[families], sums
     )
     assert torch.equal(actual.label_hits, expected.label_hits)
+    assert actual.column_sums.shape == (21, len(sums))
+    torch.testing.assert_close(actual.column_sums, expected.column_sums, rtol=1e-5, atol=1e-4)
     assert torch.equal(actual.target_logits, expected.target_logits)
     # x·(1/T) against x/T, and another order of the sums: a few fp32 roundings apart
     torch.testing.assert_close(actual.maxes, expected.maxes, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(actual.sumexps, expected.sumexps, rtol=1e-5, atol=0.0)
 
 
-@pytest.mark.parametrize("num_families", [1, 2, 4])
-def test_merge_kernel_gives_the_torch_merge(num_families: int) -> None:
+@pytest.mark.parametrize(("num_families", "num_sums"), [(1, 0), (2, 0), (4, 0), (1, 1), (2, 2)])
+def test_merge_kernel_gives_the_torch_merge(num_families: int, num_sums: int) -> None:
     from orda_tp.kernels.ops import TritonBlockMath
 
-    stacked = torch.randn(5, 37, 2 * num_families + 3, generator=torch.Generator().manual_seed(num_families))
+    width = 2 * num_families + 3 + num_sums
+    stacked = torch.randn(5, 37, width, generator=torch.Generator().manual_seed(num_families))
     stacked[:, 3, :num_families] = float("-inf")  # a row empty in every split
     stacked[1, 8, 0] = float("-inf")  # one empty split
     actual = TritonBlockMath().merge_stacked(stacked, num_families).pack()

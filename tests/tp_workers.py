@@ -223,9 +223,9 @@ def _pack(out: orda_tp.DistillationLossOutput, capacity: int) -> Tensor:
 def rank_disagreement(
     label: str, out: orda_tp.DistillationLossOutput, rows: int, group: dist.ProcessGroup
 ) -> list[str]:
-    """A problem unless this rank's loss and components (at most 4 × ``rows`` values) are bitwise
+    """A problem unless this rank's loss and components (at most 5 × ``rows`` values) are bitwise
     equal to rank 0's. One fixed-size all-gather, so a wrong shape cannot desynchronize ranks."""
-    packed = _pack(out, 4 * rows)
+    packed = _pack(out, 5 * rows)
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, packed, group=group)
     different = [r for r, values in enumerate(gathered) if not torch.equal(values, gathered[0])]

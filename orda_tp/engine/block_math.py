@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..checks import caller_stacklevel
+from ..divergences.expr import Expr
 from ..kernels import unavailable_reason
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord
@@ -39,13 +40,20 @@ class BlockMath(Protocol):
         ...
 
     def partition(
-        self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
+        self,
+        student: Tensor,
+        teacher: Tensor | None,
+        labels: Tensor,
+        col_start: int,
+        families: Sequence[LogitFamily],
+        column_sums: tuple[Expr, ...],
     ) -> PartitionRecord:
-        """Round-1 record of a block whose first column is global column ``col_start``."""
+        """Round-1 record of a block whose first column is global column ``col_start``, with the
+        row sums of ``column_sums`` (trees over the raw student logit ``RAW_STUDENT``)."""
         ...
 
     def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
-        """Merge (S, rows, 2F+3) contiguous packed records (the shards' gathered records)."""
+        """Merge (S, rows, 2F+3+E) contiguous packed records (the shards' gathered records)."""
         ...
 
     def kl_sums(

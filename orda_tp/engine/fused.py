@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..terms import COMPONENTS, STUDENT_TERMS
 from .fused_grads import GemmPolicy, GradientBuffers, GradNeeds, allocate_buffers, run_gradient_gemms
 from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
 from .row_walk import GradTarget, RecordExchange, RowWalk, row_layout, row_ranges, walk_rows
@@ -115,24 +116,27 @@ def _walk_groups(
     return walked
 
 
-def _outputs(problem: ChunkedProblem, walked: list[RowStats], like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, student_ce, teacher_ce, kl)`` from the chunks' statistics: ignored rows read 0;
-    "sum"/"mean" add the rows (÷ N for "mean")."""
+def _outputs(problem: ChunkedProblem, walked: list[RowStats], like: Tensor) -> tuple[Tensor, ...]:
+    """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` (:data:`COMPONENTS`) from the
+    chunks' statistics: ignored rows read 0; "sum"/"mean" add the rows (÷ N for "mean")."""
     plan, valid = problem.walk.plan, problem.walk.valid
-    empty = like.new_zeros(0)
-    student_ce = torch.cat([stats.student_ce for stats in walked]) if walked else empty
-    teacher_ce = torch.cat([stats.teacher_ce for stats in walked]) if walked else empty
-    kl = torch.cat([stats.kl for stats in walked]) if walked else empty
-    per_row = plan.student_ce_weight * student_ce + plan.teacher_ce_weight * teacher_ce + plan.kl_weight * kl
+
+    per_chunk = [{**stats.student_terms, "teacher_ce": stats.teacher_ce, "kl": stats.kl} for stats in walked]
+    components = {
+        name: torch.cat([chunk[name] for chunk in per_chunk]) if walked else like.new_zeros(0)
+        for name in (*(term.name for term in STUDENT_TERMS), "teacher_ce", "kl")
+    }
+    weighted = [weight * components[term.name] for term, weight in zip(plan.student_terms, plan.term_weights)]
+    weighted += [plan.teacher_ce_weight * components["teacher_ce"], plan.kl_weight * components["kl"]]
+    per_row = sum(weighted[1:], weighted[0])
     reduced = []
-    for values in (per_row, student_ce, teacher_ce, kl):
+    for values in (per_row, *(components[name] for name in COMPONENTS)):
         values = torch.where(valid, values, 0.0)
         if plan.reduction != "none":
             values = values.sum()
             values = values / problem.denominator if plan.reduction == "mean" else values
         reduced.append(values)
-    loss, student_ce, teacher_ce, kl = reduced
-    return loss, student_ce, teacher_ce, kl
+    return tuple(reduced)
 
 
 class _ChunkedContext(FunctionCtx):
@@ -158,7 +162,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         teacher_hidden: Tensor | None,
         teacher_weight: Tensor | None,
         teacher_logits: Tensor | None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, ...]:
         walk = problem.walk
         inputs = HeadTensors(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
         head = inputs if walk.exchange is None else _full_rows(walk.exchange, inputs)
@@ -238,8 +242,8 @@ def chunked_loss(
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, student_ce, teacher_ce, kl)`` reduced as the plan says; only ``loss`` is
+) -> tuple[Tensor, ...]:
+    """``(loss, *COMPONENTS)`` reduced as the plan says; only ``loss`` is
     differentiable. An input receives a gradient when grad mode is on, it requires grad and the
     plan routes a gradient to it (a tied teacher's head gradient goes to the student's weight)."""
     plan, grad_on = problem.walk.plan, torch.is_grad_enabled()

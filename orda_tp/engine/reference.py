@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..divergences import DivergenceParams
 from ..plan import LossPlan
+from ..terms import COMPONENTS, STUDENT_TERMS
 from .logits import statistics_dtype
 
 __all__ = ["reference_loss", "reference_divergence"]
@@ -152,9 +153,10 @@ def reference_loss(
     teacher_logits: Tensor | None,
     *,
     vocab_size: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, student_ce, teacher_ce, kl)`` on full logits, with autograd gradients. Only the
-    first ``vocab_size`` columns are read (the rest is vocabulary padding)."""
+) -> tuple[Tensor, ...]:
+    """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` on full logits, with
+    autograd gradients: the student's terms from their oracles (:meth:`orda_tp.terms.StudentTerm.oracle`).
+    Only the first ``vocab_size`` columns are read (the rest is vocabulary padding)."""
     dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
     if vocab_size is not None:
         weight = weight[:vocab_size]
@@ -165,9 +167,10 @@ def reference_loss(
     safe_labels = torch.where(valid & in_range, labels, torch.zeros_like(labels))
     student = student_hidden.to(dtype) @ weight.to(dtype).T
     zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
-    student_ce = teacher_ce = kl = zeros
-    if plan.student_ce_weight > 0:
-        student_ce = torch.logsumexp(student, -1) - student.gather(1, safe_labels[:, None]).squeeze(1)
+    teacher_ce = kl = zeros
+    terms = {term.name: zeros for term in STUDENT_TERMS}
+    for term in plan.student_terms:
+        terms[term.name] = term.oracle(student, safe_labels, plan.term_scalars)
     if plan.needs_teacher_logits:
         teacher = _teacher_logits(plan, dtype, weight, teacher_hidden, teacher_weight, teacher_logits)
         if not plan.teacher_receives_grad:
@@ -179,18 +182,19 @@ def reference_loss(
             teacher_ce = _where_zero(absent, ce)
         if plan.computes_kl:
             kl = _reference_kl(plan, student, teacher, safe_labels, absent)
-    per_row = [student_ce, teacher_ce, kl]
+    components = {**terms, "teacher_ce": teacher_ce, "kl": kl}
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
-    per_row = [torch.where(in_range, values, torch.full_like(values, float("nan"))) for values in per_row]
-    per_row = [torch.where(valid, values, zeros) for values in per_row]
-    loss = plan.student_ce_weight * per_row[0] + plan.teacher_ce_weight * per_row[1] + plan.kl_weight * per_row[2]
-    outputs = [loss] + [values.detach() for values in per_row]
+    nan = torch.full_like(zeros, float("nan"))
+    components = {name: torch.where(valid, torch.where(in_range, v, nan), zeros) for name, v in components.items()}
+    weighted = [weight * components[term.name] for term, weight in zip(plan.student_terms, plan.term_weights)]
+    weighted += [plan.teacher_ce_weight * components["teacher_ce"], plan.kl_weight * components["kl"]]
+    loss = sum(weighted[1:], weighted[0])
+    outputs = [loss] + [components[name].detach() for name in COMPONENTS]
     if plan.reduction != "none":
         outputs = [values.sum() for values in outputs]
         if plan.reduction == "mean":
             outputs = [total / denominator for total in outputs]
-    loss, student_ce, teacher_ce, kl = outputs
-    return loss, student_ce, teacher_ce, kl
+    return tuple(outputs)
 
 
 def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tensor, absent: Tensor) -> Tensor:

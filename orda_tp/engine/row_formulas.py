@@ -6,9 +6,10 @@ torch evaluation (torch backend) or one generated Triton row kernel, instead of 
 small tensor ops per chunk.
 
 - :func:`partition_step`, after round 1, from the merged record's ``(m_f, z_f)``, label logits
-  ``s_y``, ``t_y`` and label-owner count: ``LSE_f = m_f + log z_f`` (``−inf`` for an all ``−inf``
-  row), ``owned`` (exactly one column owns the label), ``absent`` (the teacher's logits are all
-  ``−inf``), ``CE_s = LSE(s) − s_y``, ``CE_t = LSE(t) − t_y`` (0 on absent rows) and, with a KL
+  ``s_y``, ``t_y``, label-owner count and the student terms' column sums: ``LSE_f = m_f + log
+  z_f`` (``−inf`` for an all ``−inf`` row), ``owned`` (exactly one column owns the label),
+  ``absent`` (the teacher's logits are all ``−inf``), each registered student term's value
+  (:mod:`orda_tp.terms`: ``student_ce``, ``z_loss``), ``CE_t = LSE(t) − t_y`` (0 on absent rows) and, with a KL
   term, ``LSE(u)``, ``LSE(v)`` (0 on absent rows), ``log p_y = s_y/T_s − LSE(u)``, ``log q_y =
   t_y/T_t − LSE(v)``. The loss components are NaN on rows whose label no column owns.
 - :func:`finish_step`, after round 2 and the variant's finalize: the row's divergence
@@ -16,8 +17,10 @@ small tensor ops per chunk.
   ``keep``, whether the row's KL gradient is formed (teacher present and ``D ≠ +inf``).
 - :func:`grad_step`, before a gradient pass: the row constants of the gradient kernel, in
   ``LossPlan.grad_row_names`` order: ``scale`` = the upstream gradient (0 on ignored rows, NaN on
-  unowned ones), the teacher CE's ``LSE(t)`` and coefficient ``c_ce_t = w_t·scale`` (both 0 on
-  absent rows), the KL's log-partitions and ``keep``, and the variant's finalize constants.
+  unowned ones), the student terms' ``LSE(s)`` and summed coefficients ``c_p = Σ_k w_k·c_p,k``,
+  ``c_y``, ``c_u`` (their gradient ``c_p·softmax(s) − c_y·onehot − c_u``), the teacher CE's ``LSE(t)``
+  and coefficient ``c_ce_t = w_t·scale`` (both 0 on absent rows), the KL's log-partitions and
+  ``keep``, and the variant's finalize constants.
 
 Flags are stored as 1.0/0.0 and read back with :func:`is_set`. Values that change between calls
 (temperatures, weights) are runtime scalars, so a program depends only on the call's structure.
@@ -28,8 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, where
+from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, where, wrap
 from ..plan import StepKey
+from ..terms import STUDENT_TERMS, RowSymbols, StudentTerm
 
 __all__ = ["RowProgram", "finish_step", "grad_step", "is_set", "partition_step"]
 
@@ -59,10 +63,22 @@ def _program(inputs: list[str], scalars: list[str], outputs: dict[str, Expr]) ->
     return RowProgram(tuple(inputs), tuple(scalars), tuple(outputs), tuple(outputs.values()))
 
 
-def record_inputs(num_families: int) -> list[str]:
+def record_inputs(num_families: int, num_column_sums: int) -> list[str]:
     """Names of the packed record's columns (:meth:`orda_tp.records.PartitionRecord.pack` order)."""
     f = num_families
-    return [f"m{i}" for i in range(f)] + [f"z{i}" for i in range(f)] + ["s_y", "t_y", "hits"]
+    sums = [f"sum{k}" for k in range(num_column_sums)]
+    return [f"m{i}" for i in range(f)] + [f"z{i}" for i in range(f)] + ["s_y", "t_y", "hits", *sums]
+
+
+def _term_values(terms: tuple[StudentTerm, ...], lse: Expr) -> dict[str, Expr]:
+    """Each term's row value, its column sums read from the record's ``sum<k>`` columns."""
+    values, first = {}, 0
+    for term in terms:
+        count = len(term.column_sums())
+        sums = tuple(row(f"sum{k}") for k in range(first, first + count))
+        values[term.name] = term.value(RowSymbols(lse, row("s_y"), sums))
+        first += count
+    return values
 
 
 @cache
@@ -81,9 +97,9 @@ def partition_step(key: StepKey) -> RowProgram:
     if key.teacher_family is not None:
         absent = equal(row(f"m{key.teacher_family}"), NEG_INF)
         outputs["absent"] = where(absent, 1.0, 0.0)
-    outputs["student_ce"] = nan_elsewhere
-    if key.ce_student is not None:
-        outputs["student_ce"] = lse[key.ce_student] - row("s_y") + nan_elsewhere
+    values = {} if key.terms_family is None else _term_values(key.student_terms, lse[key.terms_family])
+    for term in STUDENT_TERMS:  # an inactive term reads 0
+        outputs[term.name] = values.get(term.name, wrap(0.0)) + nan_elsewhere
     outputs["teacher_ce"] = nan_elsewhere
     if key.ce_teacher is not None:
         assert absent is not None
@@ -97,7 +113,8 @@ def partition_step(key: StepKey) -> RowProgram:
         outputs["logq_y"] = row("t_y") / row("t_t") - lse_v
     else:
         outputs["kl"] = nan_elsewhere
-    return _program(record_inputs(count), ["t_s", "t_t"], outputs)
+    scalars = ["t_s", "t_t", *sorted({name for term in key.student_terms for name in term.given}), "inv_vocab"]
+    return _program(record_inputs(count, key.num_column_sums), scalars, outputs)
 
 
 @cache
@@ -116,12 +133,20 @@ def finish_step() -> RowProgram:
 @cache
 def grad_step(key: StepKey, names: tuple[str, ...]) -> RowProgram:
     """The gradient kernel's row constants ``names`` (``LossPlan.grad_row_names``: ``scale``, then
-    ``lse_s`` (student CE), ``lse_t``, ``c_ce_t`` (teacher CE training the teacher), ``lse_u``,
-    ``lse_v``, ``keep`` and the variant's constants (KL))."""
+    ``lse_s``, ``c_p``, ``c_y``, ``c_u`` (student terms, each term's coefficients times its weight
+    ``w_<name>``), ``lse_t``, ``c_ce_t`` (teacher CE training the teacher), ``lse_u``, ``lse_v``,
+    ``keep`` and the variant's constants (KL))."""
     scale = where(is_set(row("valid")), where(is_set(row("owned")), row("upstream"), NAN), 0.0)
     formulas: dict[str, Expr] = {"scale": scale}
-    if key.ce_student is not None:
-        formulas["lse_s"] = row(f"lse{key.ce_student}")
+    scalars = ["w_t"]
+    if key.terms_family is not None:
+        lse_s = formulas["lse_s"] = row(f"lse{key.terms_family}")
+        grads = [(row(f"w_{term.name}"), term.grad(lse_s)) for term in key.student_terms]
+        formulas["c_p"] = _total([weight * grad.softmax for weight, grad in grads])
+        formulas["c_y"] = _total([weight * grad.label for weight, grad in grads])
+        formulas["c_u"] = _total([weight * grad.uniform for weight, grad in grads])
+        scalars += [f"w_{term.name}" for term in key.student_terms]
+        scalars += [*sorted({name for term in key.student_terms for name in term.given}), "inv_vocab"]
     if key.ce_teacher is not None:
         absent = is_set(row("absent"))
         formulas["lse_t"] = where(absent, 0.0, row(f"lse{key.ce_teacher}"))
@@ -129,8 +154,15 @@ def grad_step(key: StepKey, names: tuple[str, ...]) -> RowProgram:
     outputs = {name: formulas.get(name, row(name)) for name in names}
     inputs = ["upstream", "valid", "owned"]
     inputs += [name for name in names if name not in formulas]  # the passed-through constants
-    if key.ce_student is not None:
-        inputs.append(f"lse{key.ce_student}")
+    if key.terms_family is not None:
+        inputs.append(f"lse{key.terms_family}")
     if "lse_t" in names:
         inputs += ["absent", f"lse{key.ce_teacher}"]
-    return _program(inputs, ["w_t"], outputs)
+    return _program(inputs, scalars, outputs)
+
+
+def _total(terms: list[Expr]) -> Expr:
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total

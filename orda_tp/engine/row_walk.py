@@ -36,6 +36,7 @@ from ..divergences import RowTargets
 from ..parallel.layout import VocabLayout
 from ..plan import LossPlan
 from ..records import PartitionRecord, merge_partition_records
+from ..terms import STUDENT_TERMS
 from .block_math import BlockMath
 from .logits import ColumnRange, LogitGrads, LogitsBlock, LogitsSource
 from .row_formulas import finish_step, grad_step, partition_step
@@ -65,7 +66,7 @@ class RecordExchange(Protocol):
         self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
     ) -> PartitionRecord:
         """Round 1: the record of all shards' columns, identical on every shard; ``merge_stacked``
-        merges (shards, rows, 2F+3) packed records (the backend's merge)."""
+        merges (shards, rows, 2F+3+E) packed records (the backend's merge)."""
         ...
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
@@ -232,16 +233,18 @@ def chunk_row_stats(walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor
     tensor of the statistics dtype and device."""
     plan, math, exchange = walk.plan, walk.math, walk.exchange
     vocab_start, families = walk.layout.vocab_start, plan.families
-    records = [math.partition(b.student, b.teacher, labels, vocab_start + b.start, families) for b in blocks]
+    sums = plan.column_sums
+    records = [math.partition(b.student, b.teacher, labels, vocab_start + b.start, families, sums) for b in blocks]
     if not records:
-        records = [PartitionRecord.empty(labels.shape[0], len(families), like)]
+        records = [PartitionRecord.empty(labels.shape[0], len(families), len(sums), like)]
     record = merge_partition_records(records)
     if exchange is not None:
         record = exchange.merge_partitions(record, math.merge_stacked)
     step = partition_step(plan.step_key)
     record_columns = [record.maxes, record.sumexps, record.target_logits, record.label_hits[:, None]]
+    record_columns.append(record.column_sums)
     inputs = dict(zip(step.inputs, (column for part in record_columns for column in part.unbind(1))))
-    scalars = {"t_s": plan.student_temperature, "t_t": plan.teacher_temperature}
+    scalars = {"t_s": plan.student_temperature, "t_t": plan.teacher_temperature, **plan.term_scalars}
     partition = math.rows(step, inputs, scalars, like)
     outputs = dict(zip(step.outputs, partition.unbind(1)))
     kl, kl_stats = outputs.get("kl"), None
@@ -252,7 +255,7 @@ def chunk_row_stats(walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor
         log_partitions=partition[:, : plan.step_key.num_families],
         owned=outputs["owned"],
         absent=outputs.get("absent"),
-        student_ce=outputs["student_ce"],
+        student_terms={term.name: outputs[term.name] for term in STUDENT_TERMS},
         teacher_ce=outputs["teacher_ce"],
         kl=kl,
         kl_stats=kl_stats,
@@ -316,13 +319,18 @@ def grad_rows(
     values = {name: statistics[name] for name in program.inputs if name not in ("upstream", "valid")}
     values["upstream"] = upstream_scale.expand(valid.shape[0]) if upstream_scale.dim() == 0 else upstream_scale
     values["valid"] = valid
-    packed = math.rows(program, values, {"w_t": plan.teacher_ce_weight}, like)
+    weights = {f"w_{term.name}": weight for term, weight in zip(plan.student_terms, plan.term_weights)}
+    scalars = {"w_t": plan.teacher_ce_weight, **weights, **plan.term_scalars}
+    packed = math.rows(program, values, scalars, like)
     columns = dict(zip(program.outputs, packed.unbind(1)))
     return GradRows(
         packed=packed,
         names=program.outputs,
         scale=columns["scale"],
         lse_s=columns.get("lse_s"),
+        c_p=columns.get("c_p"),
+        c_y=columns.get("c_y"),
+        c_u=columns.get("c_u"),
         lse_t=columns.get("lse_t"),
         c_ce_t=columns.get("c_ce_t"),
         lse_u=columns.get("lse_u"),

@@ -41,18 +41,25 @@ class RowStats:
 
     ``log_partitions``: (rows, F) ``LSE`` of each logit family in ``plan.families`` order;
     ``owned``: exactly one column owns the row's label; ``absent``: the teacher's logits are all
-    ``−inf`` (None without teacher logits); ``student_ce``, ``teacher_ce``, ``kl``: the per-row
-    loss components (``kl`` includes ``T_s²``; each NaN on rows whose label no column owns);
-    ``kl_stats``: the KL term's statistics (None without a KL term).
+    ``−inf`` (None without teacher logits); ``student_terms``: each registered student term's
+    unweighted value (:mod:`orda_tp.terms`), by its name (0 for a term the call does not have);
+    ``teacher_ce``, ``kl``: the teacher's per-row loss components (``kl`` includes ``T_s²``); each
+    component NaN on rows whose label no column owns; ``kl_stats``: the KL term's statistics (None
+    without a KL term).
     """
 
     log_partitions: Tensor
     owned: Tensor
     absent: Tensor | None
-    student_ce: Tensor
+    student_terms: Mapping[str, Tensor]
     teacher_ce: Tensor
     kl: Tensor
     kl_stats: KLRowStats | None
+
+    @property
+    def student_ce(self) -> Tensor:
+        """The student's (label-smoothed) CE per row."""
+        return self.student_terms["student_ce"]
 
 
 @dataclass(frozen=True)
@@ -60,18 +67,22 @@ class GradRows:
     """The per-row constants of a chunk's logit gradients (:func:`.row_formulas.grad_step`).
 
     ``scale``: the upstream gradient (÷ N for "mean"; 0 on ignored rows, NaN on unowned ones);
-    ``lse_s``: ``LSE(s)`` of the student's CE; ``lse_t``, ``c_ce_t``: ``LSE(t)`` and the
-    coefficient ``w_t·scale`` of the teacher's CE when it trains the teacher (both 0 on absent
-    rows); ``lse_u``, ``lse_v``, ``keep``: the KL term's (:class:`KLRowStats`); ``consts``: the
-    variant's finalize constants. Each field is None where the call has no such term.
-    ``packed`` holds them all as the columns ``names`` of one (rows, len(names)) tensor, the
-    layout the gradient kernel reads.
+    ``lse_s``: ``LSE(s)`` of the student's terms and ``c_p``, ``c_y``, ``c_u`` the coefficients of
+    their gradient ``c_p·softmax(s) − c_y·onehot − c_u`` (weighted, summed over the terms);
+    ``lse_t``, ``c_ce_t``: ``LSE(t)`` and the coefficient ``w_t·scale`` of the teacher's CE when it
+    trains the teacher (both 0 on absent rows); ``lse_u``, ``lse_v``, ``keep``: the KL term's
+    (:class:`KLRowStats`); ``consts``: the variant's finalize constants. Each field is None where
+    the call has no such term. ``packed`` holds them all as the columns ``names`` of one (rows,
+    len(names)) tensor, the layout the gradient kernel reads.
     """
 
     packed: Tensor
     names: tuple[str, ...]
     scale: Tensor
     lse_s: Tensor | None
+    c_p: Tensor | None
+    c_y: Tensor | None
+    c_u: Tensor | None
     lse_t: Tensor | None
     c_ce_t: Tensor | None
     lse_u: Tensor | None

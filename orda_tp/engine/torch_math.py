@@ -8,7 +8,8 @@ evaluated on a block's symbols ``log p = s/T_s − LSE(u)``, ``log q = t/T_t −
 Logit gradients of a block with student logits ``s`` and teacher logits ``t`` (row scale ``c`` =
 upstream gradient × 1/N for "mean"; 0 on ignored rows, whose logit gradients are exactly 0):
 
-- ``∂loss/∂s = c·[w_s·(softmax(s) − onehot(y)) + w_kl·T_s·∂D/∂u]``
+- ``∂loss/∂s = c·[c_p·softmax(s) − c_y·onehot(y) − c_u + w_kl·T_s·∂D/∂u]`` (``c_p``, ``c_y``,
+  ``c_u``: the student's row terms' coefficients, :mod:`orda_tp.terms`)
 - ``∂loss/∂t = c·[w_t·(softmax(t) − onehot(y)) + w_kl·T_s²/T_t·∂D/∂v]`` (only the terms that
   train the teacher under the plan's routing)
 """
@@ -22,7 +23,8 @@ from torch import Tensor
 
 from ..divergences.expr import Expr
 from ..plan import LossPlan
-from ..records import block_partition_record, merge_stacked_partition_records
+from ..records import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
+from ..terms import RAW_STUDENT
 from .logits import LogitGrads
 from .row_formulas import RowProgram
 from .stats import GradRows
@@ -101,11 +103,13 @@ def _block_symbols(
     return {"logp": logp, "logq": logq, "p": torch.exp(logp), "q": torch.exp(logq), "is_target": is_target}
 
 
-def evaluate(exprs: Sequence[Expr], columns: Mapping[str, Tensor | None], rows: Mapping[str, Tensor]) -> list[Tensor]:
-    """The trees ``exprs`` on a block, each as a (rows, cols) tensor: ``columns`` maps the column
-    symbols to (rows, cols) tensors, ``rows`` the row constants to (rows,) tensors. Intermediates
-    live only as long as this call."""
-    reference = columns["logp"]
+def evaluate(
+    exprs: Sequence[Expr], columns: Mapping[str, Tensor | None], rows: Mapping[str, Tensor], shape: str = "logp"
+) -> list[Tensor]:
+    """The trees ``exprs`` on a block, each as a (rows, cols) tensor like the column ``shape``:
+    ``columns`` maps the column symbols to (rows, cols) tensors, ``rows`` the row constants to
+    (rows,) tensors. Intermediates live only as long as this call."""
+    reference = columns[shape]
     assert reference is not None
     memo: dict[int, Tensor] = {}
     values = [_evaluate(expr, memo, columns, rows, reference, True) for expr in exprs]
@@ -121,15 +125,15 @@ def evaluate_rows(exprs: Sequence[Expr], rows: Mapping[str, Tensor], like: Tenso
     outputs = []
     for expr in exprs:
         result = _evaluate(expr, memo, {}, rows, like, False)
-        outputs.append(result.to(like).expand(count) if result.dim() else like.new_full((count,), result.item()))
+        outputs.append(result.to(like).expand(count) if result.dim() else like.new_zeros(count).add_(result))
     return torch.stack(outputs, dim=1)
 
 
-def _cross_entropy_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, coef: Tensor) -> Tensor:
-    """``coef·(softmax(logits) − onehot(label))`` on a block; labels outside the block add nothing."""
+def _softmax_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, c_p: Tensor, c_y: Tensor) -> Tensor:
+    """``c_p·softmax(logits) − c_y·onehot(label)`` on a block; labels outside the block add nothing."""
     columns = torch.arange(logits.shape[1], device=logits.device)
     one_hot = (columns[None, :] == local_labels[:, None]).to(logits.dtype)
-    return (torch.exp(logits - lse[:, None]) - one_hot) * coef[:, None]
+    return torch.exp(logits - lse[:, None]) * c_p[:, None] - one_hot * c_y[:, None]
 
 
 class TorchBlockMath:
@@ -137,8 +141,24 @@ class TorchBlockMath:
     interpreted here."""
 
     reads_stored_cache = False
-    partition = staticmethod(block_partition_record)
     merge_stacked = staticmethod(merge_stacked_partition_records)
+
+    def partition(
+        self,
+        student: Tensor,
+        teacher: Tensor | None,
+        labels: Tensor,
+        col_start: int,
+        families: Sequence[LogitFamily],
+        column_sums: tuple[Expr, ...],
+    ) -> PartitionRecord:
+        """Round-1 record of a block (:func:`orda_tp.records.block_partition_record`), with the
+        row sums of ``column_sums`` over the raw student logits."""
+        sums = None
+        if column_sums:
+            terms = evaluate(column_sums, {str(RAW_STUDENT.value): student}, {}, shape=str(RAW_STUDENT.value))
+            sums = torch.stack([term.sum(1) for term in terms], dim=1)
+        return block_partition_record(student, teacher, labels, col_start, families, sums)
 
     def block_columns(self, configured: int, local_columns: int) -> int:
         return configured  # each block's temporaries are (rows × block) tensors
@@ -182,12 +202,14 @@ class TorchBlockMath:
         local_labels, row_scale = labels - col_start, rows.scale
         student_grad = torch.zeros_like(student)
         teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
-        w_ce_s, w_kl_s, w_kl_t = plan.logit_grad_weights
+        w_kl_s, w_kl_t = plan.kl_grad_weights
         if rows.lse_s is not None:
-            student_grad += _cross_entropy_grad(student, rows.lse_s, local_labels, w_ce_s * row_scale)
+            assert rows.c_p is not None and rows.c_y is not None and rows.c_u is not None
+            terms = _softmax_grad(student, rows.lse_s, local_labels, rows.c_p, rows.c_y) - rows.c_u[:, None]
+            student_grad += terms * row_scale[:, None]
         if teacher_grad is not None and rows.lse_t is not None and rows.c_ce_t is not None:
             assert teacher is not None
-            teacher_grad += _cross_entropy_grad(teacher, rows.lse_t, local_labels, rows.c_ce_t)
+            teacher_grad += _softmax_grad(teacher, rows.lse_t, local_labels, rows.c_ce_t, rows.c_ce_t)
         if plan.computes_kl:
             divergence, formulas = plan.divergence, plan.formulas
             assert divergence is not None and formulas is not None and teacher is not None

@@ -2,15 +2,17 @@
 
 Per column, from the row constants of the grad step (``orda_tp.engine.row_formulas``)::
 
-    ∂loss/∂s = scale·(w_ce_s·(softmax(s) − onehot_y) + w_kl_s·keep·∂D/∂u)
+    ∂loss/∂s = scale·(c_p·softmax(s) − c_y·onehot_y − c_u + w_kl_s·keep·∂D/∂u)
     ∂loss/∂t = scale·w_kl_t·keep·∂D/∂v + c_ce_t·(softmax(t) − onehot_y)
 
-``softmax(s) = e^{s − LSE(s)}``; ``scale`` is the row's upstream factor (0 on ignored rows, whose
-gradients come out exactly 0), ``keep`` whether the row's KL gradient is formed, ``c_ce_t`` the
-teacher CE's coefficient (0 on rows without a teacher). ``∂D/∂u`` and ``∂D/∂v`` are the variant's,
-the generated functions of :mod:`.variant_terms` passed in as ``STUDENT_GRAD`` and
-``TEACHER_GRAD``; the weights are runtime arguments, so a change of ``kl_weight`` between calls
-compiles nothing.
+``softmax(s) = e^{s − LSE(s)}``; ``c_p``, ``c_y``, ``c_u`` are the student's row terms' coefficients
+(:mod:`orda_tp.terms`: its CE, label-smoothed or not, its z-loss), summed with their weights by the
+grad step, so a new term of that shape changes nothing here; ``scale`` is the row's upstream factor
+(0 on ignored rows, whose gradients come out exactly 0), ``keep`` whether the row's KL gradient is
+formed, ``c_ce_t`` the teacher CE's coefficient (0 on rows without a teacher). ``∂D/∂u`` and
+``∂D/∂v`` are the variant's, the generated functions of :mod:`.variant_terms` passed in as
+``STUDENT_GRAD`` and ``TEACHER_GRAD``; the weights are runtime arguments, so a change of
+``kl_weight`` between calls compiles nothing.
 """
 
 from __future__ import annotations
@@ -49,18 +51,19 @@ def student_logit_grad(
     is_target: tl.tensor,
     grad_u: tl.tensor | None,
     rowc: tl.tuple,
-    w_ce_s: tl.tensor,
     w_kl_s: tl.tensor,
     ROW_CONSTANTS: tl.constexpr,
-    STUDENT_CE: tl.constexpr,
+    STUDENT_TERMS: tl.constexpr,
     STUDENT_KL: tl.constexpr,
 ) -> tl.tensor:
-    """``∂loss/∂s = scale·(w_ce_s·(softmax(s) − onehot_y) + w_kl_s·keep·∂D/∂u)`` of a tile, the
-    terms chosen by the switches; exactly 0 on rows whose scale is 0. ``grad_u``: ``∂D/∂u``."""
+    """``∂loss/∂s = scale·(c_p·softmax(s) − c_y·onehot_y − c_u + w_kl_s·keep·∂D/∂u)`` of a tile,
+    the terms chosen by the switches; exactly 0 on rows whose scale is 0. ``grad_u``: ``∂D/∂u``."""
     scale = rowc[position(ROW_CONSTANTS, "scale")]
     ds = tl.zeros_like(s)
-    if STUDENT_CE:
-        ds += w_ce_s * softmax_minus_onehot(s, rowc[position(ROW_CONSTANTS, "lse_s")], is_target)
+    if STUDENT_TERMS:
+        softmax: tl.tensor = tl.exp(s - rowc[position(ROW_CONSTANTS, "lse_s")])
+        ds += rowc[position(ROW_CONSTANTS, "c_p")] * softmax - rowc[position(ROW_CONSTANTS, "c_u")]
+        ds -= tl.where(is_target, rowc[position(ROW_CONSTANTS, "c_y")], 0.0)
     if STUDENT_KL:
         ds += w_kl_s * kept(rowc[position(ROW_CONSTANTS, "keep")], grad_u, s)
     return tl.where(scale != 0.0, ds * scale, 0.0)
@@ -117,13 +120,12 @@ def grads_kernel(
     cols_per_split: tl.tensor,
     inv_ts: tl.tensor,
     inv_tt: tl.tensor,
-    w_ce_s: tl.tensor,
     w_kl_s: tl.tensor,
     w_kl_t: tl.tensor,
     ROW_CONSTANTS: tl.constexpr,
     STUDENT_GRAD: tl.constexpr,
     TEACHER_GRAD: tl.constexpr,
-    STUDENT_CE: tl.constexpr,
+    STUDENT_TERMS: tl.constexpr,
     STUDENT_KL: tl.constexpr,
     TEACHER_CE: tl.constexpr,
     TEACHER_KL: tl.constexpr,
@@ -133,7 +135,7 @@ def grads_kernel(
 ) -> None:
     """``ds`` (and ``dt`` when a teacher term is on) of this program's rows and column split;
     ``rowc`` (R, len(ROW_CONSTANTS)), contiguous fp32, holds the row constants ``ROW_CONSTANTS``
-    that the terms read (``scale``, ``lse_s``, ``lse_t``, ``c_ce_t``, ``lse_u``, ``lse_v``,
+    that the terms read (``scale``, ``lse_s``, ``c_p``, ``c_y``, ``c_u``, ``lse_t``, ``c_ce_t``, ``lse_u``, ``lse_v``,
     ``keep``, the variant's), in the caller's order."""
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
@@ -146,7 +148,7 @@ def grads_kernel(
             logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
         grad_u = STUDENT_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if STUDENT_KL else None
         grad_v = TEACHER_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if TEACHER_KL else None
-        ds = student_logit_grad(s, is_target, grad_u, rowc, w_ce_s, w_kl_s, ROW_CONSTANTS, STUDENT_CE, STUDENT_KL)
+        ds = student_logit_grad(s, is_target, grad_u, rowc, w_kl_s, ROW_CONSTANTS, STUDENT_TERMS, STUDENT_KL)
         store_tile(ds_ptr, stride_ds, rows, cols, ds, ok)
         if TEACHER_CE or TEACHER_KL:
             dt = teacher_logit_grad(t, is_target, grad_v, rowc, w_kl_t, ROW_CONSTANTS, TEACHER_CE, TEACHER_KL)

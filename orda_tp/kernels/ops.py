@@ -26,6 +26,7 @@ import triton
 from torch import Tensor
 from triton.runtime.jit import KernelInterface
 
+from ..divergences.expr import Expr
 from ..engine.logits import LogitGrads
 from ..engine.row_formulas import RowProgram
 from ..engine.stats import GradRows
@@ -74,21 +75,32 @@ class TritonBlockMath:
         return max(local_columns, 1)
 
     def partition(
-        self, student: Tensor, teacher: Tensor | None, labels: Tensor, col_start: int, families: Sequence[LogitFamily]
+        self,
+        student: Tensor,
+        teacher: Tensor | None,
+        labels: Tensor,
+        col_start: int,
+        families: Sequence[LogitFamily],
+        column_sums: tuple[Expr, ...],
     ) -> PartitionRecord:
-        """Round-1 record of a block (see :func:`orda_tp.records.block_partition_record`)."""
+        """Round-1 record of a block (see :func:`orda_tp.records.block_partition_record`), with
+        the row sums of the student terms' ``column_sums``."""
         rows, cols = student.shape
         count = len(families)
-        if count == 0:
+        if count == 0:  # no family: no student term either, so no column sums
             return block_partition_record(student, teacher, labels, col_start, families)
+        sums = variant_terms.student_column_sums(column_sums).function if column_sums else None
         chosen, launch, per_split = _tiles_and_grid("partition", rows, cols)
-        partial = torch.empty(launch[1], rows, 2 * count + 3, dtype=torch.float32, device=student.device)
+        width = 2 * count + 3 + len(column_sums)
+        partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
         other = student if teacher is None else teacher
         _launch(partition_kernel, launch)(
             student, other, labels, partial, rows, cols, student.stride(0), other.stride(0), col_start, per_split,
             tuple(1.0 / family.temperature for family in families),
             READS_TEACHER=tuple(family.side == "teacher" for family in families),
             NUM_FAMILIES=count,
+            COLUMN_SUMS=sums,
+            NUM_COLUMN_SUMS=len(column_sums),
             HAS_T=teacher is not None,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
@@ -99,12 +111,12 @@ class TritonBlockMath:
         return self.merge_stacked(partial, count)
 
     def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
-        """Merge (S, rows, 2F+3) contiguous fp32 packed records (column splits, or the shards'
+        """Merge (S, rows, 2F+3+E) contiguous fp32 packed records (column splits, or the shards'
         gathered records) in one launch (see ``records.merge_stacked_partition_records``)."""
         splits, rows, width = stacked.shape
         merged = torch.empty(rows, width, dtype=torch.float32, device=stacked.device)
         _launch(merge_kernel, (triton.cdiv(max(rows, 1), MERGE_BLOCK_R),))(
-            stacked, merged, rows, splits, NUM_FAMILIES=num_families, BLOCK_R=MERGE_BLOCK_R
+            stacked, merged, rows, splits, NUM_FAMILIES=num_families, WIDTH=width, BLOCK_R=MERGE_BLOCK_R
         )
         return PartitionRecord.unpack(merged, num_families)
 
@@ -160,8 +172,8 @@ class TritonBlockMath:
     ) -> None:  # fmt: skip
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is set: the plan trains the
         teacher) of a block into ``out`` (row-major views, any float dtype). The kernel reads the
-        row constants ``rows.names`` from ``rows.packed`` and the terms' coefficients
-        ``plan.logit_grad_weights = (w_ce_s, w_kl_s, w_kl_t)``."""
+        row constants ``rows.names`` from ``rows.packed`` and the KL's coefficients
+        ``plan.kl_grad_weights = (w_kl_s, w_kl_t)``."""
         n_rows, cols = student.shape
         student_kl, teacher_kl = plan.computes_kl, plan.kl_trains_teacher
         assert (out.teacher is not None) == (plan.teacher_ce_trains_teacher or teacher_kl)
@@ -174,11 +186,11 @@ class TritonBlockMath:
         _launch(grads_kernel, launch)(
             student, other, labels, rows.packed, out.student, out_t, n_rows, cols, student.stride(0),
             other.stride(0), out.student.stride(0), out_t.stride(0), col_start, per_split,
-            1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature, *plan.logit_grad_weights,
+            1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature, *plan.kl_grad_weights,
             ROW_CONSTANTS=rows.names,
             STUDENT_GRAD=student_grad,
             TEACHER_GRAD=teacher_grad,
-            STUDENT_CE=plan.student_ce_weight > 0,
+            STUDENT_TERMS=bool(plan.student_terms),
             STUDENT_KL=student_kl,
             TEACHER_CE=plan.teacher_ce_trains_teacher,
             TEACHER_KL=teacher_kl,

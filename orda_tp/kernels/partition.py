@@ -2,9 +2,11 @@
 
 For each of ``F`` logit families ``x = side/T`` (the student's or the teacher's logits over one
 temperature) a row's record holds the partial log-partition ``(m, z)``, ``m = max x``,
-``z = Σ e^{x−m}``; then the raw student and teacher logits at the label and whether this block
-owns the label. Packed as the columns of an (R, 2F + 3) fp32 tensor
-(:meth:`orda_tp.records.PartitionRecord.pack`): ``m_0 … m_{F−1}, z_0 … z_{F−1}, s_y, t_y, hits``.
+``z = Σ e^{x−m}``; then the raw student and teacher logits at the label, whether this block
+owns the label and the row sums of the student terms' ``E`` column terms (the generated
+``COLUMN_SUMS`` of :mod:`.variant_terms`). Packed as the columns of an (R, 2F + 3 + E) fp32 tensor
+(:meth:`orda_tp.records.PartitionRecord.pack`): ``m_0 … m_{F−1}, z_0 … z_{F−1}, s_y, t_y, hits,
+sum_0 … sum_{E−1}``.
 
 Records merge by ``M = max(m1, m2)``, ``z = z1·e^{m1−M} + z2·e^{m2−M}`` (a −inf max adds
 nothing) and by sums for the other columns; :func:`merge_kernel` folds a stack of them (the
@@ -47,15 +49,18 @@ def partition_kernel(
     inv_temperatures: tl.tuple,
     READS_TEACHER: tl.constexpr,
     NUM_FAMILIES: tl.constexpr,
+    COLUMN_SUMS: tl.constexpr,
+    NUM_COLUMN_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ) -> None:
     """The record of this program's rows over its column split, written to split
-    ``program_id(1)`` of ``out`` (splits, R, 2F + 3). Family ``f`` reads ``t`` when
+    ``program_id(1)`` of ``out`` (splits, R, 2F + 3 + E). Family ``f`` reads ``t`` when
     ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
-    loaded once per row, by the split that owns the label column."""
-    WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3
+    loaded once per row, by the split that owns the label column. ``COLUMN_SUMS(s)``: the
+    ``E = NUM_COLUMN_SUMS`` column terms, accumulated per tile element and reduced once."""
+    WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3 + NUM_COLUMN_SUMS
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     label = local_labels(labels_ptr, rows, row_ok, col_start)
     owned = row_ok & (label >= c_begin) & (label < c_end)
@@ -67,6 +72,9 @@ def partition_kernel(
     partials = empty_tuple()  # per family (m, z)
     for _ in tl.static_range(NUM_FAMILIES):
         partials += ((tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32)),)
+    sums = empty_tuple()
+    for _ in tl.static_range(NUM_COLUMN_SUMS):
+        sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t = load_tile(s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, HAS_T, BLOCK_R, BLOCK_C)
         updated = empty_tuple()
@@ -74,6 +82,12 @@ def partition_kernel(
             m, z = partials[f]
             updated += (online_lse_update(m, z, (t if READS_TEACHER[f] else s) * inv_temperatures[f]),)
         partials = updated
+        if NUM_COLUMN_SUMS > 0:
+            terms = COLUMN_SUMS(s)
+            added = empty_tuple()
+            for k in tl.static_range(NUM_COLUMN_SUMS):
+                added += (sums[k] + tl.where(ok, terms[k], 0.0),)
+            sums = added
     base = out_ptr + tl.program_id(1) * R * WIDTH + rows * WIDTH
     for f in tl.static_range(NUM_FAMILIES):
         m, z = partials[f]
@@ -82,17 +96,24 @@ def partition_kernel(
     tl.store(base + 2 * NUM_FAMILIES, target_s, mask=row_ok)
     tl.store(base + 2 * NUM_FAMILIES + 1, target_t, mask=row_ok)
     tl.store(base + 2 * NUM_FAMILIES + 2, tl.where(owned, 1.0, 0.0), mask=row_ok)
+    for k in tl.static_range(NUM_COLUMN_SUMS):
+        tl.store(base + 2 * NUM_FAMILIES + 3 + k, tl.sum(sums[k], axis=1), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["R", "S"])
 def merge_kernel(
-    in_ptr: tl.tensor, out_ptr: tl.tensor, R: tl.tensor, S: tl.tensor, NUM_FAMILIES: tl.constexpr, BLOCK_R: tl.constexpr
+    in_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    R: tl.tensor,
+    S: tl.tensor,
+    NUM_FAMILIES: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ) -> None:
-    """Fold ``S`` stacked records (S, R, 2F + 3), contiguous fp32, into one (R, 2F + 3): per
-    family ``M = max_k m_k`` and ``z = Σ_k z_k·e^{m_k−M}`` (0 for ``m_k = −inf``), then the sums
-    of ``s_y``, ``t_y`` and ``hits``; the same merge as
+    """Fold ``S`` stacked records (S, R, WIDTH = 2F + 3 + E), contiguous fp32, into one
+    (R, WIDTH): per family ``M = max_k m_k`` and ``z = Σ_k z_k·e^{m_k−M}`` (0 for ``m_k = −inf``),
+    then the sums of ``s_y``, ``t_y``, ``hits`` and the column sums; the same merge as
     :func:`orda_tp.records.merge_stacked_partition_records`."""
-    WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3
     rows, row_ok = row_tile(R, BLOCK_R)
     for f in tl.static_range(NUM_FAMILIES):
         top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)

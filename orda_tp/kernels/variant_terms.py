@@ -11,11 +11,13 @@ what differs between variants, and between the row steps of a call, reaches them
   (:meth:`~orda_tp.divergences.Divergence.student_grad_expr`), and ``<variant>_teacher_grad``:
   ``∂D/∂v`` for the variants that co-train the teacher; a row constant is read from the tuple
   ``rowc`` at its position in the names ``ROW_CONSTANTS``;
+- ``student_column_sums(s)``: the column terms over the raw student logit whose row sums round 1
+  collects for the student's row terms (:meth:`~orda_tp.terms.StudentTerm.column_sums`), as a tuple;
 - ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.engine.row_formulas``),
   over the tuples of its (R,) inputs and its runtime floats.
 
 Triton reads a function's source from its file, so each function's module is written to the
-kernel cache (:mod:`.cache`) as ``sums_terms_<variant>_<hash>.py``,
+kernel cache (:mod:`.cache`) as ``sums_terms_<variant>_<hash>.py``, ``partition_sums_<hash>.py``,
 ``grads_student_<variant>_<hash>.py``, ``grads_teacher_<variant>_<hash>.py`` or
 ``rows_<inputs>_<hash>.py`` and run from the verified text.
 """
@@ -32,7 +34,7 @@ from ..divergences.expr import Expr
 from .cache import load_generated_module
 from .expr_compiler import FunctionSpec, function_source, wrapped
 
-__all__ = ["GeneratedFunction", "column_terms", "kl_grad", "row_step"]
+__all__ = ["GeneratedFunction", "column_terms", "kl_grad", "row_step", "student_column_sums"]
 
 COLUMNS = ("logp", "logq", "p", "q", "is_target")
 GRAD_PARAMETERS = (*COLUMNS, "rowc", "ROW_CONSTANTS: tl.constexpr")
@@ -78,6 +80,20 @@ def column_terms(divergence: Divergence, params: DivergenceParams) -> GeneratedF
         read_row=_no_rows,
     )
     return _load(spec, f"sums_terms_{divergence.name}")
+
+
+@cache
+def student_column_sums(exprs: tuple[Expr, ...]) -> GeneratedFunction:
+    """``student_column_sums``: the student terms' column terms over the raw logit ``s`` (the
+    plan's ``column_sums``, built once per set of terms, so the trees' identity is the key)."""
+    spec = FunctionSpec(
+        name="student_column_sums",
+        parameters=("s",),
+        doc="The student terms' column terms over the raw student logit s: term k is added into the row's sum k.",
+        outputs=tuple((f"term{k}", expr) for k, expr in enumerate(exprs)),
+        read_row=_no_rows,
+    )
+    return _load(spec, "partition_sums")
 
 
 _GRAD_SIDES = {"student": ("u", "s/T_s", "student_grad_expr"), "teacher": ("v", "t/T_t", "teacher_grad_expr")}
