@@ -19,7 +19,8 @@ returned gradients. Floor = GEMMs × 2·BT·H·V at 788 TFLOP/s (KD 4 GEMMs, CE 
 teacher 3). The issue's targets are printed beside orda_tp's rows.
 
 Parts: the anchor shapes; ``--extras`` (on by default): the 15 KL variants against forward KL's time,
-the separate and the precomputed-logits teacher, at the first shape; ``--sweep`` (on by default): KD
+the separate, the precomputed-logits and the top-64 cache teachers (both tails), and the loss terms
+(label smoothing, z-loss), at the first shape; ``--sweep`` (on by default): KD
 against the vocabulary at BT = 8192, H = 4096, plotted to bench_vocab.png; ``--tp`` under torchrun:
 TP = 1 against TP = world per rank. ``--time-limit S``: no row starts after S seconds; the rows left
 are listed as not run. A row that fails or runs out of memory is recorded and the run goes on.
@@ -201,6 +202,16 @@ def precomputed_teacher(inputs: BenchInputs) -> PrecomputedTeacher:
     """The tied teacher's logits, cached in the input dtype."""
     with torch.no_grad():
         return PrecomputedTeacher(logits=inputs.teacher_hidden @ inputs.weight.detach().T)
+
+
+def topk_teacher(inputs: BenchInputs, tail: str, k: int = 64) -> PrecomputedTeacher:
+    """The tied teacher as a top-``k`` cache: each row's ``k`` most likely ids and their fp32
+    log-probabilities (the rest of the mass as ``tail`` says)."""
+    with torch.no_grad():
+        logits = inputs.teacher_hidden @ inputs.weight.detach().T
+        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        del logits
+    return PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values, tail=tail)
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -696,7 +707,13 @@ def extras_specs(shape: BenchShape, device: torch.device) -> list[RowSpec]:
         )
         for variant in KL_VARIANTS
     ]
-    for teacher, make, gemms in (("separate", separate_teacher, 4), ("precomputed", precomputed_teacher, 3)):
+    teachers = (
+        ("separate", separate_teacher, 4),
+        ("precomputed", precomputed_teacher, 3),
+        ("top-64 uniform", partial(topk_teacher, tail="uniform"), 3),
+        ("top-64 renormalize", partial(topk_teacher, tail="renormalize"), 3),
+    )
+    for teacher, make, gemms in teachers:
         specs.append(
             RowSpec(
                 section="extras",

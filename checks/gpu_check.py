@@ -7,8 +7,8 @@ Parts (each step is guarded: a failure is printed, counted as FAIL, and the scri
 
 (a) correctness (the default; ``--check`` says the same): ``backend="triton"`` and ``backend="torch"``
     against ``backend="reference"`` run in fp64 on the SAME rounded inputs upcast, for every variant ×
-    teacher mode (tied, separate, precomputed logits; mutual/cojeffreys must raise with a
-    precomputed teacher) × input dtype (fp32, fp16, bf16) × reduction ("mean", "none"), with
+    teacher mode (tied, separate, precomputed logits, a top-64 cache of them, "topk"; mutual/cojeffreys
+    must raise with a precomputed teacher) × input dtype (fp32, fp16, bf16) × reduction ("mean", "none"), with
     T_s ≠ T_t where allowed, 1 row in 7 ignored, and "forward+terms", "skew_js+terms": those variants
     with label smoothing 0.1 and a z-loss (weight 1e-3) added, a padded vocabulary (vocab_size < V), several row
     chunks and V not a multiple of the column block. ‖a−b‖/‖b‖ of the loss, the components and every
@@ -90,10 +90,14 @@ FIELDS = ("loss", "student_ce", "teacher_ce", "kl", "z_loss")
 #: variant's case with label smoothing and a z-loss added.
 TERMS = {"label_smoothing": 0.1, "z_loss_weight": 1e-3}
 TERM_CASES = ("forward+terms", "skew_js+terms")
+#: The teacher modes of (a): the tests' three and "topk", a top-64 cache of the cached logits
+#: (``tests.cases.Problem.teacher``); (b) runs the tests' three.
+CHECK_MODES = (*TEACHER_MODES, "topk")
 GRAD_NAMES = {
     "tied": ("student_hidden", "weight", "teacher_hidden"),
     "separate": ("student_hidden", "weight", "teacher_hidden", "teacher_weight"),
     "precomputed": ("student_hidden", "weight"),
+    "topk": ("student_hidden", "weight"),
 }
 # (values, gradients) relative-error limits.
 CHECK_TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-5, 1e-2), "bf16": (1e-5, 1e-2)}
@@ -121,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variants", default="all", help=f"comma list of KL variants and {', '.join(TERM_CASES)} (default: all)"
     )
-    parser.add_argument("--modes", default="all", help="comma list of teacher modes: tied,separate,precomputed")
+    parser.add_argument("--modes", default="all", help="comma list of teacher modes: tied,separate,precomputed,topk")
     parser.add_argument("--dtypes", default=None, help="comma list of fp32,fp16,bf16 (default: all; CPU: fp32)")
     parser.add_argument("--reductions", default="mean,none", help="comma list of mean,sum,none (default mean,none)")
     parser.add_argument("--backends", default="triton,torch", help="backends under test: triton,torch")
@@ -154,7 +158,7 @@ def selections(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     dtype_default = ("fp32",) if args.device == "cpu" else tuple(DTYPES)
     return {
         "variants": _choose(args.variants, KL_VARIANTS + TERM_CASES, KL_VARIANTS + TERM_CASES, "variants"),
-        "modes": _choose(args.modes, TEACHER_MODES, TEACHER_MODES, "modes"),
+        "modes": _choose(args.modes, CHECK_MODES, CHECK_MODES, "modes"),
         "dtypes": _choose(args.dtypes, tuple(DTYPES), dtype_default, "dtypes"),
         "reductions": _choose(args.reductions, REDUCTIONS, REDUCTIONS, "reductions"),
         "backends": _choose(args.backends, CHECK_BACKENDS, CHECK_BACKENDS, "backends"),
@@ -213,6 +217,7 @@ def make_check_problem(shape: CheckShape, seed: int, device: torch.device, mode:
         teacher_hidden=(separate_hidden if mode == "separate" else tied_hidden).requires_grad_(),
         teacher_weight=teacher_weight.requires_grad_(),
         teacher_logits=logits,
+        real_columns=shape.vocab_size,
     )
     return problem, upstream
 
@@ -387,7 +392,7 @@ def check_case(
     rounded, exact, upstream = prepared
     rounded_weights = loss_weights(upstream, rounded, reduction)
     exact_weights = loss_weights(upstream, exact, reduction)
-    if variant in COTRAINED and mode == "precomputed":
+    if variant in COTRAINED and mode in ("precomputed", "topk"):
         for backend in backends:
             started = time.perf_counter()
             problems = _expect_value_error(
@@ -568,7 +573,7 @@ def run_tp_checks(args: argparse.Namespace, reporter: Reporter, runtime: Runtime
     started = time.perf_counter()
     not_run = 0
     for dtype_name in dtypes:
-        for mode in chosen["modes"]:
+        for mode in (mode for mode in chosen["modes"] if mode in TEACHER_MODES):
             for variant in chosen["variants"]:
                 for reduction in chosen["reductions"]:
                     for backend in chosen["backends"]:

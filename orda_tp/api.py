@@ -154,13 +154,16 @@ def _run(
     valid = local.labels != options.ignore_index
     denominator = _denominator(num_valid_tokens, options.reduction, valid, device)
     inputs = (local.student_hidden, local.weight, *local.teacher.head_inputs())
+    teacher_blocks = local.teacher.block_source(layout.vocab_start, layout.vocab_size)
     block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))
     with torch.autocast(device.type, enabled=False):
         if block_math is None:
-            outputs = reference_loss(plan, local.labels, denominator, *inputs, vocab_size=layout.vocab_size)
+            vocab = layout.vocab_size
+            outputs = reference_loss(plan, local.labels, denominator, *inputs, teacher_blocks, vocab_size=vocab)
         else:
             walk = RowWalk(plan, local.labels, valid, exchange, layout, block_math)
-            outputs = chunked_loss(ChunkedProblem(walk, denominator, GemmPolicy(options.gradient_scale)), *inputs)
+            problem = ChunkedProblem(walk, denominator, GemmPolicy(options.gradient_scale), teacher_blocks)
+            outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)
 
 

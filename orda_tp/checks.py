@@ -195,15 +195,18 @@ def check_values(
     read_cache: bool,
     finite_inputs: bool,
 ) -> None:
-    """One device: raise on a cache modified in place, on a non-finite cache where it is read
-    (``read_cache``: host checks run and the teacher's logits are read; ``columns``: the real
-    columns, padding past ``vocab_size`` is not read), or with ``finite_inputs``
+    """One device: raise on a cache modified in place, on a non-finite or otherwise invalid cache
+    where it is read (``read_cache``: host checks run and the teacher's logits are read;
+    ``columns``: the real columns, padding past ``vocab_size`` is not read;
+    ``TeacherSource.check_cache_values``), or with ``finite_inputs``
     (``KernelConfig.check_finite_inputs``) on a non-finite hidden state or weight of the student
     or of a trainable teacher."""
-    if not teacher.trainable:  # a cache: unchanged since it was built, and finite where it is read
+    if not teacher.trainable:  # a cache: unchanged since it was built, and valid where it is read
         teacher.check_unmodified()
         for check in teacher.checked_values(columns) if read_cache else []:
             check_finite(check.name, check.tensor, allow_neg_inf=check.allow_neg_inf)
+        if read_cache:
+            teacher.check_cache_values(columns)
     if finite_inputs:
         for name, tensor in [("student_hidden", student_hidden), ("weight", weight), *teacher.trained_tensors()]:
             check_finite(name, tensor)

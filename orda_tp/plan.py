@@ -50,6 +50,25 @@ def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weig
         )
 
 
+def _check_sparse_support(options: LossOptions, teacher_ce_weight: float) -> None:
+    """A teacher without mass on most columns (a renormalized top-k cache) makes the variants that
+    are +inf there, and the teacher CE, +inf on every row: refused."""
+    divergence = options.divergence
+    if options.kl_weight > 0 and divergence.infinite_without_support(options.params):
+        raise ValueError(
+            f"kl_divergence={divergence.name!r} is +inf on every row whose teacher has no mass on a column, and "
+            "a PrecomputedTeacher(tail='renormalize') has none outside its top-k ids; use tail='uniform' "
+            "(the missing mass spread over the other columns) or a variant that stays finite there, such as "
+            "'forward', 'skew_reverse' or 'dkd' (docs/variants.md §6)"
+        )
+    if teacher_ce_weight > 0:
+        raise ValueError(
+            f"teacher_ce_weight={teacher_ce_weight} asks for the teacher CE −log q_y, which is +inf on every row "
+            "whose label is not among the top-k ids of a PrecomputedTeacher(tail='renormalize'); pass "
+            "teacher_ce_weight=0.0 or use tail='uniform'"
+        )
+
+
 @dataclass(frozen=True)
 class StepKey:
     """What a call's row programs (:mod:`orda_tp.engine.row_formulas`) depend on: its structure,
@@ -97,7 +116,7 @@ class LossPlan:
     params: DivergenceParams
     reduction: str
     ignore_index: int
-    teacher_kind: str  # "tied", "separate", "precomputed_logits" or "precomputed_hidden"
+    teacher_kind: str  # "tied", "separate", "precomputed_logits", "precomputed_hidden" or "precomputed_topk"
     teacher_role: str
     config: KernelConfig
     teacher_trainable: bool  # whether a loss term may send the teacher a gradient (not a cache)
@@ -176,6 +195,8 @@ class LossPlan:
         teacher_ce_weight = (
             teacher.default_ce_weight if options.teacher_ce_weight is None else options.teacher_ce_weight
         )
+        if teacher.sparse_support:
+            _check_sparse_support(options, teacher_ce_weight)
         tempered = teacher.cache_temperature
         if tempered is None:
             given = options.kl_teacher_temperature

@@ -30,6 +30,7 @@ VARIANT_KWARGS: dict[str, dict[str, object]] = {
 }
 COTRAINED = ("mutual", "cojeffreys")
 TEACHER_MODES = ("tied", "separate", "precomputed")
+TOPK = 64  # the ids of a "topk" teacher's cache (Problem.teacher)
 # Small chunks so that every call has several row chunks and uneven column blocks (203 = 3·64 + 11).
 SMALL_CHUNKS = KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=7), vocab_block=64)
 
@@ -48,12 +49,19 @@ class Problem:
     teacher_hidden: Tensor
     teacher_weight: Tensor
     teacher_logits: Tensor
+    real_columns: int | None = None  # the teacher's real vocabulary where the head is padded
 
     def teacher(self, mode: str) -> TiedTeacher | SeparateTeacher | PrecomputedTeacher:
+        """The teacher of ``mode``: one of TEACHER_MODES, or "topk", the top-``TOPK`` cache of
+        ``teacher_logits`` over its real columns (tail "uniform")."""
         if mode == "tied":
             return TiedTeacher(self.teacher_hidden)
         if mode == "separate":
             return SeparateTeacher(self.teacher_hidden, self.teacher_weight)
+        if mode == "topk":
+            real = self.teacher_logits[:, : self.real_columns].double()
+            top = torch.log_softmax(real, dim=-1).topk(min(TOPK, real.shape[1]), dim=-1)
+            return PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values.to(self.teacher_logits.dtype))
         return PrecomputedTeacher(logits=self.teacher_logits)
 
     def trainable(self, mode: str) -> list[Tensor]:
@@ -78,6 +86,7 @@ class Problem:
             convert(self.teacher_hidden),
             convert(self.teacher_weight),
             self.teacher_logits.detach().to(dtype),
+            self.real_columns,
         )
 
 

@@ -134,6 +134,11 @@ class Divergence:
         """``∂D/∂v`` on a column (co-training variants only)."""
         raise NotImplementedError(f"{self.name} does not train the teacher through the KL")
 
+    def infinite_without_support(self, params: DivergenceParams) -> bool:
+        """Whether ``D`` is ``+inf`` as soon as the teacher has no mass on a column where the
+        student has some (``p·log(p/0)``; docs/variants.md §5's last column)."""
+        return False
+
 
 @dataclass(frozen=True)
 class VariantFormulas:

@@ -56,6 +56,9 @@ class Reverse(Divergence):
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
         return reverse_kl_grad(row("reverse"))
 
+    def infinite_without_support(self, params: DivergenceParams) -> bool:
+        return True
+
 
 class Jeffreys(Divergence):
     """``D = KL(q‖p) + KL(p‖q)``; the gradient is the sum of the two."""
@@ -71,6 +74,9 @@ class Jeffreys(Divergence):
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
         return P - Q + reverse_kl_grad(row("reverse"))
+
+    def infinite_without_support(self, params: DivergenceParams) -> bool:
+        return True
 
 
 class Mutual(Jeffreys):
@@ -138,3 +144,7 @@ class EntropyAdaptive(Divergence):
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
         gamma = row("gamma")
         return weighted_expr(gamma, P - Q) + weighted_expr(1.0 - gamma, reverse_kl_grad(row("reverse")))
+
+    def infinite_without_support(self, params: DivergenceParams) -> bool:
+        gate = params.gate  # γ = 1 on every row only when a_min = a_max = 1: then no reverse term
+        return gate is None or not gate.alpha_min == gate.alpha_max == 1.0

@@ -123,6 +123,9 @@ def ab_gradient_terms(log_p: Expr, log_q: Expr, p: Expr, alpha: float, beta: flo
     far = exp((alpha + beta) * log_p) - exp(alpha * log_p + beta * log_q)
     return where(equal(p, 0.0), 0.0, where(less(absolute(exponent), 1.0), near, far))
 
+    def infinite_without_support(self, params: DivergenceParams) -> bool:
+        return params.alpha is not None and params.alpha > 1.0
+
 
 class ABDivergence(Divergence):
     """``D = −1/(αβ)·Σ [p^α q^β − α/(α+β) p^{α+β} − β/(α+β) q^{α+β}]``,

@@ -26,7 +26,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..terms import COMPONENTS, STUDENT_TERMS
 from .fused_grads import GemmPolicy, GradientBuffers, GradNeeds, allocate_buffers, run_gradient_gemms
-from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
+from .logits import HeadTensors, LogitGrads, SideLogits, logits_source, statistics_dtype
 from .row_walk import GradTarget, RecordExchange, RowWalk, row_layout, row_ranges, walk_rows
 from .stats import RowStats
 
@@ -37,11 +37,13 @@ __all__ = ["ChunkedProblem", "chunked_loss"]
 class ChunkedProblem:
     """Everything of a call besides the differentiable tensors: the row walk's inputs (``walk``:
     plan, labels, valid rows, exchange, layout, block math), ``denominator`` (N for "mean", a
-    number or a 0-d tensor; ignored otherwise) and how the gradient GEMMs run (``gemms``)."""
+    number or a 0-d tensor; ignored otherwise), how the gradient GEMMs run (``gemms``) and the
+    teacher's own blocks when it forms its logits itself (``teacher_blocks``: a top-k cache)."""
 
     walk: RowWalk
     denominator: float | Tensor
     gemms: GemmPolicy = GemmPolicy()
+    teacher_blocks: SideLogits | None = None
 
 
 class GatheredHidden(NamedTuple):
@@ -77,7 +79,7 @@ def _walk_groups(
     statistics in row order."""
     walk, gemms = problem.walk, problem.gemms
     plan, exchange, columns = walk.plan, walk.exchange, walk.layout.real_local_columns
-    source = logits_source(head, plan.needs_teacher_logits)
+    source = logits_source(head, plan.needs_teacher_logits, problem.teacher_blocks)
     staging_dtype, upstream_scale, staged_bytes = statistics, upstream, 0
     if buffers is not None:
         assert upstream is not None

@@ -192,12 +192,15 @@ class HeadTensors(NamedTuple):
     teacher_logits: Tensor | None
 
 
-def logits_source(head: HeadTensors, with_teacher: bool) -> LogitsSource:
-    """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: through the same GEMM
-    as the student's (tied), from the cache, or ``h_t·W_tᵀ``."""
+def logits_source(head: HeadTensors, with_teacher: bool, teacher_blocks: SideLogits | None = None) -> LogitsSource:
+    """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: the blocks it forms
+    itself (``teacher_blocks``, a top-k cache), through the same GEMM as the student's (tied),
+    from the cache, or ``h_t·W_tᵀ``."""
     student = HeadLogits(head.student_hidden, head.weight)
     if not with_teacher:
         return PairedLogits(student, None)
+    if teacher_blocks is not None:
+        return PairedLogits(student, teacher_blocks)
     if head.teacher_logits is not None:
         return PairedLogits(student, StoredLogits(head.teacher_logits))
     assert head.teacher_hidden is not None

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..divergences import DivergenceParams
 from ..plan import LossPlan
 from ..terms import COMPONENTS, STUDENT_TERMS
-from .logits import statistics_dtype
+from .logits import SideLogits, statistics_dtype
 
 __all__ = ["reference_loss", "reference_divergence"]
 
@@ -123,13 +123,17 @@ def _entropy_adaptive(forward: Tensor, reverse: Tensor, q: Tensor, logq: Tensor,
 
 
 def _teacher_logits(
-    plan: LossPlan,
+    rows: int,
     dtype: torch.dtype,
     weight: Tensor,
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
+    teacher_blocks: SideLogits | None,
 ) -> Tensor:
+    """The teacher's full logits over the head's (real) columns."""
+    if teacher_blocks is not None:
+        return teacher_blocks.block(0, rows, 0, weight.shape[0], dtype, False)
     if teacher_logits is not None:
         return teacher_logits.to(dtype)
     assert teacher_hidden is not None
@@ -151,6 +155,7 @@ def reference_loss(
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
+    teacher_blocks: SideLogits | None = None,
     *,
     vocab_size: int | None = None,
 ) -> tuple[Tensor, ...]:
@@ -172,7 +177,9 @@ def reference_loss(
     for term in plan.student_terms:
         terms[term.name] = term.oracle(student, safe_labels, plan.term_scalars)
     if plan.needs_teacher_logits:
-        teacher = _teacher_logits(plan, dtype, weight, teacher_hidden, teacher_weight, teacher_logits)
+        teacher = _teacher_logits(
+            labels.shape[0], dtype, weight, teacher_hidden, teacher_weight, teacher_logits, teacher_blocks
+        )
         if not plan.teacher_receives_grad:
             teacher = teacher.detach()
         absent = (teacher == float("-inf")).all(-1)

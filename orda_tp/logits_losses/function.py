@@ -5,8 +5,8 @@ per row). Backward walks them again and writes ``∂loss/∂s`` straight into th
 student's logits, chunk by chunk, scaled by the upstream gradient: the logit gradient *is* the
 input gradient here, so there is no GEMM, no staging buffer and no collective in backward (the
 statistics were merged across shards in forward; each rank's gradient is its columns' slice).
-Ignored rows get exactly 0, rows whose label no column owns NaN. The teacher's logits never
-receive a gradient.
+Ignored rows get exactly 0, rows whose label no column owns NaN. The teacher's logits (stored,
+or formed block by block from a top-k cache) never receive a gradient.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..engine.logits import LogitGrads, PairedLogits, StoredLogits, statistics_dtype
+from ..engine.logits import LogitGrads, PairedLogits, SideLogits, StoredLogits
 from ..engine.row_walk import GradTarget, walk_rows
 from ..engine.stats import RowStats
 from .problem import LogitsProblem, row_statistics
@@ -32,43 +32,48 @@ class _LogitsContext(FunctionCtx):
     problem: LogitsProblem
     denominator: float | Tensor
     walked: list[RowStats]
-    saved_tensors: tuple[Tensor, Tensor]
+    teacher: SideLogits
+    dtype: torch.dtype
+    saved_tensors: tuple[Tensor]
 
 
 class _LogitsDistillation(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: _LogitsContext, problem: LogitsProblem, denominator: float | Tensor, student: Tensor, teacher: Tensor
+        ctx: _LogitsContext,
+        problem: LogitsProblem,
+        denominator: float | Tensor,
+        student: Tensor,
+        teacher: SideLogits,
+        dtype: torch.dtype,
     ) -> Tensor:
-        dtype = statistics_dtype(student, teacher)
-        walked = row_statistics(problem, PairedLogits(StoredLogits(student), StoredLogits(teacher)), dtype)
+        walked = row_statistics(problem, PairedLogits(StoredLogits(student), teacher), dtype)
         per_row = torch.cat([stats.kl for stats in walked]) if walked else student.new_zeros(0, dtype=dtype)
         loss = torch.where(problem.walk.valid, per_row, 0.0).sum() / denominator
         if ctx.needs_input_grad[2]:
-            ctx.problem = problem
-            ctx.denominator = denominator
-            ctx.walked = walked
-            ctx.save_for_backward(student, teacher)
+            ctx.problem, ctx.denominator, ctx.walked = problem, denominator, walked
+            ctx.teacher, ctx.dtype = teacher, dtype
+            ctx.save_for_backward(student)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx: _LogitsContext, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        student, teacher = ctx.saved_tensors
-        problem = ctx.problem
-        dtype = statistics_dtype(student, teacher)
+        (student,) = ctx.saved_tensors
+        problem, dtype = ctx.problem, ctx.dtype
         scale = (grad_loss / ctx.denominator).to(dtype)
         grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
-        source = PairedLogits(StoredLogits(student), StoredLogits(teacher))
+        source = PairedLogits(StoredLogits(student), ctx.teacher)
         target = GradTarget(LogitGrads(grad, None), 0, scale)  # the walk writes the student's gradient in place
         with torch.autocast(student.device.type, enabled=False):
             walk_rows(problem.walk, source, problem.chunks(), dtype, ctx.walked, target)
-        return None, None, grad, None
+        return None, None, grad, None, None
 
 
 def logits_distillation(
-    problem: LogitsProblem, denominator: float | Tensor, student: Tensor, teacher: Tensor
+    problem: LogitsProblem, denominator: float | Tensor, student: Tensor, teacher: SideLogits, dtype: torch.dtype
 ) -> Tensor:
-    """``Σ_valid rows T²·D(p_i, q_i) / denominator`` (0-d, the statistics dtype) of (rows, local
-    columns) logits; differentiable with respect to ``student`` only."""
-    return _LogitsDistillation.apply(problem, denominator, student, teacher)
+    """``Σ_valid rows T²·D(p_i, q_i) / denominator`` (0-d, the statistics ``dtype``) of (rows, local
+    columns) student logits and the teacher's blocks (``StoredLogits`` of its logits, or a top-k
+    cache's); differentiable with respect to ``student`` only."""
+    return _LogitsDistillation.apply(problem, denominator, student, teacher, dtype)

@@ -25,9 +25,10 @@ from ..checks import (
 )
 from ..config import KernelConfig
 from ..divergences import EntropyGate
-from ..engine.logits import statistics_dtype
+from ..engine.logits import SideLogits, StoredLogits, statistics_dtype
 from ..options import LogitsOptions
 from ..plan import LossPlan
+from ..teachers import PrecomputedTeacher
 from .function import logits_distillation
 from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_group
 from .problem import build_problem
@@ -80,15 +81,19 @@ def _check_logits(student: object, teacher: object, labels: object) -> tuple[Ten
 def _kd_loss(
     options: LogitsOptions,
     student_logits: Tensor,
-    teacher_logits: Tensor,
+    teacher_logits: Tensor | PrecomputedTeacher,
     labels: Tensor,
     num_batch_labels: float | Tensor | None,
 ) -> Tensor:
     group, axis = logits_group(student_logits, options.tp_group)
+    cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
     shard, given_denominator, failure = None, None, None
     try:
-        local = local_logits(student_logits, teacher_logits, labels, axis)
+        # A top-k cache holds every row and no columns: the student's own shape stands in for it.
+        local = local_logits(student_logits, student_logits if cache is not None else teacher_logits, labels, axis)
         local_student, local_teacher, local_labels = _check_logits(local.student, local.teacher, local.labels)
+        if cache is not None:
+            _check_topk_cache(cache, local_labels.numel(), options)
         given_denominator = _check_batch_labels(num_batch_labels, local_student.device)
         shard = ShardShape(local_student, local_student.shape[-1], local_labels.reshape(-1), local.vocab_range)
     except (ValueError, TypeError) as error:
@@ -100,20 +105,49 @@ def _kd_loss(
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
     flat_labels = shard.labels
     valid = flat_labels != options.ignore_index
+    host_checks = runs_host_checks(options.config.host_checks, flat_labels.device)
     if options.divergence.needs_target:
-        if runs_host_checks(options.config.host_checks, flat_labels.device):
+        if host_checks:
             check_label_range(flat_labels, layout.vocab_size, options.ignore_index)
         stats_labels = flat_labels
     else:
         # The label only marks the row as valid: any column that one rank owns reads the same.
         stats_labels = torch.where(valid, 0, flat_labels)
     student = local_student.reshape(-1, shard.columns)
-    teacher = local_teacher.detach().reshape(-1, shard.columns)
-    dtype = statistics_dtype(student, teacher)
+    teacher: SideLogits
+    if cache is None:
+        teacher = StoredLogits(local_teacher.detach().reshape(-1, shard.columns))
+        dtype = statistics_dtype(student, local_teacher)
+    else:
+        if host_checks:  # the same cache on every rank, like the labels
+            cache.check_cache_values(layout.vocab_size)
+        blocks = cache.block_source(layout.vocab_start, layout.vocab_size)
+        assert blocks is not None
+        teacher, dtype = blocks, statistics_dtype(student, cache.topk_logprobs)
     problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
     denominator = valid.sum().clamp_min(1) if given_denominator is None else given_denominator
     with torch.autocast(student.device.type, enabled=False):
-        return logits_distillation(problem, denominator, student, teacher)
+        return logits_distillation(problem, denominator, student, teacher, dtype)
+
+
+def _check_topk_cache(cache: PrecomputedTeacher, rows: int, options: LogitsOptions) -> None:
+    """A teacher given as a cache must be a top-k cache of one row per label, and its tail must
+    leave the variant finite."""
+    if cache.topk_ids is None:
+        raise TypeError(
+            "KDLoss takes teacher_logits as a tensor or as PrecomputedTeacher(topk_ids=..., topk_logprobs=...); "
+            f"got a PrecomputedTeacher of kind {cache.kind!r} (pass its logits as the tensor)"
+        )
+    if cache.topk_ids.shape[0] != rows:
+        raise ValueError(
+            f"PrecomputedTeacher.topk_ids must have one row per label ({rows}), got {tuple(cache.topk_ids.shape)}"
+        )
+    if cache.sparse_support and options.divergence.infinite_without_support(options.params):
+        raise ValueError(
+            f"kl_divergence={options.divergence.name!r} is +inf on every row whose teacher has no mass on a column, "
+            "and a PrecomputedTeacher(tail='renormalize') has none outside its top-k ids; use tail='uniform' or a "
+            "variant that stays finite there (docs/variants.md §6)"
+        )
 
 
 class KDLoss(nn.Module):
@@ -126,7 +160,10 @@ class KDLoss(nn.Module):
     reads the label column). Returns the 0-d loss ``Σ_valid T²·D(p, q) / N`` with ``p =
     softmax(s/T)``, ``q = softmax(t/T)``, ``N`` = the number of valid tokens, or
     ``num_batch_labels`` (the valid tokens of all gradient-accumulation micro-batches). Only the
-    student's logits receive a gradient.
+    student's logits receive a gradient. ``teacher_logits`` may also be a top-k cache,
+    ``PrecomputedTeacher(topk_ids=(N, k), topk_logprobs=(N, k), tail=...)`` with one row per label
+    (global ids; the whole cache on every rank under tensor parallelism): the loss is that on the
+    dense teacher it stands for (docs/guide.md §15).
 
     - ``temperature``: ``T`` (finite, > 0), applied to both sides; the loss carries ``T²``.
     - ``fp32_upcast``: accepted for compatibility; statistics are always fp32 (fp64 for fp64
@@ -196,7 +233,7 @@ class KDLoss(nn.Module):
     def forward(
         self,
         student_logits: Tensor,
-        teacher_logits: Tensor,
+        teacher_logits: Tensor | PrecomputedTeacher,
         labels: Tensor,
         num_batch_labels: float | Tensor | None = None,
     ) -> Tensor:

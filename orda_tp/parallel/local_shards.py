@@ -225,6 +225,9 @@ def local_error(
         teacher.check_unmodified()
     except ValueError:
         return LocalError(LocalErrorCode.CACHE_MODIFIED)
+    if plan.needs_teacher_logits and host_checks:
+        # Tensors the same on every rank (a top-k cache's, like the labels): every rank raises alike.
+        local.teacher.check_cache_values(layout.vocab_size)
     checks = (
         local.teacher.checked_values(layout.real_local_columns) if plan.needs_teacher_logits and host_checks else []
     )

@@ -1,4 +1,5 @@
-"""Cached teacher outputs: :class:`PrecomputedTeacher` (logits, or hidden states and a head)."""
+"""Cached teacher outputs: :class:`PrecomputedTeacher` (logits, hidden states and a head, or a
+top-k cache of log-probabilities, :mod:`.topk`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from torch import Tensor
 
 from ..parallel.dtensor import is_dtensor
-from .source import ExpectedShape, ShardReader, TeacherSource, ValueCheck, check_tensor, columns
+from .source import ExpectedShape, ShardReader, TeacherBlocks, TeacherSource, ValueCheck, check_tensor, columns
+from .topk import TAILS, TopKBlocks, check_topk_values, tail_values
 
 __all__ = ["CACHE_DTYPES", "PrecomputedTeacher"]
 
@@ -20,7 +22,11 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @dataclass(frozen=True)
 class PrecomputedTeacher(TeacherSource):
     """Cached teacher outputs: ``logits`` (BT, V), or ``teacher_hidden`` (BT, D_t) with
-    ``teacher_weight`` (V, D_t) whose product is formed chunk by chunk.
+    ``teacher_weight`` (V, D_t) whose product is formed chunk by chunk, or a top-k cache:
+    ``topk_ids`` (BT, k) int64 global vocabulary ids and ``topk_logprobs`` (BT, k) their
+    log-probabilities, the rest of each row's mass spread evenly over the other real columns
+    (``tail="uniform"``) or none (``tail="renormalize"``: the teacher is the softmax of the
+    cached values over their ids); :mod:`orda_tp.teachers.topk`.
 
     No gradient reaches the cache, so none of its tensors may require grad. ``logits_temperature=T``
     declares logits that were already divided by T (e.g. by ``project_teacher_logits``): the KL then
@@ -37,6 +43,9 @@ class PrecomputedTeacher(TeacherSource):
     teacher_weight: torch.Tensor | None = None
     trust_cache_immutability: bool = False
     logits_temperature: float | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    tail: str = "uniform"
     _versions: tuple[int | None, ...] = field(init=False, repr=False, compare=False)
     # Set by prepare_logits when it shifted the rows of plain (not DTensor) logits by their
     # maximum: right for whole rows, wrong for one vocabulary shard of them.
@@ -49,15 +58,20 @@ class PrecomputedTeacher(TeacherSource):
             )
         has_logits = self.logits is not None
         has_hidden = self.teacher_hidden is not None or self.teacher_weight is not None
-        if has_logits == has_hidden:
+        has_topk = self.topk_ids is not None or self.topk_logprobs is not None
+        given = has_logits + has_hidden + has_topk
+        if given != 1:
             raise ValueError(
-                "PrecomputedTeacher needs exactly one of logits=... or teacher_hidden=... with "
-                "teacher_weight=..., got " + ("both" if has_logits else "neither")
+                "PrecomputedTeacher needs exactly one of logits=..., teacher_hidden=... with teacher_weight=..., "
+                f"or topk_ids=... with topk_logprobs=..., got {'more than one' if given else 'none'}"
             )
         if has_hidden and (self.teacher_hidden is None or self.teacher_weight is None):
             raise ValueError("PrecomputedTeacher needs teacher_hidden and teacher_weight together, got only one")
+        if has_topk:
+            self._check_topk()
         for name, tensor in self.named_tensors():
-            check_tensor(tensor, f"PrecomputedTeacher.{name}")
+            if name != "topk_ids":
+                check_tensor(tensor, f"PrecomputedTeacher.{name}")
             if tensor.requires_grad:
                 raise ValueError(
                     f"PrecomputedTeacher.{name} must not require grad (no gradient reaches a cached "
@@ -75,8 +89,29 @@ class PrecomputedTeacher(TeacherSource):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"PrecomputedTeacher.logits_temperature must be a finite float > 0, got {value!r}")
         object.__setattr__(self, "_versions", tuple(self._version_of(name, t) for name, t in self.named_tensors()))
-        object.__setattr__(self, "kind", "precomputed_logits" if has_logits else "precomputed_hidden")
+        kind = "precomputed_logits" if has_logits else "precomputed_hidden" if has_hidden else "precomputed_topk"
+        object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "cache_temperature", self.logits_temperature)
+        object.__setattr__(self, "sparse_support", has_topk and self.tail == "renormalize")
+
+    def _check_topk(self) -> None:
+        """Types and shapes of a top-k cache (its values are checked where the loss reads them)."""
+        ids, logprobs = self.topk_ids, self.topk_logprobs
+        if ids is None or logprobs is None:
+            raise ValueError("PrecomputedTeacher needs topk_ids and topk_logprobs together, got only one")
+        if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[1] < 1:
+            raise TypeError(
+                "PrecomputedTeacher.topk_ids must be a 2-D int64 tensor (rows × k, k ≥ 1), got "
+                + (f"dtype {ids.dtype} and shape {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__)
+            )
+        check_tensor(logprobs, "PrecomputedTeacher.topk_logprobs")
+        if logprobs.shape != ids.shape or logprobs.device != ids.device:
+            raise ValueError(
+                "PrecomputedTeacher.topk_logprobs must have topk_ids' shape and device, got "
+                f"{tuple(logprobs.shape)} on {logprobs.device} and {tuple(ids.shape)} on {ids.device}"
+            )
+        if self.tail not in TAILS:
+            raise ValueError(f"PrecomputedTeacher.tail must be one of {TAILS}, got {self.tail!r}")
 
     def _version_of(self, name: str, tensor: torch.Tensor) -> int | None:
         """The tensor's version counter, or None for a tensor without one, which only a cache
@@ -94,7 +129,7 @@ class PrecomputedTeacher(TeacherSource):
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The cached tensors with their field names."""
-        names = ("logits", "teacher_hidden", "teacher_weight")
+        names = ("logits", "teacher_hidden", "teacher_weight", "topk_ids", "topk_logprobs")
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
 
     trainable: ClassVar[bool] = False
@@ -105,7 +140,25 @@ class PrecomputedTeacher(TeacherSource):
         hidden, weight, logits = self.teacher_hidden, self.teacher_weight, self.logits
         return _savable(hidden), _savable(weight), _savable(logits)
 
+    def block_source(self, vocab_start: int, vocab_size: int) -> TeacherBlocks | None:
+        if self.topk_ids is None or self.topk_logprobs is None:
+            return None
+        logprobs = _savable(self.topk_logprobs)
+        assert logprobs is not None
+        tail = tail_values(logprobs, self.tail, vocab_size)
+        return TopKBlocks(self.topk_ids, logprobs, tail, vocab_start)
+
+    def check_cache_values(self, vocab_size: int) -> None:
+        if self.topk_ids is not None and self.topk_logprobs is not None:
+            check_topk_values(self.topk_ids, self.topk_logprobs, vocab_size)
+
     def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
+        if self.topk_ids is not None and self.topk_logprobs is not None:
+            k = self.topk_ids.shape[1]
+            return [
+                ExpectedShape(f"teacher.{name}", tensor, (label_rows, k), "one row per label")
+                for name, tensor in (("topk_ids", self.topk_ids), ("topk_logprobs", self.topk_logprobs))
+            ]
         if self.logits is not None:
             expected = (label_rows, columns(self.logits, 1, vocab))
             return [
@@ -126,6 +179,8 @@ class PrecomputedTeacher(TeacherSource):
         ]
 
     def localized(self, reader: ShardReader) -> PrecomputedTeacher:
+        if self.topk_ids is not None:
+            return self  # ids are global: every rank holds the whole cache and forms its own columns
         if self.logits is not None:
             return replace(self, logits=reader.logits(self.logits, "teacher.logits"))
         assert self.teacher_hidden is not None and self.teacher_weight is not None
@@ -136,6 +191,8 @@ class PrecomputedTeacher(TeacherSource):
         )
 
     def vocab_columns(self) -> int | None:
+        if self.topk_ids is not None:
+            return None
         tensor = self.logits if self.logits is not None else self.teacher_weight
         assert tensor is not None
         return tensor.shape[1 if self.logits is not None else 0]
@@ -143,6 +200,8 @@ class PrecomputedTeacher(TeacherSource):
     def checked_values(self, real_columns: int) -> list[ValueCheck]:
         if self.logits is not None:
             return [ValueCheck("teacher.logits", self.logits[:, :real_columns], True)]
+        if self.topk_ids is not None:
+            return []  # check_cache_values
         return [ValueCheck(f"teacher.{name}", tensor, False) for name, tensor in self.named_tensors()]
 
     def trained_tensors(self) -> list[tuple[str, Tensor]]:
@@ -202,9 +261,10 @@ class PrecomputedTeacher(TeacherSource):
             raise ValueError(f"PrecomputedTeacher.prepare_logits dtype must be one of {CACHE_DTYPES}, got {dtype}")
         self.check_unmodified()
         if self.logits is None:
+            held = "topk_ids and topk_logprobs" if self.topk_ids is not None else "teacher_hidden and teacher_weight"
             raise ValueError(
-                "PrecomputedTeacher.prepare_logits needs a logits cache; this one holds teacher_hidden and "
-                "teacher_weight (pass PrecomputedTeacher(logits=...))"
+                f"PrecomputedTeacher.prepare_logits needs a logits cache; this one holds {held} "
+                "(pass PrecomputedTeacher(logits=...))"
             )
         logits = self.logits
         if logits.dtype == dtype and logits.is_contiguous():

@@ -16,6 +16,7 @@ __all__ = [
     "SeparateTeacher",
     "ShardReader",
     "TeacherHead",
+    "TeacherBlocks",
     "TeacherSource",
     "TiedTeacher",
     "ValueCheck",
@@ -60,6 +61,15 @@ class ExpectedShape(NamedTuple):
     meaning: str
 
 
+class TeacherBlocks(Protocol):
+    """A teacher's logits that are neither a head product nor stored logits (a top-k cache): a
+    source of its blocks, as the row walk reads them (``orda_tp.engine.logits.SideLogits``)."""
+
+    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
+        """Rows ``[begin, end)`` on local columns ``[start, stop)``, in ``dtype``."""
+        ...
+
+
 class ValueCheck(NamedTuple):
     """A teacher tensor whose values a check reads: finite everywhere, or finite or −inf
     (``allow_neg_inf``, a logits cache where −inf marks an impossible token)."""
@@ -85,13 +95,23 @@ class TeacherSource:
     default_ce_weight: ClassVar[float] = 0.0
     #: The temperature a cache of logits was already divided by, or None.
     cache_temperature: float | None = None
+    #: Whether the teacher has no mass on most columns (a renormalized top-k cache): the plan
+    #: refuses the variants that are then +inf on every row.
+    sparse_support: bool = False
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
         raise NotImplementedError
 
     def head_inputs(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """``(hidden, head weight, logits)``: the head is None when it is the student's own."""
+        """``(hidden, head weight, logits)``: the head is None when it is the student's own; all
+        three None when the teacher forms its logits itself (:meth:`block_source`)."""
         raise NotImplementedError
+
+    def block_source(self, vocab_start: int, vocab_size: int) -> TeacherBlocks | None:
+        """The teacher's blocks when it forms its logits itself (else None: :meth:`head_inputs`),
+        over this device's local columns, whose first is global column ``vocab_start`` of a
+        real vocabulary of ``vocab_size`` columns."""
+        return None
 
     def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         """The shapes its tensors must have, in the order they are checked, given the student's
@@ -114,6 +134,11 @@ class TeacherSource:
     def checked_values(self, real_columns: int) -> list[ValueCheck]:
         """The cached values a host check reads (``real_columns``: its local real columns)."""
         return []
+
+    def check_cache_values(self, vocab_size: int) -> None:
+        """Raise on a cache whose values cannot stand for a teacher of ``vocab_size`` real columns
+        (a host check: it reads the values). The tensors it reads are the same on every rank of
+        a tensor-parallel group (as the labels), so every rank raises alike."""
 
     def trained_tensors(self) -> list[tuple[str, Tensor]]:
         """The tensors ``KernelConfig.check_finite_inputs`` covers (a cache has its own checks)."""

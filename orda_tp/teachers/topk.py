@@ -1,0 +1,107 @@
+"""A top-k teacher cache as the dense teacher it stands for, formed one block at a time.
+
+A cache holds, per row, ``k`` vocabulary ids ``i_1 … i_k`` (global, distinct, in the real
+vocabulary) and their log-probabilities ``l_1 … l_k`` (≤ 0). The teacher's logits are
+``t_j = l_m`` on ``j = i_m`` and one value ``τ`` on every other real column (the *tail*):
+
+- ``tail="uniform"``: the missing mass ``1 − Σ_m e^{l_m}`` spread evenly over the other ``V − k``
+  columns, ``τ = log(1 − Σ_m e^{l_m}) − log(V − k)``; ``t`` is then a normalized log-distribution
+  (``LSE(t) = 0``), and every loss on it equals the loss on that dense teacher.
+- ``tail="renormalize"``: ``τ = −inf``; the teacher is ``softmax(t)`` over the cached ids alone.
+
+The cache itself is (rows, k): a chunk's block over local columns ``[start, stop)`` is formed
+when the walk reads it (``τ`` broadcast, the ids of the block scattered in) and lives as long as
+the chunk's other logits. Under tensor parallelism every rank holds the whole cache (ids are
+global, like the labels) and forms the columns of its shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["TAILS", "TopKBlocks", "check_topk_values", "tail_values"]
+
+TAILS = ("uniform", "renormalize")
+
+
+def mass_tolerance(dtype: torch.dtype, k: int) -> float:
+    """How far above 1 the cached mass ``Σ_m e^{l_m}`` may round: ``k`` units of the values' dtype."""
+    return k * torch.finfo(dtype).eps
+
+
+def tail_values(logprobs: Tensor, tail: str, vocab_size: int) -> Tensor:
+    """The rows' tail value ``τ`` (module docstring), in ``logprobs``' dtype. A mass above 1 within
+    :func:`mass_tolerance` (rounding) leaves no tail mass (``τ = −inf``); more is refused by
+    :func:`check_topk_values` where host checks run."""
+    k = logprobs.shape[1]
+    if tail == "renormalize" or vocab_size <= k:
+        return torch.full(logprobs.shape[:1], float("-inf"), dtype=logprobs.dtype, device=logprobs.device)
+    missing = (1.0 - torch.exp(logprobs).sum(dim=1)).clamp_min(0.0)
+    return torch.log(missing) - math.log(vocab_size - k)
+
+
+def check_topk_values(ids: Tensor, logprobs: Tensor, vocab_size: int) -> None:
+    """Raise unless every id lies in ``[0, vocab_size)`` and appears once in its row, every
+    log-probability is ≤ 0 (``−inf``: no mass) and no row's mass exceeds 1 (reads the values:
+    synchronizes with the device)."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        row, position = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"PrecomputedTeacher.topk_ids must lie in [0, {vocab_size}) (the real vocabulary); "
+            f"topk_ids[{row}, {position}] = {int(ids[row, position])}"
+        )
+    ordered = ids.sort(dim=1).values
+    repeated = ordered[:, 1:] == ordered[:, :-1]
+    if bool(repeated.any()):
+        row, position = (int(i) for i in repeated.nonzero()[0])
+        raise ValueError(
+            f"PrecomputedTeacher.topk_ids must be distinct in each row; row {row} holds id "
+            f"{int(ordered[row, position])} twice"
+        )
+    bad = torch.isnan(logprobs) | (logprobs > 0)
+    if bool(bad.any()):
+        row, position = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            "PrecomputedTeacher.topk_logprobs must be log-probabilities (≤ 0, or -inf for no mass); "
+            f"topk_logprobs[{row}, {position}] = {float(logprobs[row, position])}"
+        )
+    mass = torch.exp(logprobs.double()).sum(dim=1)
+    limit = 1.0 + mass_tolerance(logprobs.dtype, logprobs.shape[1])
+    over = mass > limit
+    if bool(over.any()):
+        row = int(over.nonzero()[0, 0])
+        raise ValueError(
+            "PrecomputedTeacher.topk_logprobs must hold at most the whole mass of each row "
+            f"(Σ exp ≤ 1, up to {limit - 1:.1e} of rounding); row {row} sums to {float(mass[row]):.9g}"
+        )
+
+
+@dataclass(frozen=True)
+class TopKBlocks:
+    """The dense teacher of a top-k cache over this device's columns: ``ids`` (rows, k) global,
+    ``logprobs`` (rows, k), ``tail`` (rows,) the value of the other columns; local column 0 is
+    global column ``vocab_start``."""
+
+    ids: Tensor
+    logprobs: Tensor
+    tail: Tensor
+    vocab_start: int
+
+    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
+        """Rows ``[begin, end)`` on local columns ``[start, stop)`` in ``dtype``: ``τ`` broadcast,
+        the cached log-probabilities at their ids. The ``m``-th id of a row outside the block lands
+        in spare column ``width + m`` past the block's end, which the returned view leaves out:
+        every write has its own place, so the scatter is deterministic."""
+        width, k = stop - start, self.ids.shape[1]
+        local = self.ids[begin:end] - (self.vocab_start + start)
+        spare = torch.arange(width, width + k, device=local.device)
+        index = torch.where((local >= 0) & (local < width), local, spare)
+        dense = torch.empty(end - begin, width + k, dtype=dtype, device=self.ids.device)
+        dense.copy_(self.tail[begin:end, None].to(dtype).expand(-1, width + k))
+        dense.scatter_(1, index, self.logprobs[begin:end].to(dtype))
+        return dense[:, :width]
