@@ -53,7 +53,8 @@ class Problem:
 
     def teacher(self, mode: str) -> TiedTeacher | SeparateTeacher | PrecomputedTeacher:
         """The teacher of ``mode``: one of TEACHER_MODES, or "topk", the top-``TOPK`` cache of
-        ``teacher_logits`` over its real columns (tail "uniform")."""
+        ``teacher_logits`` over its real columns (tail "uniform"; fp32 log-probabilities, the
+        same values for a problem and its fp64 upcast)."""
         if mode == "tied":
             return TiedTeacher(self.teacher_hidden)
         if mode == "separate":
@@ -61,7 +62,7 @@ class Problem:
         if mode == "topk":
             real = self.teacher_logits[:, : self.real_columns].double()
             top = torch.log_softmax(real, dim=-1).topk(min(TOPK, real.shape[1]), dim=-1)
-            return PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values.to(self.teacher_logits.dtype))
+            return PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values.float())
         return PrecomputedTeacher(logits=self.teacher_logits)
 
     def trainable(self, mode: str) -> list[Tensor]:
