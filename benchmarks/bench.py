@@ -20,7 +20,7 @@ teacher 3). The issue's targets are printed beside orda_tp's rows.
 
 Parts: the anchor shapes; ``--extras`` (on by default): the 15 KL variants against forward KL's time,
 the separate, the precomputed-logits and the top-64 cache teachers (both tails), and the loss terms
-(label smoothing, z-loss), at the first shape; ``--sweep`` (on by default): KD
+(label smoothing, z-loss, soft-caps, token weights), at the first shape; ``--sweep`` (on by default): KD
 against the vocabulary at BT = 8192, H = 4096, plotted to bench_vocab.png; ``--tp`` under torchrun:
 TP = 1 against TP = world per rank. ``--time-limit S``: no row starts after S seconds; the rows left
 are listed as not run. A row that fails or runs out of memory is recorded and the run goes on.
@@ -244,10 +244,15 @@ def orda_step(
     variant: str = "forward",
     teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher | None = None,
     tp: bool = False,
-    terms: dict[str, float] | None = None,
+    terms: dict[str, object] | None = None,
 ) -> Step:
     """orda_tp: student CE (+ the KL variant at T=1 unless task == "CE"); the tied teacher by default;
-    ``terms``: the student's loss terms' keywords (label smoothing, z-loss)."""
+    ``terms``: the loss terms' keywords (label smoothing, z-loss, soft-caps; ``token_weights="rand"``
+    for uniform random weights of the inputs' rows)."""
+    terms = dict(terms or {})
+    if terms.get("token_weights") == "rand":
+        generator = torch.Generator(device=inputs.labels.device).manual_seed(11)
+        terms["token_weights"] = torch.rand(inputs.labels.shape, generator=generator, device=inputs.labels.device)
     kwargs: dict[str, Any] = dict(
         student_ce_weight=1.0,
         teacher_ce_weight=0.0,
@@ -257,7 +262,7 @@ def orda_step(
         profile=profile,
         backend=backend,
         **VARIANT_KWARGS[variant],
-        **(terms or {}),
+        **terms,
     )
     if tp:
         kwargs["tp_group"] = dist.group.WORLD
@@ -684,11 +689,16 @@ def main_specs(scale: Scale, impls: list[Impl], device: torch.device, small: boo
 
 
 #: The student's loss terms timed beside KD (``--extras``), each against KD without them.
-LOSS_TERMS: dict[str, dict[str, float]] = {
+LOSS_TERMS: dict[str, dict[str, object]] = {
     "label smoothing": {"label_smoothing": 0.1},
     "z-loss": {"z_loss_weight": 1e-4},
-    "both": {"label_smoothing": 0.1, "z_loss_weight": 1e-4},
-}
+    "soft-caps": {"logit_softcap": 30.0, "teacher_logit_softcap": 30.0},
+    "token weights": {"token_weights": "rand"},  # a (BT,) tensor in [0, 1), made for the inputs
+    "all": {
+        "label_smoothing": 0.1, "z_loss_weight": 1e-4, "logit_softcap": 30.0, "teacher_logit_softcap": 30.0,
+        "token_weights": "rand",
+    },
+}  # fmt: skip
 
 
 def extras_specs(shape: BenchShape, device: torch.device) -> list[RowSpec]:

@@ -5,15 +5,17 @@ tests' (``tests/cases.py``: ``Problem``, the loss keywords of ``call_kwargs``, `
 
 Parts (each step is guarded: a failure is printed, counted as FAIL, and the script goes on):
 
-(a) correctness (the default; ``--check`` says the same): ``backend="triton"`` and ``backend="torch"``
-    against ``backend="reference"`` run in fp64 on the SAME rounded inputs upcast, for every variant ×
-    teacher mode (tied, separate, precomputed logits, a top-64 cache of them, "topk"; mutual/cojeffreys
-    must raise with a precomputed teacher) × input dtype (fp32, fp16, bf16) × reduction ("mean", "none"), with
-    T_s ≠ T_t where allowed, 1 row in 7 ignored, and "forward+terms", "skew_js+terms": those variants
-    with label smoothing 0.1 and a z-loss (weight 1e-3) added, a padded vocabulary (vocab_size < V), several row
-    chunks and V not a multiple of the column block. ‖a−b‖/‖b‖ of the loss, the components and every
-    gradient: fp32 1e-5 values / 1e-4 grads; fp16/bf16 1e-5 values / 1e-2 grads. On a GPU, an
-    informational probe of host synchronization follows.
+(a) correctness (the default; ``--check`` says the same): ``backend="triton"`` and
+    ``backend="torch"`` against ``backend="reference"`` run in fp64 on the SAME rounded inputs
+    upcast, for every variant × teacher mode (tied, separate, precomputed logits, a top-64 cache of
+    them, "topk"; mutual/cojeffreys must raise with a precomputed teacher) × input dtype (fp32,
+    fp16, bf16) × reduction ("mean", "none"), with T_s ≠ T_t where allowed, 1 row in 7 ignored, a
+    padded vocabulary (vocab_size < V), several row chunks and V not a multiple of the column
+    block; and "forward+terms", "skew_js+terms": those variants with label smoothing 0.1, a z-loss
+    (weight 1e-3), token weights in [-0.5, 1.5] and soft-caps (student 5, teacher head 4) added.
+    ‖a−b‖/‖b‖ of the loss, the components and every gradient: fp32 1e-5 values / 1e-4 grads;
+    fp16/bf16 1e-5 values / 1e-2 grads. On a GPU, an informational probe of host synchronization
+    follows.
 (b) ``--tp`` under torchrun (NCCL on GPUs, gloo on CPU): TP=2 (head rows sharded unevenly in
     torch.chunk order, ``tp_group=WORLD``) against TP=1 (the full head on each rank), every variant ×
     mode, fp32 and bf16: loss and components bitwise equal across ranks; equal to TP=1 within 1e-6
@@ -222,12 +224,17 @@ def make_check_problem(shape: CheckShape, seed: int, device: torch.device, mode:
     return problem, upstream
 
 
-def check_kwargs(variant: str, mode: str, reduction: str, shape: CheckShape) -> dict[str, object]:
+def check_kwargs(variant: str, mode: str, reduction: str, shape: CheckShape, device: torch.device) -> dict[str, object]:
     """The tests' loss keywords (``tests.cases.call_kwargs``: every term on, T_s ≠ T_t where the
     variant allows it) on this shape's padded vocabulary and chunks; a ``<variant>+terms`` case
-    adds label smoothing and a z-loss."""
+    adds label smoothing, a z-loss, token weights in [-0.5, 1.5] and soft-caps."""
     name, plus, _ = variant.partition("+")
-    extra = TERMS if plus else {}
+    extra: dict[str, object] = {}
+    if plus:
+        weights = torch.linspace(-0.5, 1.5, shape.rows, dtype=torch.float32, device=device)
+        extra = {**TERMS, "token_weights": weights, "logit_softcap": 5.0}
+        if mode in ("tied", "separate"):  # a cache is taken as capped
+            extra["teacher_logit_softcap"] = 4.0
     return {**call_kwargs(name, mode, reduction), **extra, "vocab_size": shape.vocab_size, "config": shape.config()}
 
 
@@ -381,7 +388,7 @@ def check_case(
 ) -> list[dict[str, Any]]:
     """One (dtype, mode, variant, reduction): the reference once, then each backend."""
     dtype = DTYPES[dtype_name]
-    kwargs = check_kwargs(variant, mode, reduction, shape)
+    kwargs = check_kwargs(variant, mode, reduction, shape, device)
     label = f"{dtype_name}/{mode}/{variant}/{reduction}"
     results: list[dict[str, Any]] = []
     ok, prepared = guarded(reporter, f"{label} inputs", lambda: _prepare(shape, label, mode, dtype, device))
@@ -608,7 +615,7 @@ def tp_case(
     device = runtime.device
     dtype = DTYPES[dtype_name]
     label = f"tp {dtype_name}/{mode}/{variant}/{reduction}/{backend}"
-    kwargs = check_kwargs(variant, mode, reduction, shape)
+    kwargs = check_kwargs(variant, mode, reduction, shape, device)
     columns = ranges[runtime.rank]
     problems: list[str] = []
     full = local = weights = None

@@ -18,7 +18,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .checks import check_inputs, check_label_range, check_values, runs_host_checks
+from .checks import (
+    check_inputs,
+    check_label_range,
+    check_token_weights,
+    check_values,
+    runs_host_checks,
+)
 from .config import KernelConfig
 from .divergences import EntropyGate
 from .engine.block_math import select_backend
@@ -113,6 +119,7 @@ def _run(
     labels: Tensor,
     teacher: object,
     num_valid_tokens: object,
+    token_weights: object = None,
 ) -> DistillationLossOutput:
     """The loss of one call: its tensors checked (types, shapes, devices, and the values where
     host checks run; on a tensor-parallel group a failure waits for the handshake, so that every
@@ -120,7 +127,7 @@ def _run(
     fp32/fp64 whatever autocast would pick for the GEMMs)."""
     if not isinstance(teacher, TeacherSource):
         with _readable_teacher(teacher, options.reduction) as source:
-            return _run(options, student_hidden, weight, labels, source, num_valid_tokens)
+            return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
     tensors = [student_hidden, weight, labels, *(tensor for _, tensor in teacher.named_tensors())]
     sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
     if sharded:
@@ -153,16 +160,19 @@ def _run(
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
     valid = local.labels != options.ignore_index
     denominator = _denominator(num_valid_tokens, options.reduction, valid, device)
+    # The same on every rank of a group, like the labels: every rank raises alike.
+    row_weights = None if token_weights is None else check_token_weights(token_weights, local.labels, host_checks)
     inputs = (local.student_hidden, local.weight, *local.teacher.head_inputs())
     teacher_blocks = local.teacher.block_source(layout.vocab_start, layout.vocab_size)
     block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))
     with torch.autocast(device.type, enabled=False):
         if block_math is None:
             vocab = layout.vocab_size
-            outputs = reference_loss(plan, local.labels, denominator, *inputs, teacher_blocks, vocab_size=vocab)
+            outputs = reference_loss(plan, local.labels, denominator, *inputs, teacher_blocks, vocab, row_weights)
         else:
             walk = RowWalk(plan, local.labels, valid, exchange, layout, block_math)
-            problem = ChunkedProblem(walk, denominator, GemmPolicy(options.gradient_scale), teacher_blocks)
+            gemms = GemmPolicy(options.gradient_scale)
+            problem = ChunkedProblem(walk, denominator, gemms, teacher_blocks, row_weights)
             outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)
 
@@ -187,6 +197,8 @@ def distillation_loss(
     entropy_gate: EntropyGate | None = None,
     label_smoothing: float = 0.0,
     z_loss_weight: float = 0.0,
+    logit_softcap: float | None = None,
+    teacher_logit_softcap: float | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     profile: str = "balanced",
@@ -195,6 +207,7 @@ def distillation_loss(
     gradient_materialization_scale: float | Tensor | None = None,
     grad_scaler: GradScalerLike | None = None,
     num_valid_tokens: float | Tensor | None = None,
+    token_weights: Tensor | None = None,
     tp_group: torch.distributed.ProcessGroup | None = None,
     vocab_range: tuple[int, int] | None = None,
     vocab_size: int | None = None,
@@ -205,10 +218,12 @@ def distillation_loss(
 
     ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)
     + z_loss_weight·LSE(s)²`` with ``s = student_hidden·weightᵀ`` (``CE(s)`` label-smoothed by
-    ``label_smoothing``), ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``. See
+    ``label_smoothing``), ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``; ``logit_softcap=c``
+    (``teacher_logit_softcap`` for a teacher read through a head) makes that side's logits
+    ``c·tanh(z/c)`` before every term, the gradient going through the cap (Gemma 2). See
     docs/reference.md for every argument and error, docs/variants.md for the 15 divergences. The
-    keywords (all but ``num_valid_tokens``) are those of :class:`orda_tp.options.LossOptions`,
-    which validates them.
+    keywords (all but ``num_valid_tokens`` and ``token_weights``) are those of
+    :class:`orda_tp.options.LossOptions`, which validates them.
 
     ``gradient_materialization_scale`` (or, when None, ``grad_scaler.get_scale()``) is the scale at
     which fp16 logit gradients are materialized for the tensor-core gradient GEMMs on CUDA; without
@@ -219,6 +234,10 @@ def distillation_loss(
     vocabulary shard; ``vocab_range=(start, stop)`` places it (default: the shards in rank order);
     ``vocab_size`` marks the columns at or past it as padding; ``sequence_parallel`` says the
     hidden states hold this rank's rows of the batch. Every rank returns the single-device result.
+
+    ``token_weights`` (BT,): per-row weights ``w_i`` that multiply each row's loss and components
+    (RL-style per-token weighting); the normalizer of "mean" stays the valid-row count or
+    ``num_valid_tokens``: ``loss = Σ_valid w_i·loss_i / N``.
     """
     options = LossOptions(
         student_ce_weight=student_ce_weight,
@@ -232,6 +251,8 @@ def distillation_loss(
         entropy_gate=entropy_gate,
         label_smoothing=label_smoothing,
         z_loss_weight=z_loss_weight,
+        logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap,
         ignore_index=ignore_index,
         reduction=reduction,
         profile=profile,
@@ -244,7 +265,7 @@ def distillation_loss(
         vocab_size=vocab_size,
         sequence_parallel=sequence_parallel,
     )
-    return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens)
+    return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
 
 
 class DistillationLoss(nn.Module):
@@ -266,12 +287,13 @@ class DistillationLoss(nn.Module):
         grad_scaler: GradScalerLike | None = None,
         *,
         num_valid_tokens: float | Tensor | None = None,
+        token_weights: Tensor | None = None,
     ) -> DistillationLossOutput:
         """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
         ``grad_scaler`` given here (orda-kernel's ``forward`` arguments) replace the constructor's
         for this call."""
         options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
-        return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens)
+        return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
 
     def extra_repr(self) -> str:
         o = self.options

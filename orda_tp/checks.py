@@ -212,6 +212,26 @@ def check_values(
             check_finite(name, tensor)
 
 
+def check_token_weights(token_weights: object, labels: Tensor, host_checks: bool) -> Tensor:
+    """``token_weights``, a (rows,) real floating-point tensor on the labels' device, one weight
+    per label, that does not require grad (no gradient reaches it); finite where ``host_checks``
+    run (which reads the values)."""
+    if not isinstance(token_weights, Tensor) or not token_weights.is_floating_point():
+        given = f"dtype {token_weights.dtype}" if isinstance(token_weights, Tensor) else type(token_weights).__name__
+        raise TypeError(f"token_weights must be a floating-point tensor or None, got {given}")
+    rows = labels.shape[0]
+    if token_weights.shape != (rows,):
+        shape = tuple(token_weights.shape)
+        raise ValueError(f"token_weights must have shape ({rows},), one weight per label, got {shape}")
+    if token_weights.device != labels.device:
+        raise ValueError(f"token_weights must be on the labels' device {labels.device}, got {token_weights.device}")
+    if token_weights.requires_grad:
+        raise ValueError("token_weights must not require grad (no gradient reaches them); pass token_weights.detach()")
+    if host_checks:
+        check_finite("token_weights", token_weights)
+    return token_weights
+
+
 def runs_host_checks(setting: bool | None, device: torch.device) -> bool:
     """Whether the checks that read tensor values on the host run for tensors on ``device``:
     ``setting`` (``KernelConfig.host_checks``) when given, else for CPU tensors only (on CUDA a

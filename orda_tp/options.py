@@ -182,6 +182,8 @@ class LossOptions:
     entropy_gate: EntropyGate | None = None
     label_smoothing: float = 0.0
     z_loss_weight: float = 0.0
+    logit_softcap: float | None = None
+    teacher_logit_softcap: float | None = None
     ignore_index: int = -100
     reduction: str = "mean"
     profile: str = "balanced"
@@ -264,8 +266,10 @@ _NUMBERS = {
     "kl_teacher_temperature": True,
     "label_smoothing": False,
     "z_loss_weight": False,
+    "logit_softcap": True,
+    "teacher_logit_softcap": True,
 }
-_OPTIONAL = ("teacher_ce_weight", "kl_teacher_temperature")
+_OPTIONAL = ("teacher_ce_weight", "kl_teacher_temperature", "logit_softcap", "teacher_logit_softcap")
 PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_parallel")
 
 

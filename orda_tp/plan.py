@@ -50,9 +50,18 @@ def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weig
         )
 
 
-def _check_sparse_support(options: LossOptions, teacher_ce_weight: float) -> None:
-    """A teacher without mass on most columns (a renormalized top-k cache) makes the variants that
-    are +inf there, and the teacher CE, +inf on every row: refused."""
+def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight: float) -> None:
+    """What a cache cannot give: a soft-cap of logits it holds (they are taken as capped); and,
+    for a teacher without mass on most columns (a renormalized top-k cache), the variants that are
+    +inf there and the teacher CE, +inf on every row."""
+    if options.teacher_logit_softcap is not None and not teacher.reads_head:
+        raise ValueError(
+            f"teacher_logit_softcap={options.teacher_logit_softcap!r} caps logits a teacher head forms, but "
+            f"this {teacher.kind} cache is taken as already capped; cap the cache when you build it and "
+            "leave teacher_logit_softcap=None"
+        )
+    if not teacher.sparse_support:
+        return
     divergence = options.divergence
     if options.kl_weight > 0 and divergence.infinite_without_support(options.params):
         raise ValueError(
@@ -120,6 +129,9 @@ class LossPlan:
     teacher_role: str
     config: KernelConfig
     teacher_trainable: bool  # whether a loss term may send the teacher a gradient (not a cache)
+    # Soft-caps c of each side's logits (c·tanh(z/c)), None for none; never a cache's (taken as capped).
+    student_softcap: float | None = None
+    teacher_softcap: float | None = None
     # Derived once from the fields above (read at every chunk, so not recomputed there).
     computes_kl: bool = field(init=False)
     needs_teacher_logits: bool = field(init=False)
@@ -195,8 +207,8 @@ class LossPlan:
         teacher_ce_weight = (
             teacher.default_ce_weight if options.teacher_ce_weight is None else options.teacher_ce_weight
         )
-        if teacher.sparse_support:
-            _check_sparse_support(options, teacher_ce_weight)
+        if not teacher.trainable:
+            _check_cache(options, teacher, teacher_ce_weight)
         tempered = teacher.cache_temperature
         if tempered is None:
             given = options.kl_teacher_temperature
@@ -238,6 +250,8 @@ class LossPlan:
             teacher_role=role,
             teacher_trainable=teacher.trainable,
             config=options.kernel_config,
+            student_softcap=options.logit_softcap,
+            teacher_softcap=options.teacher_logit_softcap,
         )
 
     @staticmethod

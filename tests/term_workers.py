@@ -45,17 +45,19 @@ def _cases(rank: int, world: int) -> Iterator[tuple[Case, torch.Tensor | None]]:
 
 
 def terms_worker(rank: int, world: int) -> list[str]:
-    """Label smoothing and z-loss (alone, together, with and without the KL) on vocabulary shards,
-    uneven and padded, every teacher mode and reduction, fp64 and fp32."""
+    """Label smoothing, z-loss, token weights and soft-caps (alone, together, with and without the
+    KL) on vocabulary shards, uneven and padded, every teacher mode and reduction, fp64 and fp32."""
     problems: list[str] = []
+    weights = torch.rand(24, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) * 2 - 0.5
     variations: list[dict[str, object]] = [
-        TERMS,
+        {**TERMS, "token_weights": weights},
         {"label_smoothing": TERMS["label_smoothing"], "kl_weight": 0.0},
-        {"z_loss_weight": TERMS["z_loss_weight"], "student_ce_weight": 0.0},
+        {"z_loss_weight": TERMS["z_loss_weight"], "student_ce_weight": 0.0, "token_weights": weights},
     ]
     for case, upstream in _cases(rank, world):
         base, label = dict(case.kwargs), case.label
-        for extra in variations if base.get("backend") != "triton" else variations[:1]:
+        caps = {"logit_softcap": 4.0, **({"teacher_logit_softcap": 3.0} if case.mode != "precomputed" else {})}
+        for extra in [*variations, caps] if base.get("backend") != "triton" else [{**variations[0], **caps}]:
             case.kwargs, case.label = {**base, **extra}, f"{label} + {extra}"
             problems += run_case(case, dist.group.WORLD, upstream)
     return problems

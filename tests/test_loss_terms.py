@@ -5,6 +5,9 @@
   and every reduction; its gradient is autograd's through that formula.
 - ``z_loss_weight=w``: ``loss`` gains ``w·LSE(s)²`` per valid row, reduced like the CE; the
   ``z_loss`` component (an attribute beside orda-kernel's four-tuple) is the rows' ``LSE(s)²``.
+- ``token_weights=w`` (BT,): every row's loss and components times ``w_i``, the normalizer unchanged.
+- ``logit_softcap=c``, ``teacher_logit_softcap=c_t``: each side's logits ``c·tanh(z/c)`` before
+  every term, gradients through the cap (a teacher cache of logits is taken as capped).
 - Each on the reference, torch and Triton (interpreted) backends, fp64 ≤ 1e-12 on the first two;
   on 2 and 3 gloo ranks equal to the single-device call (tests/term_workers.py); bad values raise.
 """
@@ -18,7 +21,7 @@ from torch import Tensor
 
 import orda_tp
 
-from .cases import SMALL_CHUNKS, Problem, make_problem, relative_error, stable_seed
+from .cases import SMALL_CHUNKS, Problem, make_problem, relative_error, separate_problem, stable_seed
 
 IGNORE = -100
 VOCAB = 203
@@ -158,6 +161,180 @@ def test_bad_term_values_raise_naming_the_argument(keywords: dict[str, object], 
         orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, teacher, **keywords)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=message):
         orda_tp.DistillationLoss(**keywords)
+
+
+def weights_for(rows: int, seed: int) -> Tensor:
+    """Per-row weights in [-0.5, 1.5): negative ones too (RL advantages)."""
+    return torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 2 - 0.5
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_token_weights_scale_each_rows_loss_and_components(backend: str, reduction: str) -> None:
+    """Against textbook torch: CE, z-loss and forward KL per row, times the row's weight, summed
+    over valid rows and divided by the valid-row count (or ``num_valid_tokens``) for "mean"."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dtype, tolerance = (torch.float32, 2e-5) if backend == "triton" else (torch.float64, 1e-12)
+    problem = make_problem(rows=24, vocab=VOCAB, seed=stable_seed("weights", backend, reduction)).to(dtype)
+    weights = weights_for(24, 7)
+    teacher = orda_tp.TiedTeacher(problem.teacher_hidden.detach())
+    denominator = {"num_valid_tokens": 40.0} if reduction == "mean" else {}
+    out = orda_tp.distillation_loss(
+        problem.student_hidden, problem.weight, problem.labels, teacher, teacher_ce_weight=0.0, kl_weight=0.6,
+        z_loss_weight=0.05, label_smoothing=0.1, reduction=reduction, backend=backend,
+        config=None if backend == "reference" else SMALL_CHUNKS, token_weights=weights.to(dtype), **denominator,
+    )  # fmt: skip
+    exact = problem.to(torch.float64)
+    student = exact.student_hidden @ exact.weight.T
+    teacher_logits = exact.teacher_hidden.detach() @ exact.weight.detach().T  # a frozen teacher
+    valid = exact.labels != IGNORE
+    safe = torch.where(valid, exact.labels, 0)
+    rows = {
+        "student_ce": F.cross_entropy(student, safe, label_smoothing=0.1, reduction="none"),
+        "z_loss": torch.logsumexp(student, -1) ** 2,
+        "kl": (
+            torch.softmax(teacher_logits, -1) * (torch.log_softmax(teacher_logits, -1) - torch.log_softmax(student, -1))
+        ).sum(-1),
+    }
+    rows = {name: torch.where(valid, values * weights, 0.0) for name, values in rows.items()}
+    rows["loss"] = rows["student_ce"] + 0.05 * rows["z_loss"] + 0.6 * rows["kl"]
+    reduce = {"none": lambda v: v, "sum": lambda v: v.sum(), "mean": lambda v: v.sum() / 40.0}[reduction]
+    for name in ("loss", "student_ce", "z_loss", "kl"):
+        assert relative_error(getattr(out, name), reduce(rows[name])) <= tolerance, name
+    upstream = torch.rand(out.loss.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad(out.loss, [problem.student_hidden, problem.weight], upstream.to(dtype))
+    expected = torch.autograd.grad(reduce(rows["loss"]), [exact.student_hidden, exact.weight], upstream)
+    for grad, want in zip(grads, expected):
+        assert relative_error(grad, want) <= tolerance * 10
+
+
+@pytest.mark.parametrize(
+    ("weights", "error", "message"),
+    [
+        (torch.ones(5), ValueError, r"token_weights must have shape \(8,\), one weight per label, got \(5,\)"),
+        (torch.ones(8, 1), ValueError, r"token_weights must have shape \(8,\)"),
+        (
+            torch.ones(8, dtype=torch.long),
+            TypeError,
+            "token_weights must be a floating-point tensor or None, got dtype",
+        ),
+        ([1.0] * 8, TypeError, "token_weights must be a floating-point tensor or None, got list"),
+        (torch.ones(8, requires_grad=True), ValueError, "token_weights must not require grad"),
+        (torch.tensor([1.0] * 7 + [float("nan")]), ValueError, "token_weights must be finite; row 7 holds nan"),
+    ],
+)
+def test_bad_token_weights_raise_naming_the_argument(weights: object, error: type, message: str) -> None:
+    problem = make_problem(rows=8, vocab=VOCAB, seed=1)
+    teacher = orda_tp.TiedTeacher(problem.teacher_hidden.detach())
+    with pytest.raises(error, match=message):
+        orda_tp.distillation_loss(
+            problem.student_hidden,
+            problem.weight,
+            problem.labels,
+            teacher,
+            token_weights=weights,  # type: ignore[arg-type]
+        )
+
+
+def capped(logits: Tensor, cap: float) -> Tensor:
+    return cap * torch.tanh(logits / cap)
+
+
+@pytest.mark.parametrize("mode", ["tied", "separate", "hidden cache"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_softcaps_equal_textbook_torch_on_capped_logits(backend: str, mode: str) -> None:
+    """Student CE (smoothed), z-loss, teacher CE and forward KL (T = 2) of capped logits, with
+    autograd through the caps: the tied teacher is trained by its CE, so its gradient goes through
+    the teacher's cap too."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dtype, tolerance = (torch.float32, 2e-5) if backend == "triton" else (torch.float64, 1e-12)
+    base = make_problem(rows=24, vocab=VOCAB, seed=stable_seed("cap", backend, mode))
+    problem = (separate_problem(base) if mode != "tied" else base).to(dtype)
+    teacher: orda_tp.TiedTeacher | orda_tp.SeparateTeacher | orda_tp.PrecomputedTeacher
+    exact = problem.to(torch.float64)
+    if mode == "tied":
+        teacher, inputs = orda_tp.TiedTeacher(problem.teacher_hidden), problem.trainable("tied")
+        exact_inputs, teacher_head, w_t = exact.trainable("tied"), exact.weight, 0.3
+    else:
+        frozen_hidden, frozen_weight = problem.teacher_hidden.detach(), problem.teacher_weight.detach()
+        teacher = (
+            orda_tp.SeparateTeacher(frozen_hidden, frozen_weight)
+            if mode == "separate"
+            else orda_tp.PrecomputedTeacher(teacher_hidden=frozen_hidden, teacher_weight=frozen_weight)
+        )
+        inputs, exact_inputs = [problem.student_hidden, problem.weight], [exact.student_hidden, exact.weight]
+        teacher_head, w_t = exact.teacher_weight.detach(), 0.0
+    out = orda_tp.distillation_loss(
+        problem.student_hidden, problem.weight, problem.labels, teacher, teacher_ce_weight=w_t, kl_weight=0.8,
+        kl_temperature=2.0, z_loss_weight=0.05, label_smoothing=0.1, logit_softcap=4.0, teacher_logit_softcap=3.0,
+        backend=backend, config=None if backend == "reference" else SMALL_CHUNKS,
+    )  # fmt: skip
+    student = capped(exact.student_hidden @ exact.weight.T, 4.0)
+    teacher_hidden = exact.teacher_hidden if mode == "tied" else exact.teacher_hidden.detach()
+    teacher_logits = capped(teacher_hidden @ teacher_head.T, 3.0)
+    valid = exact.labels != IGNORE
+    safe = torch.where(valid, exact.labels, 0)
+    frozen = teacher_logits.detach()
+    kl = torch.softmax(frozen / 2, -1) * (torch.log_softmax(frozen / 2, -1) - torch.log_softmax(student / 2, -1))
+    rows = {
+        "student_ce": F.cross_entropy(student, safe, label_smoothing=0.1, reduction="none"),
+        "z_loss": torch.logsumexp(student, -1) ** 2,
+        "teacher_ce": F.cross_entropy(teacher_logits, safe, reduction="none"),
+        "kl": 4.0 * kl.sum(-1),
+    }
+    means = {name: torch.where(valid, values, 0.0).sum() / valid.sum() for name, values in rows.items()}
+    loss = means["student_ce"] + 0.05 * means["z_loss"] + w_t * means["teacher_ce"] + 0.8 * means["kl"]
+    assert relative_error(out.loss, loss) <= tolerance
+    for name in ("student_ce", "z_loss", "kl") + (("teacher_ce",) if w_t else ()):
+        assert relative_error(getattr(out, name), means[name]) <= tolerance, name
+    grads = torch.autograd.grad(out.loss, inputs)
+    for grad, want in zip(grads, torch.autograd.grad(loss, exact_inputs)):
+        assert relative_error(grad, want) <= tolerance * 10
+
+
+def test_softcapped_cotrained_teacher_matches_the_reference() -> None:
+    """``mutual`` sends the KL gradient to the teacher, through its cap (torch against reference)."""
+    problem = make_problem(rows=16, vocab=VOCAB, seed=8)
+    results = []
+    for backend in ("reference", "torch"):
+        fresh = problem.to(torch.float64)
+        out = orda_tp.distillation_loss(
+            fresh.student_hidden, fresh.weight, fresh.labels, orda_tp.TiedTeacher(fresh.teacher_hidden),
+            kl_weight=1.0, kl_divergence="mutual", logit_softcap=2.5, teacher_logit_softcap=2.0, backend=backend,
+            config=None if backend == "reference" else SMALL_CHUNKS,
+        )  # fmt: skip
+        results.append([out.loss, *torch.autograd.grad(out.loss, fresh.trainable("tied"))])
+    for actual, expected in zip(*results):
+        assert relative_error(actual, expected) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"logit_softcap": 0.0}, "logit_softcap must be a finite real number > 0, got 0.0"),
+        ({"logit_softcap": -30.0}, "logit_softcap must be a finite real number > 0, got -30.0"),
+        ({"teacher_logit_softcap": float("nan")}, "teacher_logit_softcap must be a finite real number > 0, got nan"),
+    ],
+)
+def test_bad_softcaps_raise_naming_the_argument(keywords: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        orda_tp.DistillationLoss(**keywords)
+
+
+def test_a_logits_cache_is_taken_as_capped() -> None:
+    problem = make_problem(rows=6, vocab=VOCAB, seed=1)
+    cache = orda_tp.PrecomputedTeacher(logits=problem.teacher_logits)
+    with pytest.raises(ValueError, match="teacher_logit_softcap=30.0 caps logits a teacher head forms, but this"):
+        orda_tp.distillation_loss(
+            problem.student_hidden, problem.weight, problem.labels, cache, kl_weight=1.0, teacher_logit_softcap=30.0
+        )
+    capped_cache = orda_tp.PrecomputedTeacher(logits=capped(problem.teacher_logits, 30.0))
+    out = orda_tp.distillation_loss(
+        problem.student_hidden, problem.weight, problem.labels, capped_cache, kl_weight=1.0, logit_softcap=30.0
+    )
+    assert torch.isfinite(out.loss)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -37,13 +37,15 @@ __all__ = ["ChunkedProblem", "chunked_loss"]
 class ChunkedProblem:
     """Everything of a call besides the differentiable tensors: the row walk's inputs (``walk``:
     plan, labels, valid rows, exchange, layout, block math), ``denominator`` (N for "mean", a
-    number or a 0-d tensor; ignored otherwise), how the gradient GEMMs run (``gemms``) and the
-    teacher's own blocks when it forms its logits itself (``teacher_blocks``: a top-k cache)."""
+    number or a 0-d tensor; ignored otherwise), how the gradient GEMMs run (``gemms``), the
+    teacher's own blocks when it forms its logits itself (``teacher_blocks``: a top-k cache) and
+    the (BT,) weights of the rows' losses (``token_weights``)."""
 
     walk: RowWalk
     denominator: float | Tensor
     gemms: GemmPolicy = GemmPolicy()
     teacher_blocks: SideLogits | None = None
+    token_weights: Tensor | None = None
 
 
 class GatheredHidden(NamedTuple):
@@ -79,7 +81,8 @@ def _walk_groups(
     statistics in row order."""
     walk, gemms = problem.walk, problem.gemms
     plan, exchange, columns = walk.plan, walk.exchange, walk.layout.real_local_columns
-    source = logits_source(head, plan.needs_teacher_logits, problem.teacher_blocks)
+    caps = (plan.student_softcap, plan.teacher_softcap)
+    source = logits_source(head, plan.needs_teacher_logits, problem.teacher_blocks, caps)
     staging_dtype, upstream_scale, staged_bytes = statistics, upstream, 0
     if buffers is not None:
         assert upstream is not None
@@ -90,6 +93,8 @@ def _walk_groups(
         staging_dtype = gemms.staging_dtype(operands, statistics)
         staged_bytes = (2 if plan.teacher_receives_grad else 1) * staging_dtype.itemsize
         upstream_scale = (upstream / problem.denominator if plan.reduction == "mean" else upstream).to(statistics)
+        if problem.token_weights is not None:  # a row's weight scales its gradient as its loss
+            upstream_scale = upstream_scale * problem.token_weights.to(statistics)
     rows, device = head.student_hidden.shape[0], head.student_hidden.device
     logit_bytes = (2 if plan.needs_teacher_logits else 1) * statistics.itemsize
     local_vocab, shards = walk.layout.max_local_columns, walk.layout.world_size
@@ -120,7 +125,8 @@ def _walk_groups(
 
 def _outputs(problem: ChunkedProblem, walked: list[RowStats], like: Tensor) -> tuple[Tensor, ...]:
     """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` (:data:`COMPONENTS`) from the
-    chunks' statistics: ignored rows read 0; "sum"/"mean" add the rows (÷ N for "mean")."""
+    chunks' statistics, each row's times its token weight: ignored rows read 0; "sum"/"mean" add
+    the rows (÷ N for "mean")."""
     plan, valid = problem.walk.plan, problem.walk.valid
 
     per_chunk = [{**stats.student_terms, "teacher_ce": stats.teacher_ce, "kl": stats.kl} for stats in walked]
@@ -131,9 +137,9 @@ def _outputs(problem: ChunkedProblem, walked: list[RowStats], like: Tensor) -> t
     weighted = [weight * components[term.name] for term, weight in zip(plan.student_terms, plan.term_weights)]
     weighted += [plan.teacher_ce_weight * components["teacher_ce"], plan.kl_weight * components["kl"]]
     per_row = sum(weighted[1:], weighted[0])
-    reduced = []
+    reduced, weights = [], problem.token_weights
     for values in (per_row, *(components[name] for name in COMPONENTS)):
-        values = torch.where(valid, values, 0.0)
+        values = torch.where(valid, values if weights is None else values * weights.to(values.dtype), 0.0)
         if plan.reduction != "none":
             values = values.sum()
             values = values / problem.denominator if plan.reduction == "mean" else values

@@ -17,6 +17,7 @@ logits arrive either converted to it or as stored, for block math that upcasts t
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -37,6 +38,7 @@ __all__ = [
     "TiedLogits",
     "logits_mm",
     "logits_source",
+    "softcapped",
     "statistics_dtype",
     "stored_logits_block",
 ]
@@ -58,6 +60,18 @@ def logits_mm(hidden: Tensor, weight_block: Tensor, dtype: torch.dtype) -> Tenso
     if hidden.is_cuda and same_low_precision and dtype == torch.float32:
         return torch.mm(hidden, weight_block.T, torch.float32)
     return hidden.to(dtype) @ weight_block.to(dtype).T
+
+
+def softcapped(logits: Tensor, cap: float | None) -> Tensor:
+    """``cap·tanh(logits/cap)`` in place (Gemma 2's soft-capping; one Triton launch for contiguous
+    CUDA logits); ``logits`` when ``cap`` is None."""
+    if cap is None:
+        return logits
+    if logits.is_cuda and logits.is_contiguous() and importlib.util.find_spec("triton") is not None:
+        from ..kernels.scale import softcap_in_place
+
+        return softcap_in_place(logits, cap)
+    return logits.div_(cap).tanh_().mul_(cap)
 
 
 @dataclass(frozen=True)
@@ -125,13 +139,15 @@ class StoredLogits:
 @dataclass(frozen=True)
 class HeadLogits:
     """Logits ``hidden · weightᵀ`` formed block by block: ``hidden`` (rows, D), ``weight`` (local
-    columns, D)."""
+    columns, D); soft-capped by ``cap`` when given."""
 
     hidden: Tensor
     weight: Tensor
+    cap: float | None = None
 
     def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
-        return logits_mm(self.hidden.detach()[begin:end], self.weight.detach()[start:stop], dtype)
+        logits = logits_mm(self.hidden.detach()[begin:end], self.weight.detach()[start:stop], dtype)
+        return logits if self.cap is None else softcapped(logits, self.cap)
 
 
 @dataclass(frozen=True)
@@ -164,6 +180,8 @@ class TiedLogits:
     student_hidden: Tensor
     teacher_hidden: Tensor
     weight: Tensor
+    student_cap: float | None = None
+    teacher_cap: float | None = None
 
     def blocks(
         self, begin: int, end: int, columns: Sequence[ColumnRange], dtype: torch.dtype, as_stored: bool
@@ -173,7 +191,10 @@ class TiedLogits:
         blocks = []
         for start, stop in columns:
             both = logits_mm(stacked, self.weight.detach()[start:stop], dtype)
-            blocks.append(LogitsBlock(start, stop, both[:rows], both[rows:]))
+            student, teacher = both[:rows], both[rows:]
+            if self.student_cap is not None or self.teacher_cap is not None:
+                student, teacher = softcapped(student, self.student_cap), softcapped(teacher, self.teacher_cap)
+            blocks.append(LogitsBlock(start, stop, student, teacher))
         return blocks
 
 
@@ -192,11 +213,17 @@ class HeadTensors(NamedTuple):
     teacher_logits: Tensor | None
 
 
-def logits_source(head: HeadTensors, with_teacher: bool, teacher_blocks: SideLogits | None = None) -> LogitsSource:
+def logits_source(
+    head: HeadTensors,
+    with_teacher: bool,
+    teacher_blocks: SideLogits | None = None,
+    caps: tuple[float | None, float | None] = (None, None),
+) -> LogitsSource:
     """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: the blocks it forms
     itself (``teacher_blocks``, a top-k cache), through the same GEMM as the student's (tied),
-    from the cache, or ``h_t·W_tᵀ``."""
-    student = HeadLogits(head.student_hidden, head.weight)
+    from the cache, or ``h_t·W_tᵀ``; a head's logits soft-capped by ``caps`` (student, teacher)."""
+    student_cap, teacher_cap = caps
+    student = HeadLogits(head.student_hidden, head.weight, student_cap)
     if not with_teacher:
         return PairedLogits(student, None)
     if teacher_blocks is not None:
@@ -205,5 +232,5 @@ def logits_source(head: HeadTensors, with_teacher: bool, teacher_blocks: SideLog
         return PairedLogits(student, StoredLogits(head.teacher_logits))
     assert head.teacher_hidden is not None
     if head.teacher_weight is None:
-        return TiedLogits(head.student_hidden, head.teacher_hidden, head.weight)
-    return PairedLogits(student, HeadLogits(head.teacher_hidden, head.teacher_weight))
+        return TiedLogits(head.student_hidden, head.teacher_hidden, head.weight, student_cap, teacher_cap)
+    return PairedLogits(student, HeadLogits(head.teacher_hidden, head.teacher_weight, teacher_cap))

@@ -135,10 +135,15 @@ def _teacher_logits(
     if teacher_blocks is not None:
         return teacher_blocks.block(0, rows, 0, weight.shape[0], dtype, False)
     if teacher_logits is not None:
-        return teacher_logits.to(dtype)
+        return teacher_logits.to(dtype)  # a cache is taken as already capped
     assert teacher_hidden is not None
     head = weight if teacher_weight is None else teacher_weight
     return teacher_hidden.to(dtype) @ head.to(dtype).T
+
+
+def _capped(logits: Tensor, cap: float | None) -> Tensor:
+    """Gemma 2's soft-capping ``cap·tanh(logits/cap)`` (autograd differentiates it)."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def _value_clamped_at_zero(value: Tensor) -> Tensor:
@@ -156,12 +161,13 @@ def reference_loss(
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
     teacher_blocks: SideLogits | None = None,
-    *,
     vocab_size: int | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` on full logits, with
     autograd gradients: the student's terms from their oracles (:meth:`orda_tp.terms.StudentTerm.oracle`).
-    Only the first ``vocab_size`` columns are read (the rest is vocabulary padding)."""
+    Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each row's
+    values are multiplied by its ``token_weights``."""
     dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
     if vocab_size is not None:
         weight = weight[:vocab_size]
@@ -170,7 +176,7 @@ def reference_loss(
     valid = labels != plan.ignore_index
     in_range = (labels >= 0) & (labels < weight.shape[0])
     safe_labels = torch.where(valid & in_range, labels, torch.zeros_like(labels))
-    student = student_hidden.to(dtype) @ weight.to(dtype).T
+    student = _capped(student_hidden.to(dtype) @ weight.to(dtype).T, plan.student_softcap)
     zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
     teacher_ce = kl = zeros
     terms = {term.name: zeros for term in STUDENT_TERMS}
@@ -180,6 +186,7 @@ def reference_loss(
         teacher = _teacher_logits(
             labels.shape[0], dtype, weight, teacher_hidden, teacher_weight, teacher_logits, teacher_blocks
         )
+        teacher = _capped(teacher, plan.teacher_softcap)  # None for a cache (the plan refuses it)
         if not plan.teacher_receives_grad:
             teacher = teacher.detach()
         absent = (teacher == float("-inf")).all(-1)
@@ -193,6 +200,8 @@ def reference_loss(
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
     nan = torch.full_like(zeros, float("nan"))
     components = {name: torch.where(valid, torch.where(in_range, v, nan), zeros) for name, v in components.items()}
+    if token_weights is not None:
+        components = {name: values * token_weights.to(dtype) for name, values in components.items()}
     weighted = [weight * components[term.name] for term, weight in zip(plan.student_terms, plan.term_weights)]
     weighted += [plan.teacher_ce_weight * components["teacher_ce"], plan.kl_weight * components["kl"]]
     loss = sum(weighted[1:], weighted[0])

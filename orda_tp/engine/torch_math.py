@@ -12,6 +12,8 @@ upstream gradient × 1/N for "mean"; 0 on ignored rows, whose logit gradients ar
   ``c_u``: the student's row terms' coefficients, :mod:`orda_tp.terms`)
 - ``∂loss/∂t = c·[w_t·(softmax(t) − onehot(y)) + w_kl·T_s²/T_t·∂D/∂v]`` (only the terms that
   train the teacher under the plan's routing)
+- a soft-capped side (``s = cap·tanh(z/cap)``, the block holding ``s``) multiplies its gradient
+  by ``∂s/∂z = 1 − (s/cap)²``
 """
 
 from __future__ import annotations
@@ -223,6 +225,11 @@ class TorchBlockMath:
                 assert formulas.teacher_grad is not None
                 (teacher_kl,) = evaluate([formulas.teacher_grad], symbols, consts)
                 teacher_grad += (w_kl_t * row_scale)[:, None] * torch.where(keep, teacher_kl, 0.0)
+        if plan.student_softcap is not None:  # through s = c·tanh(z/c): ∂s/∂z = 1 − (s/c)²
+            student_grad *= 1.0 - (student / plan.student_softcap) ** 2
+        if teacher_grad is not None and plan.teacher_softcap is not None:
+            assert teacher is not None
+            teacher_grad *= 1.0 - (teacher / plan.teacher_softcap) ** 2
         active = row_scale[:, None] != 0
         out.student.copy_(torch.where(active, student_grad, 0.0))
         if out.teacher is not None:

@@ -1,15 +1,23 @@
-"""``x *= scale`` in place over a flat tensor, the scale read on the device.
+"""Elementwise kernels in place over a flat tensor.
 
-Used for the upstream gradient of a mean or sum loss: a 0-d CUDA tensor as the second operand of
-torch's ``mul_`` takes a slow broadcasting path.
+- :func:`scale_kernel`: ``x *= scale``, the scale read on the device; used for the upstream
+  gradient of a mean or sum loss (a 0-d CUDA tensor as the second operand of torch's ``mul_``
+  takes a slow broadcasting path).
+- :func:`softcap_kernel` (:func:`softcap_in_place`): ``x = cap·tanh(x/cap)`` in one read and one
+  write of a chunk's logits, where torch's ``div_``, ``tanh_``, ``mul_`` would take three.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import triton
 import triton.language as tl
+from torch import Tensor
 
-__all__ = ["scale_kernel"]
+__all__ = ["scale_kernel", "softcap_in_place", "softcap_kernel"]
+
+SOFTCAP_BLOCK = 4096
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -20,3 +28,24 @@ def scale_kernel(x_ptr: tl.tensor, scale_ptr: tl.tensor, n: tl.tensor, BLOCK: tl
     x = tl.load(x_ptr + offsets, mask=ok)
     scale = tl.load(scale_ptr)
     tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x.dtype), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n"])
+def softcap_kernel(x_ptr: tl.tensor, n: tl.tensor, cap: tl.tensor, BLOCK: tl.constexpr) -> None:
+    """``x[i] = cap·tanh(x[i]/cap)`` for ``i < n`` in fp32 (``tanh|y| = (1 − e^{−2|y|})/(1 + e^{−2|y|})``,
+    the sign put back), stored back in ``x``'s dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < n
+    x = tl.load(x_ptr + offsets, mask=ok).to(tl.float32)
+    decay: tl.tensor = tl.exp(-2.0 * tl.abs(x / cap))
+    magnitude = cap * (1.0 - decay) / (1.0 + decay)
+    tl.store(x_ptr + offsets, tl.where(x < 0.0, -magnitude, magnitude).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+def softcap_in_place(tensor: Tensor, cap: float) -> Tensor:
+    """``tensor = cap·tanh(tensor/cap)`` in one launch (a contiguous CUDA tensor); returns it."""
+    count = tensor.numel()
+    if count:
+        launch: Callable[..., object] = softcap_kernel[(triton.cdiv(count, SOFTCAP_BLOCK),)]
+        launch(tensor, count, float(cap), BLOCK=SOFTCAP_BLOCK)
+    return tensor

@@ -93,6 +93,7 @@ class PrecomputedTeacher(TeacherSource):
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "cache_temperature", self.logits_temperature)
         object.__setattr__(self, "sparse_support", has_topk and self.tail == "renormalize")
+        object.__setattr__(self, "reads_head", has_hidden)
 
     def _check_topk(self) -> None:
         """Types and shapes of a top-k cache (its values are checked where the loss reads them)."""

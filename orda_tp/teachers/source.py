@@ -98,6 +98,9 @@ class TeacherSource:
     #: Whether the teacher has no mass on most columns (a renormalized top-k cache): the plan
     #: refuses the variants that are then +inf on every row.
     sparse_support: bool = False
+    #: Whether its logits are a head product (``teacher_logit_softcap`` caps them), not a cache of
+    #: logits or log-probabilities (taken as already capped).
+    reads_head: bool = True
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
         raise NotImplementedError
