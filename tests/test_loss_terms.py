@@ -237,6 +237,35 @@ def test_bad_token_weights_raise_naming_the_argument(weights: object, error: typ
         )
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kdloss_token_weights_scale_each_rows_kl(backend: str) -> None:
+    """``KDLoss(...)(s, t, labels, token_weights=w)`` (w of the labels' shape) against textbook
+    torch: ``Σ_valid w_i·T²·KL(q_i‖p_i) / N``, and its gradient."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dtype, tolerance = (torch.float32, 2e-5) if backend == "triton" else (torch.float64, 1e-12)
+    generator = torch.Generator().manual_seed(4)
+    student = torch.randn(2, 7, VOCAB, generator=generator, dtype=torch.float64)
+    teacher = torch.randn(2, 7, VOCAB, generator=generator, dtype=torch.float64) * 2
+    labels = torch.randint(0, VOCAB, (2, 7), generator=generator)
+    labels[0, ::3] = IGNORE
+    weights = weights_for(14, 3).reshape(2, 7)
+    given = student.to(dtype).requires_grad_()
+    loss = orda_tp.KDLoss(temperature=2.0, chunk_size=5, backend=backend)(
+        given, teacher.to(dtype), labels, token_weights=weights.to(dtype)
+    )
+    exact = student.requires_grad_()
+    kl = torch.softmax(teacher / 2, -1) * (torch.log_softmax(teacher / 2, -1) - torch.log_softmax(exact / 2, -1))
+    valid = labels != IGNORE
+    expected = torch.where(valid, 4.0 * kl.sum(-1) * weights, 0.0).sum() / valid.sum()
+    assert relative_error(loss, expected) <= tolerance
+    (grad,) = torch.autograd.grad(loss, given)
+    (want,) = torch.autograd.grad(expected, exact)
+    assert relative_error(grad, want) <= tolerance * 10
+    with pytest.raises(ValueError, match=r"token_weights must have shape \(14,\), one weight per label, got \(2, 6\)"):
+        orda_tp.KDLoss()(student, teacher, labels, token_weights=weights[:, :6])
+
+
 def capped(logits: Tensor, cap: float) -> Tensor:
     return cap * torch.tanh(logits / cap)
 

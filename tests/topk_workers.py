@@ -89,11 +89,13 @@ def _kdloss_problems(
     generator = torch.Generator().manual_seed(3)
     student = (torch.randn(logits.shape, generator=generator, dtype=torch.float64) * 2).to(logits.dtype)
     labels = torch.randint(0, logits.shape[1], (logits.shape[0],), generator=generator)
+    weights = torch.rand(labels.shape, generator=generator, dtype=torch.float64)  # token weights too
     full = student.clone().requires_grad_()
-    expected = orda_tp.KDLoss(**keywords)(full, teacher, labels)  # type: ignore[arg-type]
+    expected = orda_tp.KDLoss(**keywords)(full, teacher, labels, token_weights=weights)  # type: ignore[arg-type]
     (expected_grad,) = torch.autograd.grad(expected, full)
     local = student[:, columns[0] : columns[1]].clone().requires_grad_()
-    loss = orda_tp.KDLoss(tp_group=dist.group.WORLD, **keywords)(local, teacher, labels)  # type: ignore[arg-type]
+    sharded = orda_tp.KDLoss(tp_group=dist.group.WORLD, **keywords)  # type: ignore[arg-type]
+    loss = sharded(local, teacher, labels, token_weights=weights)
     (grad,) = torch.autograd.grad(loss, local)
     problems = []
     pairs = ((loss, expected), (grad, expected_grad[:, columns[0] : columns[1]]))

@@ -167,7 +167,7 @@ def _scores(
     dtype = statistics_dtype(student, hidden, weight)
     # Ignored rows read column 0 as their label: their CE is zeroed, their KD does not read it.
     stats_labels = torch.where(valid, labels, 0)
-    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
+    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype, formed_sides=1)
     with torch.no_grad(), torch.autocast(student.device.type, enabled=False):
         walked = row_statistics(problem, PairedLogits(StoredLogits(student), HeadLogits(hidden, weight)), dtype)
     empty = torch.zeros(0, dtype=dtype, device=student.device)

@@ -34,6 +34,7 @@ class _LogitsContext(FunctionCtx):
     walked: list[RowStats]
     teacher: SideLogits
     dtype: torch.dtype
+    row_weights: Tensor | None
     saved_tensors: tuple[Tensor]
 
 
@@ -46,13 +47,16 @@ class _LogitsDistillation(torch.autograd.Function):
         student: Tensor,
         teacher: SideLogits,
         dtype: torch.dtype,
+        row_weights: Tensor | None,
     ) -> Tensor:
         walked = row_statistics(problem, PairedLogits(StoredLogits(student), teacher), dtype)
         per_row = torch.cat([stats.kl for stats in walked]) if walked else student.new_zeros(0, dtype=dtype)
+        if row_weights is not None:
+            per_row = per_row * row_weights.to(dtype)
         loss = torch.where(problem.walk.valid, per_row, 0.0).sum() / denominator
         if ctx.needs_input_grad[2]:
             ctx.problem, ctx.denominator, ctx.walked = problem, denominator, walked
-            ctx.teacher, ctx.dtype = teacher, dtype
+            ctx.teacher, ctx.dtype, ctx.row_weights = teacher, dtype, row_weights
             ctx.save_for_backward(student)
         return loss
 
@@ -62,18 +66,26 @@ class _LogitsDistillation(torch.autograd.Function):
         (student,) = ctx.saved_tensors
         problem, dtype = ctx.problem, ctx.dtype
         scale = (grad_loss / ctx.denominator).to(dtype)
+        if ctx.row_weights is not None:  # a row's weight scales its gradient as its loss
+            scale = scale * ctx.row_weights.to(dtype)
         grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
         source = PairedLogits(StoredLogits(student), ctx.teacher)
         target = GradTarget(LogitGrads(grad, None), 0, scale)  # the walk writes the student's gradient in place
         with torch.autocast(student.device.type, enabled=False):
             walk_rows(problem.walk, source, problem.chunks(), dtype, ctx.walked, target)
-        return None, None, grad, None, None
+        return None, None, grad, None, None, None
 
 
 def logits_distillation(
-    problem: LogitsProblem, denominator: float | Tensor, student: Tensor, teacher: SideLogits, dtype: torch.dtype
+    problem: LogitsProblem,
+    denominator: float | Tensor,
+    student: Tensor,
+    teacher: SideLogits,
+    dtype: torch.dtype,
+    row_weights: Tensor | None = None,
 ) -> Tensor:
-    """``Σ_valid rows T²·D(p_i, q_i) / denominator`` (0-d, the statistics ``dtype``) of (rows, local
-    columns) student logits and the teacher's blocks (``StoredLogits`` of its logits, or a top-k
-    cache's); differentiable with respect to ``student`` only."""
-    return _LogitsDistillation.apply(problem, denominator, student, teacher, dtype)
+    """``Σ_valid rows w_i·T²·D(p_i, q_i) / denominator`` (0-d, the statistics ``dtype``) of (rows,
+    local columns) student logits and the teacher's blocks (``StoredLogits`` of its logits, or a
+    top-k cache's), ``w_i`` the rows' ``row_weights`` (1 when None); differentiable with respect
+    to ``student`` only."""
+    return _LogitsDistillation.apply(problem, denominator, student, teacher, dtype, row_weights)

@@ -21,6 +21,7 @@ from ..checks import (
     check_label_range,
     check_labels,
     check_same_device,
+    check_token_weights,
     runs_host_checks,
 )
 from ..config import KernelConfig
@@ -84,6 +85,7 @@ def _kd_loss(
     teacher_logits: Tensor | PrecomputedTeacher,
     labels: Tensor,
     num_batch_labels: float | Tensor | None,
+    token_weights: object = None,
 ) -> Tensor:
     group, axis = logits_group(student_logits, options.tp_group)
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
@@ -124,10 +126,15 @@ def _kd_loss(
         blocks = cache.block_source(layout.vocab_start, layout.vocab_size)
         assert blocks is not None
         teacher, dtype = blocks, statistics_dtype(student, cache.topk_logprobs)
-    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
+    row_weights = None
+    if token_weights is not None:  # the labels' shape, the same on every rank like the labels
+        if isinstance(token_weights, Tensor) and token_weights.shape == local_labels.shape:
+            token_weights = token_weights.reshape(-1)
+        row_weights = check_token_weights(token_weights, flat_labels, host_checks)
+    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype, int(cache is not None))
     denominator = valid.sum().clamp_min(1) if given_denominator is None else given_denominator
     with torch.autocast(student.device.type, enabled=False):
-        return logits_distillation(problem, denominator, student, teacher, dtype)
+        return logits_distillation(problem, denominator, student, teacher, dtype, row_weights)
 
 
 def _check_topk_cache(cache: PrecomputedTeacher, rows: int, options: LogitsOptions) -> None:
@@ -163,7 +170,8 @@ class KDLoss(nn.Module):
     student's logits receive a gradient. ``teacher_logits`` may also be a top-k cache,
     ``PrecomputedTeacher(topk_ids=(N, k), topk_logprobs=(N, k), tail=...)`` with one row per label
     (global ids; the whole cache on every rank under tensor parallelism): the loss is that on the
-    dense teacher it stands for (docs/guide.md §15).
+    dense teacher it stands for (docs/guide.md §15). ``token_weights`` (the labels' shape, keyword
+    only): per-token weights ``w_i`` of the rows' KL, ``Σ_valid w_i·T²·D / N`` (N unchanged).
 
     - ``temperature``: ``T`` (finite, > 0), applied to both sides; the loss carries ``T²``.
     - ``fp32_upcast``: accepted for compatibility; statistics are always fp32 (fp64 for fp64
@@ -172,9 +180,12 @@ class KDLoss(nn.Module):
       (this rank's columns, shards in rank order); inferred from DTensor logits sharded on the
       last dimension. Every rank returns the single-device loss; each rank's gradient is its
       columns' slice.
-    - ``chunk_size``: rows (tokens) per chunk; 0 (default) takes as many as fit the default
-      448 MiB workspace (``KernelConfig``). Every path, tensor-parallel included, walks rows in
-      chunks and never holds more than one chunk's fp32 logits.
+    - ``chunk_size``: rows (tokens) per chunk; 0 (default): the library chooses. The Triton kernels
+      read both sides' logits in place, so the whole batch is one chunk (a top-k teacher's blocks
+      are formed, and sized to the default 448 MiB workspace); the torch backend converts each
+      block and takes as many rows as fit that workspace (``KernelConfig``). Every path,
+      tensor-parallel included, walks rows in chunks and never holds more than one chunk's fp32
+      logits.
     - ``kl_divergence``, ``kl_alpha``, ``kl_beta``, ``entropy_gate``: any of the 15 variants, as
       in :func:`orda_tp.distillation_loss` (``mutual``/``cojeffreys`` give their value and the
       student's gradient; the teacher is never trained here).
@@ -236,8 +247,10 @@ class KDLoss(nn.Module):
         teacher_logits: Tensor | PrecomputedTeacher,
         labels: Tensor,
         num_batch_labels: float | Tensor | None = None,
+        *,
+        token_weights: Tensor | None = None,
     ) -> Tensor:
-        return _kd_loss(self.options, student_logits, teacher_logits, labels, num_batch_labels)
+        return _kd_loss(self.options, student_logits, teacher_logits, labels, num_batch_labels, token_weights)
 
     def extra_repr(self) -> str:
         o = self.options

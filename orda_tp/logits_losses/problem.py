@@ -54,18 +54,27 @@ def build_problem(
     group: dist.ProcessGroup | None,
     layout: VocabLayout,
     dtype: torch.dtype,
+    formed_sides: int = 0,
 ) -> LogitsProblem:
     """The problem of a call: its exchange (none on one device, else across ``group``), block math
-    (the backend selected for ``dtype`` on the labels' device) and rows per chunk
-    (``options.chunk_rows``, or as many as fit the default workspace of fp32 student and teacher
-    rows, sized from the widest shard so that every rank walks the same chunks)."""
-    chunk_rows = options.chunk_rows
-    if chunk_rows == 0:
-        rows, columns = labels.shape[0], layout.max_local_columns
-        chunk_rows = row_layout(options.config, rows, columns, 2 * dtype.itemsize, 0, layout.world_size).chunk_rows
-    exchange = None if group is None else ShardExchange(group, sequence_parallel=False, local_error=None)
+    (the backend selected for ``dtype`` on the labels' device) and rows per chunk:
+    ``options.chunk_rows``, or as many as fit the default workspace of the ``dtype`` logits a chunk
+    holds, sized from the widest shard so that every rank walks the same chunks. A chunk holds
+    the ``formed_sides`` sides it forms (a teacher head's product, a top-k cache's blocks) and, on
+    a block math that converts stored logits (torch), the two stored sides' copies too; when it
+    holds none (the Triton kernels read both sides in place), the whole batch is one chunk: its
+    temporaries are a few values per row."""
     math = select_backend(options.backend, labels.device.type, dtype)
     assert math is not None  # the logits-level losses have no "reference" backend
+    chunk_rows, rows = options.chunk_rows, labels.shape[0]
+    if chunk_rows == 0:
+        held_sides = formed_sides if math.reads_stored_cache else 2
+        chunk_rows = max(rows, 1)
+        if held_sides:
+            columns, shards = layout.max_local_columns, layout.world_size
+            held = held_sides * dtype.itemsize
+            chunk_rows = row_layout(options.config, rows, columns, held, 0, shards).chunk_rows
+    exchange = None if group is None else ShardExchange(group, sequence_parallel=False, local_error=None)
     return LogitsProblem(RowWalk(plan, labels, valid, exchange, layout, math), chunk_rows)
 
 
