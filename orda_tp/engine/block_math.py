@@ -34,6 +34,9 @@ class BlockMath(Protocol):
     #: Whether stored logits (a teacher cache, the logits-level losses' inputs) may arrive as
     #: stored (bf16/fp16 views) instead of converted to the statistics dtype.
     reads_stored_cache: bool
+    #: Whether it applies the plan's soft-caps to the raw blocks it reads (the Triton kernels, as
+    #: they load a tile); else it is handed blocks already capped by the logits source.
+    applies_softcap: bool
 
     def block_columns(self, configured: int, local_columns: int) -> int:
         """Columns per block: the configured size, or more where blocks create no temporaries."""
@@ -47,9 +50,11 @@ class BlockMath(Protocol):
         col_start: int,
         families: Sequence[LogitFamily],
         column_sums: tuple[Expr, ...],
+        caps: tuple[float | None, float | None] = (None, None),
     ) -> PartitionRecord:
         """Round-1 record of a block whose first column is global column ``col_start``, with the
-        row sums of ``column_sums`` (trees over the raw student logit ``RAW_STUDENT``)."""
+        row sums of ``column_sums`` (trees over the raw student logit ``RAW_STUDENT``); ``caps``:
+        the soft-caps of the two sides, where the block math applies them (``applies_softcap``)."""
         ...
 
     def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:

@@ -81,7 +81,8 @@ def _walk_groups(
     statistics in row order."""
     walk, gemms = problem.walk, problem.gemms
     plan, exchange, columns = walk.plan, walk.exchange, walk.layout.real_local_columns
-    caps = (plan.student_softcap, plan.teacher_softcap)
+    # The logits source caps the blocks unless the block math does as it reads them.
+    caps = (None, None) if walk.math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
     source = logits_source(head, plan.needs_teacher_logits, problem.teacher_blocks, caps)
     staging_dtype, upstream_scale, staged_bytes = statistics, upstream, 0
     if buffers is not None:

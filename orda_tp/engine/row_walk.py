@@ -233,8 +233,10 @@ def chunk_row_stats(walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor
     tensor of the statistics dtype and device."""
     plan, math, exchange = walk.plan, walk.math, walk.exchange
     vocab_start, families = walk.layout.vocab_start, plan.families
-    sums = plan.column_sums
-    records = [math.partition(b.student, b.teacher, labels, vocab_start + b.start, families, sums) for b in blocks]
+    sums, caps = plan.column_sums, (plan.student_softcap, plan.teacher_softcap)
+    records = [
+        math.partition(b.student, b.teacher, labels, vocab_start + b.start, families, sums, caps) for b in blocks
+    ]
     if not records:
         records = [PartitionRecord.empty(labels.shape[0], len(families), len(sums), like)]
     record = merge_partition_records(records)

@@ -143,6 +143,7 @@ class TorchBlockMath:
     interpreted here."""
 
     reads_stored_cache = False
+    applies_softcap = False  # its blocks arrive capped (engine.logits.softcapped)
     merge_stacked = staticmethod(merge_stacked_partition_records)
 
     def partition(
@@ -153,9 +154,11 @@ class TorchBlockMath:
         col_start: int,
         families: Sequence[LogitFamily],
         column_sums: tuple[Expr, ...],
+        caps: tuple[float | None, float | None] = (None, None),
     ) -> PartitionRecord:
         """Round-1 record of a block (:func:`orda_tp.records.block_partition_record`), with the
-        row sums of ``column_sums`` over the raw student logits."""
+        row sums of ``column_sums`` over the student logits (``caps`` unused: the blocks arrive
+        capped)."""
         sums = None
         if column_sums:
             terms = evaluate(column_sums, {str(RAW_STUDENT.value): student}, {}, shape=str(RAW_STUDENT.value))

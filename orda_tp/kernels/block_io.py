@@ -63,6 +63,14 @@ def local_labels(labels_ptr: tl.tensor, rows: tl.tensor, row_ok: tl.tensor, col_
 
 
 @triton.jit
+def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
+    """``cap·tanh(x/cap)`` in fp32 (``tanh|y| = (1 − e^{−2|y|})/(1 + e^{−2|y|})``, the sign put back)."""
+    decay: tl.tensor = tl.exp(-2.0 * tl.abs(x / cap))
+    magnitude = cap * (1.0 - decay) / (1.0 + decay)
+    return tl.where(x < 0.0, -magnitude, magnitude)
+
+
+@triton.jit
 def load_tile(
     s_ptr: tl.tensor,
     t_ptr: tl.tensor,
@@ -72,19 +80,27 @@ def load_tile(
     stride_t: tl.tensor,
     c0: tl.tensor,
     c_end: tl.tensor,
+    cap_s: tl.tensor,
+    cap_t: tl.tensor,
     HAS_T: tl.constexpr,
+    CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
     """``(cols, ok, s, t)`` of the tile at columns ``c0 … c0 + BLOCK_C − 1``: ``ok`` marks the
     entries inside the rows and the split, ``s`` and ``t`` are fp32 and −inf outside ``ok`` (``t``
-    is −inf everywhere without a teacher)."""
+    is −inf everywhere without a teacher); a side whose ``CAPPED`` flag is set (student, teacher)
+    is soft-capped by ``cap_s`` or ``cap_t`` as it is loaded."""
     cols = c0 + tl.arange(0, BLOCK_C)
     ok = row_ok[:, None] & (cols[None, :] < c_end)
     s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=ok, other=float("-inf")).to(tl.float32)
+    if CAPPED[0]:
+        s = tl.where(ok, softcap(s, cap_s), s)
     if HAS_T:
         t = tl.load(t_ptr + rows[:, None] * stride_t + cols[None, :], mask=ok, other=float("-inf"))
         t = t.to(tl.float32)
+        if CAPPED[1]:
+            t = tl.where(ok, softcap(t, cap_t), t)
     else:
         t = tl.full([BLOCK_R, BLOCK_C], float("-inf"), dtype=tl.float32)
     return cols, ok, s, t

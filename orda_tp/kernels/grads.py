@@ -10,7 +10,7 @@ Per column, from the row constants of the grad step (``orda_tp.engine.row_formul
 grad step, so a new term of that shape changes nothing here; ``scale`` is the row's upstream factor
 (0 on ignored rows, whose gradients come out exactly 0), ``keep`` whether the row's KL gradient is
 formed, ``c_ce_t`` the teacher CE's coefficient (0 on rows without a teacher). A soft-capped side
-(``CAP_S``, ``CAP_T``: its block holds ``s = cap·tanh(z/cap)``) multiplies its gradient by
+(``CAPPED``: the tile is capped as it is loaded, ``s = cap·tanh(z/cap)``) multiplies its gradient by
 ``1 − (s/cap)²``. ``∂D/∂u`` and
 ``∂D/∂v`` are the variant's, the generated functions of :mod:`.variant_terms` passed in as
 ``STUDENT_GRAD`` and ``TEACHER_GRAD``; the weights are runtime arguments, so a change of
@@ -97,10 +97,10 @@ def teacher_logit_grad(
 
 
 @triton.jit
-def through_softcap(grad: tl.tensor, capped: tl.tensor, inv_cap: tl.tensor) -> tl.tensor:
+def through_softcap(grad: tl.tensor, capped: tl.tensor, cap: tl.tensor) -> tl.tensor:
     """The gradient with respect to ``z`` of ``grad`` with respect to ``s = cap·tanh(z/cap)``,
     from the capped values: ``grad·(1 − (s/cap)²)``."""
-    ratio = capped * inv_cap
+    ratio = capped / cap
     return grad * (1.0 - ratio * ratio)
 
 
@@ -128,12 +128,12 @@ def grads_kernel(
     stride_dt: tl.tensor,
     col_start: tl.tensor,
     cols_per_split: tl.tensor,
+    cap_s: tl.tensor,
+    cap_t: tl.tensor,
     inv_ts: tl.tensor,
     inv_tt: tl.tensor,
     w_kl_s: tl.tensor,
     w_kl_t: tl.tensor,
-    inv_cap_s: tl.tensor,
-    inv_cap_t: tl.tensor,
     ROW_CONSTANTS: tl.constexpr,
     STUDENT_GRAD: tl.constexpr,
     TEACHER_GRAD: tl.constexpr,
@@ -141,9 +141,8 @@ def grads_kernel(
     STUDENT_KL: tl.constexpr,
     TEACHER_CE: tl.constexpr,
     TEACHER_KL: tl.constexpr,
-    CAP_S: tl.constexpr,
-    CAP_T: tl.constexpr,
     HAS_T: tl.constexpr,
+    CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ) -> None:
@@ -155,7 +154,9 @@ def grads_kernel(
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
     rowc = load_row_constants(rowc_ptr, rows, row_ok, count(ROW_CONSTANTS))
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
-        cols, ok, s, t = load_tile(s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, HAS_T, BLOCK_R, BLOCK_C)
+        cols, ok, s, t = load_tile(
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R, BLOCK_C
+        )
         is_target = cols[None, :] == local_label
         if STUDENT_KL or TEACHER_KL:
             lse_u, lse_v = rowc[position(ROW_CONSTANTS, "lse_u")], rowc[position(ROW_CONSTANTS, "lse_v")]
@@ -163,11 +164,11 @@ def grads_kernel(
         grad_u = STUDENT_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if STUDENT_KL else None
         grad_v = TEACHER_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if TEACHER_KL else None
         ds = student_logit_grad(s, is_target, grad_u, rowc, w_kl_s, ROW_CONSTANTS, STUDENT_TERMS, STUDENT_KL)
-        if CAP_S:
-            ds = through_softcap(ds, s, inv_cap_s)
+        if CAPPED[0]:
+            ds = through_softcap(ds, s, cap_s)
         store_tile(ds_ptr, stride_ds, rows, cols, ds, ok)
         if TEACHER_CE or TEACHER_KL:
             dt = teacher_logit_grad(t, is_target, grad_v, rowc, w_kl_t, ROW_CONSTANTS, TEACHER_CE, TEACHER_KL)
-            if CAP_T:
-                dt = through_softcap(dt, t, inv_cap_t)
+            if CAPPED[1]:
+                dt = through_softcap(dt, t, cap_t)
             store_tile(dt_ptr, stride_dt, rows, cols, dt, ok)

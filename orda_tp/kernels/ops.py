@@ -66,10 +66,20 @@ def _tiles_and_grid(kind: str, rows: int, cols: int) -> tuple[tiles.Tiles, tuple
     return chosen, (row_tiles, triton.cdiv(max(cols, 1), per_split)), per_split
 
 
+Caps = tuple[float | None, float | None]  # the soft-caps of the student's and the teacher's logits
+
+
+def _caps(caps: Caps) -> tuple[tuple[float, float], tuple[bool, bool]]:
+    """The kernels' ``caps`` (runtime values, 1.0 where none) and ``CAPPED`` (constexpr flags)."""
+    return (caps[0] or 1.0, caps[1] or 1.0), (caps[0] is not None, caps[1] is not None)
+
+
 class TritonBlockMath:
-    """The kernels on whole chunks: one block per chunk, since they tile the columns themselves."""
+    """The kernels on whole chunks: one block per chunk, since they tile the columns themselves;
+    they read raw blocks and apply the soft-caps as they load a tile."""
 
     reads_stored_cache = True
+    applies_softcap = True
 
     def block_columns(self, configured: int, local_columns: int) -> int:
         return max(local_columns, 1)
@@ -82,9 +92,10 @@ class TritonBlockMath:
         col_start: int,
         families: Sequence[LogitFamily],
         column_sums: tuple[Expr, ...],
+        caps: Caps = (None, None),
     ) -> PartitionRecord:
         """Round-1 record of a block (see :func:`orda_tp.records.block_partition_record`), with
-        the row sums of the student terms' ``column_sums``."""
+        the row sums of the student terms' ``column_sums``, of the logits soft-capped by ``caps``."""
         rows, cols = student.shape
         count = len(families)
         if count == 0:  # no family: no student term either, so no column sums
@@ -94,14 +105,16 @@ class TritonBlockMath:
         width = 2 * count + 3 + len(column_sums)
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
         other = student if teacher is None else teacher
+        cap_values, capped = _caps(caps)
         _launch(partition_kernel, launch)(
             student, other, labels, partial, rows, cols, student.stride(0), other.stride(0), col_start, per_split,
-            tuple(1.0 / family.temperature for family in families),
+            *cap_values, tuple(1.0 / family.temperature for family in families),
             READS_TEACHER=tuple(family.side == "teacher" for family in families),
             NUM_FAMILIES=count,
             COLUMN_SUMS=sums,
             NUM_COLUMN_SUMS=len(column_sums),
             HAS_T=teacher is not None,
+            CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
             num_warps=chosen.num_warps,
@@ -133,13 +146,15 @@ class TritonBlockMath:
         terms = variant_terms.column_terms(divergence, plan.params)
         chosen, launch, per_split = _tiles_and_grid("sums", rows, cols)
         out = torch.empty(launch[1], rows, terms.outputs, dtype=torch.float32, device=student.device)
+        cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap))
         _launch(sums_kernel, launch)(
             student, teacher, labels, lse_u, lse_v, out, rows, cols, student.stride(0), teacher.stride(0),
-            lse_u.stride(0), lse_v.stride(0), col_start, per_split,
+            lse_u.stride(0), lse_v.stride(0), col_start, per_split, *cap_values,
             1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature,
             COLUMN_TERMS=terms.function,
             NUM_SUMS=terms.outputs,
             HAS_T=True,
+            CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
             num_warps=chosen.num_warps,
@@ -183,11 +198,11 @@ class TritonBlockMath:
         other = student if teacher is None else teacher
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", n_rows, cols)
+        cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap if teacher is not None else None))
         _launch(grads_kernel, launch)(
             student, other, labels, rows.packed, out.student, out_t, n_rows, cols, student.stride(0),
-            other.stride(0), out.student.stride(0), out_t.stride(0), col_start, per_split,
+            other.stride(0), out.student.stride(0), out_t.stride(0), col_start, per_split, *cap_values,
             1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature, *plan.kl_grad_weights,
-            1.0 / (plan.student_softcap or 1.0), 1.0 / (plan.teacher_softcap or 1.0),
             ROW_CONSTANTS=rows.names,
             STUDENT_GRAD=student_grad,
             TEACHER_GRAD=teacher_grad,
@@ -195,9 +210,8 @@ class TritonBlockMath:
             STUDENT_KL=student_kl,
             TEACHER_CE=plan.teacher_ce_trains_teacher,
             TEACHER_KL=teacher_kl,
-            CAP_S=plan.student_softcap is not None,
-            CAP_T=plan.teacher_softcap is not None and out.teacher is not None,
             HAS_T=teacher is not None,
+            CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
             num_warps=chosen.num_warps,

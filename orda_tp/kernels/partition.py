@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_io import empty_tuple, load_tile, local_labels, program_tile, row_tile
+from .block_io import empty_tuple, load_tile, local_labels, program_tile, row_tile, softcap
 
 __all__ = ["merge_kernel", "online_lse_update", "partition_kernel"]
 
@@ -46,27 +46,35 @@ def partition_kernel(
     stride_t: tl.tensor,
     col_start: tl.tensor,
     cols_per_split: tl.tensor,
+    cap_s: tl.tensor,
+    cap_t: tl.tensor,
     inv_temperatures: tl.tuple,
     READS_TEACHER: tl.constexpr,
     NUM_FAMILIES: tl.constexpr,
     COLUMN_SUMS: tl.constexpr,
     NUM_COLUMN_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
+    CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ) -> None:
     """The record of this program's rows over its column split, written to split
     ``program_id(1)`` of ``out`` (splits, R, 2F + 3 + E). Family ``f`` reads ``t`` when
     ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
-    loaded once per row, by the split that owns the label column. ``COLUMN_SUMS(s)``: the
+    loaded once per row, by the split that owns the label column. A side whose ``CAPPED`` flag is
+    set is soft-capped by ``cap_s`` or ``cap_t`` as it is read. ``COLUMN_SUMS(s)``: the
     ``E = NUM_COLUMN_SUMS`` column terms, accumulated per tile element and reduced once."""
     WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3 + NUM_COLUMN_SUMS
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     label = local_labels(labels_ptr, rows, row_ok, col_start)
     owned = row_ok & (label >= c_begin) & (label < c_end)
     target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
+    if CAPPED[0]:
+        target_s = softcap(target_s, cap_s)
     if HAS_T:
         target_t = tl.load(t_ptr + rows * stride_t + label, mask=owned, other=0.0).to(tl.float32)
+        if CAPPED[1]:
+            target_t = softcap(target_t, cap_t)
     else:
         target_t = tl.zeros([BLOCK_R], dtype=tl.float32)
     partials = empty_tuple()  # per family (m, z)
@@ -76,7 +84,9 @@ def partition_kernel(
     for _ in tl.static_range(NUM_COLUMN_SUMS):
         sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
-        cols, ok, s, t = load_tile(s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, HAS_T, BLOCK_R, BLOCK_C)
+        cols, ok, s, t = load_tile(
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R, BLOCK_C
+        )
         updated = empty_tuple()
         for f in tl.static_range(NUM_FAMILIES):
             m, z = partials[f]

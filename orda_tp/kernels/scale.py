@@ -4,7 +4,8 @@
   gradient of a mean or sum loss (a 0-d CUDA tensor as the second operand of torch's ``mul_``
   takes a slow broadcasting path).
 - :func:`softcap_kernel` (:func:`softcap_in_place`): ``x = cap·tanh(x/cap)`` in one read and one
-  write of a chunk's logits, where torch's ``div_``, ``tanh_``, ``mul_`` would take three.
+  write, where torch's ``div_``, ``tanh_``, ``mul_`` would take three: the torch backend's capped
+  blocks on CUDA (the Triton kernels cap a tile as they load it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .block_io import softcap
 
 __all__ = ["scale_kernel", "softcap_in_place", "softcap_kernel"]
 
@@ -32,14 +35,12 @@ def scale_kernel(x_ptr: tl.tensor, scale_ptr: tl.tensor, n: tl.tensor, BLOCK: tl
 
 @triton.jit(do_not_specialize=["n"])
 def softcap_kernel(x_ptr: tl.tensor, n: tl.tensor, cap: tl.tensor, BLOCK: tl.constexpr) -> None:
-    """``x[i] = cap·tanh(x[i]/cap)`` for ``i < n`` in fp32 (``tanh|y| = (1 − e^{−2|y|})/(1 + e^{−2|y|})``,
-    the sign put back), stored back in ``x``'s dtype."""
+    """``x[i] = cap·tanh(x[i]/cap)`` for ``i < n`` in fp32 (:func:`.block_io.softcap`), stored back
+    in ``x``'s dtype."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offsets < n
     x = tl.load(x_ptr + offsets, mask=ok).to(tl.float32)
-    decay: tl.tensor = tl.exp(-2.0 * tl.abs(x / cap))
-    magnitude = cap * (1.0 - decay) / (1.0 + decay)
-    tl.store(x_ptr + offsets, tl.where(x < 0.0, -magnitude, magnitude).to(x_ptr.dtype.element_ty), mask=ok)
+    tl.store(x_ptr + offsets, softcap(x, cap).to(x_ptr.dtype.element_ty), mask=ok)
 
 
 def softcap_in_place(tensor: Tensor, cap: float) -> Tensor:

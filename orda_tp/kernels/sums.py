@@ -34,11 +34,14 @@ def sums_kernel(
     stride_lv: tl.tensor,
     col_start: tl.tensor,
     cols_per_split: tl.tensor,
+    cap_s: tl.tensor,
+    cap_t: tl.tensor,
     inv_ts: tl.tensor,
     inv_tt: tl.tensor,
     COLUMN_TERMS: tl.constexpr,
     NUM_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
+    CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ) -> None:
@@ -54,7 +57,9 @@ def sums_kernel(
     for _ in tl.static_range(NUM_SUMS):
         sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
-        cols, ok, s, t = load_tile(s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, HAS_T, BLOCK_R, BLOCK_C)
+        cols, ok, s, t = load_tile(
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R, BLOCK_C
+        )
         is_target = cols[None, :] == local_label
         logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
         terms = COLUMN_TERMS(logp, logq, p, q, is_target)
