@@ -129,6 +129,16 @@ def load_row_constants(
 
 
 @triton.jit
+def accumulated(sums: tl.tuple, terms: tl.tuple, ok: tl.tensor, like: tl.tensor, COUNT: tl.constexpr) -> tl.tuple:
+    """``sums[k] + terms[k]`` on the tile's entries inside ``ok`` (0 outside) for ``k < COUNT``;
+    a term constant along the row (a (BLOCK_R, 1) column) is broadcast to the tile ``like`` first."""
+    added = empty_tuple()
+    for k in tl.static_range(COUNT):
+        added += (sums[k] + tl.where(ok, terms[k] + tl.zeros_like(like), 0.0),)
+    return added
+
+
+@triton.jit
 def empty_tuple() -> tuple[Any, ...]:
     """``()``, to grow a tuple in a ``tl.static_range`` loop (mypy types a literal ``()`` as the
     empty tuple for good)."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_io import empty_tuple, load_tile, local_labels, program_tile, row_tile, softcap
+from .block_io import accumulated, empty_tuple, load_tile, local_labels, program_tile, row_tile, softcap
 
-__all__ = ["merge_kernel", "online_lse_update", "partition_kernel"]
+__all__ = ["label_logits", "merge_kernel", "online_lse_update", "partition_kernel"]
 
 
 @triton.jit
@@ -32,6 +32,35 @@ def online_lse_update(m: tl.tensor, z: tl.tensor, x: tl.tensor) -> tuple[tl.tens
     z = tl.where(m == float("-inf"), 0.0, z * tl.exp(m - shift))
     z += tl.sum(tl.exp(x - shift[:, None]), axis=1)
     return new, z
+
+
+@triton.jit
+def label_logits(
+    s_ptr: tl.tensor,
+    t_ptr: tl.tensor,
+    rows: tl.tensor,
+    stride_s: tl.tensor,
+    stride_t: tl.tensor,
+    label: tl.tensor,
+    owned: tl.tensor,
+    cap_s: tl.tensor,
+    cap_t: tl.tensor,
+    HAS_T: tl.constexpr,
+    CAPPED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """The rows' student and teacher logits at their label where ``owned`` (0 elsewhere, and for
+    a missing teacher), fp32, soft-capped as the tiles are."""
+    target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
+    if CAPPED[0]:
+        target_s = softcap(target_s, cap_s)
+    if HAS_T:
+        target_t = tl.load(t_ptr + rows * stride_t + label, mask=owned, other=0.0).to(tl.float32)
+        if CAPPED[1]:
+            target_t = softcap(target_t, cap_t)
+    else:
+        target_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    return target_s, target_t
 
 
 @triton.jit(do_not_specialize=["R", "col_start"])
@@ -68,15 +97,9 @@ def partition_kernel(
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     label = local_labels(labels_ptr, rows, row_ok, col_start)
     owned = row_ok & (label >= c_begin) & (label < c_end)
-    target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
-    if CAPPED[0]:
-        target_s = softcap(target_s, cap_s)
-    if HAS_T:
-        target_t = tl.load(t_ptr + rows * stride_t + label, mask=owned, other=0.0).to(tl.float32)
-        if CAPPED[1]:
-            target_t = softcap(target_t, cap_t)
-    else:
-        target_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    target_s, target_t = label_logits(
+        s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R
+    )
     partials = empty_tuple()  # per family (m, z)
     for _ in tl.static_range(NUM_FAMILIES):
         partials += ((tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32)),)
@@ -93,11 +116,7 @@ def partition_kernel(
             updated += (online_lse_update(m, z, (t if READS_TEACHER[f] else s) * inv_temperatures[f]),)
         partials = updated
         if NUM_COLUMN_SUMS > 0:
-            terms = COLUMN_SUMS(s)
-            added = empty_tuple()
-            for k in tl.static_range(NUM_COLUMN_SUMS):
-                added += (sums[k] + tl.where(ok, terms[k], 0.0),)
-            sums = added
+            sums = accumulated(sums, COLUMN_SUMS(s), ok, s, NUM_COLUMN_SUMS)
     base = out_ptr + tl.program_id(1) * R * WIDTH + rows * WIDTH
     for f in tl.static_range(NUM_FAMILIES):
         m, z = partials[f]

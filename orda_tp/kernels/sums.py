@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_io import empty_tuple, load_tile, local_labels, normalized, program_tile
+from .block_io import accumulated, empty_tuple, load_tile, local_labels, normalized, program_tile
 
 __all__ = ["sums_kernel"]
 
@@ -62,12 +62,7 @@ def sums_kernel(
         )
         is_target = cols[None, :] == local_label
         logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
-        terms = COLUMN_TERMS(logp, logq, p, q, is_target)
-        added = empty_tuple()
-        for k in tl.static_range(NUM_SUMS):
-            # A term may be constant along the row (a (BLOCK_R, 1) column): broadcast it first.
-            added += (sums[k] + tl.where(ok, terms[k] + tl.zeros_like(p), 0.0),)
-        sums = added
+        sums = accumulated(sums, COLUMN_TERMS(logp, logq, p, q, is_target), ok, p, NUM_SUMS)
     base = out_ptr + tl.program_id(1) * R * NUM_SUMS + rows * NUM_SUMS
     for k in tl.static_range(NUM_SUMS):
         tl.store(base + k, tl.sum(sums[k], axis=1), mask=row_ok)
