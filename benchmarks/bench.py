@@ -16,7 +16,9 @@ states through the same head) and cut-cross-entropy (CE). Each loss is compared 
 Median of 10 timed calls after 3 warm-ups (CUDA events), spread = max − min; on the CPU 2 after 1.
 peak = max allocated during one call above what was allocated before it; workspace = peak less the
 returned gradients. Floor = GEMMs × 2·BT·H·V at 788 TFLOP/s (KD 4 GEMMs, CE and a precomputed
-teacher 3). The issue's targets are printed beside orda_tp's rows.
+teacher 3); "GEMM-only" = those GEMMs themselves run back to back by cuBLAS in the same run (each
+side's logits GEMM with an fp32 result, dh, dW), and every row's ratio to it is printed. The issue's
+targets are printed beside orda_tp's rows.
 
 Parts: the anchor shapes; ``--extras`` (on by default): the 15 KL variants against forward KL's time,
 the separate, the precomputed-logits and the top-64 cache teachers (both tails), and the loss terms
@@ -78,6 +80,7 @@ from benchmarks.harness import (  # noqa: E402  (first: it sets the NCCL and Tri
     sync_device,
 )
 from orda_tp import KL_VARIANTS, PrecomputedTeacher, SeparateTeacher, TiedTeacher, distillation_loss  # noqa: E402
+from orda_tp.engine.logits import logits_mm  # noqa: E402
 from tests.cases import VARIANT_KWARGS  # noqa: E402
 
 MATMUL_TFLOPS = 788.0  # bf16 8192³ on an H200, measured (shared/ANCHORS.md)
@@ -85,6 +88,7 @@ WARMUP, REPEATS = 3, 10  # on a GPU; the CPU takes CPU_WARMUP, CPU_REPEATS
 CPU_WARMUP, CPU_REPEATS = 1, 2
 TASKS = ("KD", "CE")
 TASK_GEMMS = {"KD": 4, "CE": 3}
+GEMM_ONLY = "GEMM-only (cuBLAS)"  # the row of a task's unavoidable GEMMs alone
 SANITY_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}  # relative difference from the naive loss
 # The naive loss's peak per logit (bf16 inputs, fp32 logits), measured at the first shape: KD 28056 MiB
 # and CE 12024 MiB for 8192 × 128256 logits. Naive rows estimated above NAIVE_LIMIT_GIB are not run.
@@ -234,6 +238,21 @@ def loss_step(inputs: BenchInputs, loss: Callable[[], Tensor]) -> Step:
 def gemm_step(inputs: BenchInputs) -> Step:
     """One logits GEMM, for scale."""
     return lambda: (torch.mm(inputs.hidden.detach(), inputs.weight.detach().T), ())
+
+
+def gemm_only_step(inputs: BenchInputs, task: str) -> Step:
+    """The loss's unavoidable full-size GEMMs back to back in cuBLAS: each side's logits GEMM with an
+    fp32 result (two for KD, the tied teacher's too; one for CE), then ``dh = G·W`` and
+    ``dW = Gᵀ·h`` for a logit gradient ``G`` in the inputs' dtype (made once, outside the timing)."""
+    hidden, weight, teacher = inputs.hidden.detach(), inputs.weight.detach(), inputs.teacher_hidden
+    grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device=hidden.device).to(hidden.dtype)
+    sides = [hidden, teacher] if task == "KD" else [hidden]
+
+    def step() -> tuple[Tensor, tuple[Tensor, ...]]:
+        logits = [logits_mm(side, weight, torch.float32) for side in sides]
+        return logits[0], (grad_logits @ weight, grad_logits.T @ hidden)
+
+    return step
 
 
 def orda_step(
@@ -632,7 +651,7 @@ def check_sanity(bench: Bench, rows: list[dict[str, Any]]) -> None:
     tolerance = SANITY_TOLERANCE[bench.dtype]
     naive = {r["case"]: r["loss"] for r in rows if r["impl"] == NAIVE.name and r["status"] == "ok"}
     for row in rows:
-        if row["impl"] == NAIVE.name or row["status"] != "ok" or row["case"] not in naive:
+        if row["impl"] in (NAIVE.name, GEMM_ONLY) or row["status"] != "ok" or row["case"] not in naive:
             continue
         expected = naive[row["case"]]
         rel = abs(row["loss"] - expected) / max(abs(expected), 1e-30)
@@ -684,8 +703,25 @@ def main_specs(scale: Scale, impls: list[Impl], device: torch.device, small: boo
         specs.append(RowSpec("main", shape, "logits GEMM", "torch.mm", 1, gemm_step))
         for task in TASKS:
             target = None if small else TARGETS.get((index, task))
+            gemm_only = partial(gemm_only_step, task=task)
+            specs.append(RowSpec("main", shape, task, GEMM_ONLY, TASK_GEMMS[task], gemm_only))
             specs += task_specs("main", shape, task, impls, device, target)
     return specs
+
+
+def report_gemm_ratios(bench: Bench) -> None:
+    """Each implementation's time over the GEMM-only time of its shape and task (same run)."""
+    main = [r for r in bench.rows if r["section"] == "main" and r["status"] == "ok"]
+    gemm_only = {(r["shape"], r["case"]): r["ms"] for r in main if r["impl"] == GEMM_ONLY}
+    for row in main:
+        floor = gemm_only.get((row["shape"], row["case"]))
+        if floor is None or row["impl"] == GEMM_ONLY:
+            continue
+        row["x_gemm_only"] = row["ms"] / floor
+        bench.reporter.line(
+            f"   {row['shape']} {row['case']} {row['impl']}: {row['ms']:.2f} ms = {row['x_gemm_only']:.3f} x GEMM-only "
+            f"({floor:.2f} ms)"
+        )
 
 
 #: The student's loss terms timed beside KD (``--extras``), each against KD without them.
@@ -799,6 +835,7 @@ def run_bench(args: argparse.Namespace, bench: Bench, scale: Scale) -> None:
         specs += sweep_specs(scale, impls, device)
     reporter.line(BENCH_HEADER)
     run_specs(bench, specs)
+    report_gemm_ratios(bench)
     if args.extras:
         report_variant_ratios(bench)
     report_not_run(bench)
@@ -906,11 +943,12 @@ def main_tables(bench: Bench) -> list[str]:
     for shape, rows in groupby(main, key=lambda r: r["shape"]):
         out += ["", f"### {shape}", ""]
         out += _table(
-            ["task", "implementation", "ms", "floor ms", "× floor", "peak MiB", "workspace MiB", "target", "sanity"],
+            ["task", "implementation", "ms", "floor ms", "× floor", "× GEMM-only", "peak MiB", "workspace MiB",
+             "target", "sanity"],
             (
                 [r["case"], r["impl"], _ms_cell(r), f"{r['floor_ms']:.1f}", _cell(r.get("x_floor"), ".2f"),
-                 _cell(r.get("peak_mib"), ".0f"), _cell(r.get("workspace_mib"), ".0f"), r.get("note") or "-",
-                 _sanity_cell(r)]
+                 _cell(r.get("x_gemm_only"), ".3f"), _cell(r.get("peak_mib"), ".0f"),
+                 _cell(r.get("workspace_mib"), ".0f"), r.get("note") or "-", _sanity_cell(r)]
                 for r in rows
             ),
         )  # fmt: skip
