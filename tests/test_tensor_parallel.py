@@ -99,13 +99,15 @@ def test_dtensor_weight_on_2d_mesh() -> None:
     run_and_check(4, tp_workers.dtensor_2d_worker)
 
 
-def test_collectives_per_call() -> None:
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_collectives_per_call(world_size: int) -> None:
     """Per call: one fixed-size handshake, at most one collective per statistics round (two per
     row chunk), the hidden gradients' sums (one all-reduce per hidden gradient and row group, each
     started as soon as its rows are complete; one reduce-scatter under sequence parallelism, which
-    also gathers the rows once); every call alike (nothing is cached across calls); a no-grad call has no gradient
-    collective."""
-    reports = run_distributed(2, tp_workers.counting_worker, timeout=CASES_TIMEOUT_S)
+    also gathers the rows once); every call alike (nothing is cached across calls); a no-grad call
+    has no gradient collective. The same counts at TP = 2, 4 and 8: the number of collectives does
+    not grow with the group (their size does, docs/architecture.md §4.3)."""
+    reports = run_distributed(world_size, tp_workers.counting_worker, timeout=MATRIX_TIMEOUT_S)
     failures = []
     for rank, report in enumerate(reports):
         for name, info in report.items():
