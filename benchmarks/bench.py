@@ -82,6 +82,7 @@ from benchmarks.harness import (  # noqa: E402  (first: it sets the NCCL and Tri
 from orda_tp import KL_VARIANTS, PrecomputedTeacher, SeparateTeacher, TiedTeacher, distillation_loss  # noqa: E402
 from orda_tp.engine.logits import logits_mm  # noqa: E402
 from tests.cases import VARIANT_KWARGS  # noqa: E402
+from tests.topk_cases import topk_of  # noqa: E402
 
 MATMUL_TFLOPS = 788.0  # bf16 8192³ on an H200, measured (shared/ANCHORS.md)
 WARMUP, REPEATS = 3, 10  # on a GPU; the CPU takes CPU_WARMUP, CPU_REPEATS
@@ -212,10 +213,8 @@ def topk_teacher(inputs: BenchInputs, tail: str, k: int = 64) -> PrecomputedTeac
     """The tied teacher as a top-``k`` cache: each row's ``k`` most likely ids and their fp32
     log-probabilities (the rest of the mass as ``tail`` says)."""
     with torch.no_grad():
-        logits = inputs.teacher_hidden @ inputs.weight.detach().T
-        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        del logits
-    return PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values, tail=tail)
+        ids, logprobs = topk_of(inputs.teacher_hidden @ inputs.weight.detach().T, k, dtype=torch.float32)
+    return PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, tail=tail)
 
 
 # ------------------------------------------------------------------------------------------------ steps

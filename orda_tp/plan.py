@@ -18,7 +18,7 @@ from .records import LogitFamily
 from .teachers import TeacherSource
 from .terms import STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 
-__all__ = ["LossPlan", "StepKey"]
+__all__ = ["LossPlan", "StepKey", "check_sparse_teacher"]
 
 
 def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
@@ -50,6 +50,18 @@ def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weig
         )
 
 
+def check_sparse_teacher(divergence: Divergence, params: DivergenceParams) -> None:
+    """Refuse a variant that is +inf on every row of a teacher without mass outside its top-k ids
+    (a ``PrecomputedTeacher(tail="renormalize")``, for the fused and the logits-level losses)."""
+    if divergence.infinite_without_support(params):
+        raise ValueError(
+            f"kl_divergence={divergence.name!r} is +inf on every row whose teacher has no mass on a column, and "
+            "a PrecomputedTeacher(tail='renormalize') has none outside its top-k ids; use tail='uniform' "
+            "(the missing mass spread over the other columns) or a variant that stays finite there, such as "
+            "'forward', 'skew_reverse' or 'dkd' (docs/variants.md §6)"
+        )
+
+
 def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight: float) -> None:
     """What a cache cannot give: a soft-cap of logits it holds (they are taken as capped); and,
     for a teacher without mass on most columns (a renormalized top-k cache), the variants that are
@@ -62,14 +74,8 @@ def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight
         )
     if not teacher.sparse_support:
         return
-    divergence = options.divergence
-    if options.kl_weight > 0 and divergence.infinite_without_support(options.params):
-        raise ValueError(
-            f"kl_divergence={divergence.name!r} is +inf on every row whose teacher has no mass on a column, and "
-            "a PrecomputedTeacher(tail='renormalize') has none outside its top-k ids; use tail='uniform' "
-            "(the missing mass spread over the other columns) or a variant that stays finite there, such as "
-            "'forward', 'skew_reverse' or 'dkd' (docs/variants.md §6)"
-        )
+    if options.kl_weight > 0:
+        check_sparse_teacher(options.divergence, options.params)
     if teacher_ce_weight > 0:
         raise ValueError(
             f"teacher_ce_weight={teacher_ce_weight} asks for the teacher CE −log q_y, which is +inf on every row "
@@ -107,6 +113,7 @@ class LossPlan:
     ``teacher_role`` follows docs/variants.md §2: "cotrained" when a co-training variant (mutual,
     cojeffreys) has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
     ``families`` lists the distinct logit families whose log-partitions round 1 computes;
+    ``component_weights``: each output component's weight in the loss, ``loss = Σ w·component``;
     ``kl_grad_weights = (w_kl·T_s, w_kl·T_s²/T_t)`` are the factors of ``∂D/∂u`` in ``∂loss/∂s`` and
     of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale); ``column_sums`` the column terms of round
     1's record (the terms'); ``step_key`` is what the row programs depend on, ``formulas`` the
@@ -139,6 +146,7 @@ class LossPlan:
     kl_trains_teacher: bool = field(init=False)
     teacher_ce_trains_teacher: bool = field(init=False)
     student_receives_grad: bool = field(init=False)
+    component_weights: dict[str, float] = field(init=False)
     kl_grad_weights: tuple[float, float] = field(init=False)
     column_sums: tuple[Expr, ...] = field(init=False)
     families: tuple[LogitFamily, ...] = field(init=False)
@@ -185,6 +193,11 @@ class LossPlan:
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
             "teacher_ce_trains_teacher": teacher_ce_trains,
             "student_receives_grad": student_terms or computes_kl,
+            "component_weights": {
+                **{term.name: weight for term, weight in zip(self.student_terms, self.term_weights)},
+                "teacher_ce": self.teacher_ce_weight,
+                "kl": self.kl_weight,
+            },
             "kl_grad_weights": (kl_student, kl_student * self.student_temperature / self.teacher_temperature),
             "column_sums": column_sums,
             "families": families,

@@ -11,6 +11,8 @@ from torch import Tensor
 import orda_tp
 from orda_tp import EntropyGate, KernelConfig, PrecomputedTeacher, SeparateTeacher, TiedTeacher
 
+from .topk_cases import topk_of
+
 VARIANT_KWARGS: dict[str, dict[str, object]] = {
     "forward": {},
     "reverse": {},
@@ -60,9 +62,9 @@ class Problem:
         if mode == "separate":
             return SeparateTeacher(self.teacher_hidden, self.teacher_weight)
         if mode == "topk":
-            real = self.teacher_logits[:, : self.real_columns].double()
-            top = torch.log_softmax(real, dim=-1).topk(min(TOPK, real.shape[1]), dim=-1)
-            return PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values.float())
+            k = min(TOPK, self.real_columns or self.teacher_logits.shape[1])
+            ids, logprobs = topk_of(self.teacher_logits, k, self.real_columns, torch.float32)
+            return PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
         return PrecomputedTeacher(logits=self.teacher_logits)
 
     def trainable(self, mode: str) -> list[Tensor]:

@@ -9,12 +9,15 @@ import torch
 from torch import Tensor
 
 
-def topk_of(logits: Tensor, k: int, vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
+def topk_of(
+    logits: Tensor, k: int, vocab_size: int | None = None, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
     """``(ids, log-probabilities)`` of each row's ``k`` most likely columns of ``softmax(logits)``
-    over the real vocabulary (the first ``vocab_size`` columns)."""
+    over the real vocabulary (the first ``vocab_size`` columns), computed in fp64 and stored in
+    ``dtype`` (the logits' when None)."""
     real = logits if vocab_size is None else logits[:, :vocab_size]
     top = torch.log_softmax(real.double(), dim=-1).topk(k, dim=-1)
-    return top.indices, top.values.to(logits.dtype)
+    return top.indices, top.values.to(logits.dtype if dtype is None else dtype)
 
 
 def dense_teacher(ids: Tensor, logprobs: Tensor, tail: str, vocab: int, vocab_size: int | None = None) -> Tensor:

@@ -135,9 +135,8 @@ def _outputs(problem: ChunkedProblem, walked: list[RowStats], like: Tensor) -> t
         name: torch.cat([chunk[name] for chunk in per_chunk]) if walked else like.new_zeros(0)
         for name in (*(term.name for term in STUDENT_TERMS), "teacher_ce", "kl")
     }
-    weighted = [weight * components[term.name] for term, weight in zip(plan.student_terms, plan.term_weights)]
-    weighted += [plan.teacher_ce_weight * components["teacher_ce"], plan.kl_weight * components["kl"]]
-    per_row = sum(weighted[1:], weighted[0])
+    weighted = (weight * components[name] for name, weight in plan.component_weights.items())
+    per_row = sum(weighted, like.new_zeros(()))
     reduced, weights = [], problem.token_weights
     for values in (per_row, *(components[name] for name in COMPONENTS)):
         values = torch.where(valid, values if weights is None else values * weights.to(values.dtype), 0.0)

@@ -17,7 +17,6 @@ logits arrive either converted to it or as stored, for block math that upcasts t
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -63,15 +62,9 @@ def logits_mm(hidden: Tensor, weight_block: Tensor, dtype: torch.dtype) -> Tenso
 
 
 def softcapped(logits: Tensor, cap: float | None) -> Tensor:
-    """``cap·tanh(logits/cap)`` in place (Gemma 2's soft-capping; one Triton launch for contiguous
-    CUDA logits); ``logits`` when ``cap`` is None."""
-    if cap is None:
-        return logits
-    if logits.is_cuda and logits.is_contiguous() and importlib.util.find_spec("triton") is not None:
-        from ..kernels.scale import softcap_in_place
-
-        return softcap_in_place(logits, cap)
-    return logits.div_(cap).tanh_().mul_(cap)
+    """``cap·tanh(logits/cap)`` in place (Gemma 2's soft-capping), for the torch block math (the
+    Triton kernels cap a tile as they load it); ``logits`` when ``cap`` is None."""
+    return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
 
 @dataclass(frozen=True)

@@ -202,9 +202,7 @@ def reference_loss(
     components = {name: torch.where(valid, torch.where(in_range, v, nan), zeros) for name, v in components.items()}
     if token_weights is not None:
         components = {name: values * token_weights.to(dtype) for name, values in components.items()}
-    weighted = [weight * components[term.name] for term, weight in zip(plan.student_terms, plan.term_weights)]
-    weighted += [plan.teacher_ce_weight * components["teacher_ce"], plan.kl_weight * components["kl"]]
-    loss = sum(weighted[1:], weighted[0])
+    loss = sum((weight * components[name] for name, weight in plan.component_weights.items()), zeros)
     outputs = [loss] + [components[name].detach() for name in COMPONENTS]
     if plan.reduction != "none":
         outputs = [values.sum() for values in outputs]

@@ -70,6 +70,11 @@ def record_inputs(num_families: int, num_column_sums: int) -> list[str]:
     return [f"m{i}" for i in range(f)] + [f"z{i}" for i in range(f)] + ["s_y", "t_y", "hits", *sums]
 
 
+def _term_scalars(terms: tuple[StudentTerm, ...]) -> list[str]:
+    """The runtime scalars the terms' formulas read: their nonzero parameters, then ``inv_vocab``."""
+    return [*sorted({name for term in terms for name in term.given}), "inv_vocab"]
+
+
 def _term_values(terms: tuple[StudentTerm, ...], lse: Expr) -> dict[str, Expr]:
     """Each term's row value, its column sums read from the record's ``sum<k>`` columns."""
     values, first = {}, 0
@@ -113,7 +118,7 @@ def partition_step(key: StepKey) -> RowProgram:
         outputs["logq_y"] = row("t_y") / row("t_t") - lse_v
     else:
         outputs["kl"] = nan_elsewhere
-    scalars = ["t_s", "t_t", *sorted({name for term in key.student_terms for name in term.given}), "inv_vocab"]
+    scalars = ["t_s", "t_t", *_term_scalars(key.student_terms)]
     return _program(record_inputs(count, key.num_column_sums), scalars, outputs)
 
 
@@ -146,7 +151,7 @@ def grad_step(key: StepKey, names: tuple[str, ...]) -> RowProgram:
         formulas["c_y"] = _total([weight * grad.label for weight, grad in grads])
         formulas["c_u"] = _total([weight * grad.uniform for weight, grad in grads])
         scalars += [f"w_{term.name}" for term in key.student_terms]
-        scalars += [*sorted({name for term in key.student_terms for name in term.given}), "inv_vocab"]
+        scalars += _term_scalars(key.student_terms)
     if key.ce_teacher is not None:
         absent = is_set(row("absent"))
         formulas["lse_t"] = where(absent, 0.0, row(f"lse{key.ce_teacher}"))

@@ -28,7 +28,7 @@ from ..config import KernelConfig
 from ..divergences import EntropyGate
 from ..engine.logits import SideLogits, StoredLogits, statistics_dtype
 from ..options import LogitsOptions
-from ..plan import LossPlan
+from ..plan import LossPlan, check_sparse_teacher
 from ..teachers import PrecomputedTeacher
 from .function import logits_distillation
 from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_group
@@ -138,23 +138,20 @@ def _kd_loss(
 
 
 def _check_topk_cache(cache: PrecomputedTeacher, rows: int, options: LogitsOptions) -> None:
-    """A teacher given as a cache must be a top-k cache of one row per label, and its tail must
-    leave the variant finite."""
+    """A teacher given as a cache must be a top-k cache of one row per label, unchanged since it
+    was built, whose tail leaves the variant finite."""
     if cache.topk_ids is None:
         raise TypeError(
             "KDLoss takes teacher_logits as a tensor or as PrecomputedTeacher(topk_ids=..., topk_logprobs=...); "
             f"got a PrecomputedTeacher of kind {cache.kind!r} (pass its logits as the tensor)"
         )
+    cache.check_unmodified()
     if cache.topk_ids.shape[0] != rows:
         raise ValueError(
             f"PrecomputedTeacher.topk_ids must have one row per label ({rows}), got {tuple(cache.topk_ids.shape)}"
         )
-    if cache.sparse_support and options.divergence.infinite_without_support(options.params):
-        raise ValueError(
-            f"kl_divergence={options.divergence.name!r} is +inf on every row whose teacher has no mass on a column, "
-            "and a PrecomputedTeacher(tail='renormalize') has none outside its top-k ids; use tail='uniform' or a "
-            "variant that stays finite there (docs/variants.md §6)"
-        )
+    if cache.sparse_support:
+        check_sparse_teacher(options.divergence, options.params)
 
 
 class KDLoss(nn.Module):
