@@ -37,7 +37,7 @@ from .kernels import is_available
 from .options import GradScalerLike, LossOptions
 from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import VocabLayout
-from .parallel.local_shards import LocalInputs, local_error, shard_inputs
+from .parallel.local_shards import LocalInputs, can_fail_locally, local_error, shard_inputs
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
@@ -154,7 +154,8 @@ def _run(
     exchange = None
     if local.group is not None:  # the value checks travel with the first record exchange
         error = local_error(plan, local, teacher, layout, host_checks)
-        exchange = ShardExchange(local.group, layout.sequence_parallel, error)
+        shares_errors = can_fail_locally(plan, local.teacher)
+        exchange = ShardExchange(local.group, layout.sequence_parallel, error, shares_errors)
     else:
         read_cache, finite_inputs = host_checks and plan.needs_teacher_logits, config.check_finite_inputs
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)

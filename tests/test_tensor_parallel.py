@@ -132,6 +132,16 @@ def test_collectives_per_call(world_size: int) -> None:
     assert not failures, "\n".join(failures)
 
 
+def test_host_reads_of_a_call() -> None:
+    """With host checks off (a CUDA call's default), a call reads one tensor on the host: the
+    layout handshake's gathered values. A teacher read through a head has no local value check, so
+    its first record exchange carries no error columns and nothing else is read; a cached
+    teacher's exchange carries them, and they are read once more."""
+    reports = run_distributed(2, tp_workers.host_reads_worker, timeout=MATRIX_TIMEOUT_S)
+    for report in reports:
+        assert report == {"tied": ["tolist"], "separate": ["tolist"], "precomputed": ["tolist", "tolist"]}, report
+
+
 @pytest.mark.parametrize("scenario", list(tp_workers.ERROR_SCENARIOS))
 def test_error_on_one_rank_raises_everywhere(scenario: str) -> None:
     """An invalid input on one rank only: every rank raises the same ValueError, and none waits

@@ -26,12 +26,13 @@ VOCAB, K = 203, 11
 
 
 def compare(
-    variant: str, tail: str, reduction: str, backend: str, dtype: torch.dtype, vocab_size: int | None, tolerance: float
-) -> None:
-    problem = make_problem(rows=16, vocab=VOCAB, seed=stable_seed(variant, tail, reduction)).to(dtype)
+    variant: str, tail: str, reduction: str, backend: str, dtype: torch.dtype, vocab_size: int | None, tolerance: float,
+    vocab: int = VOCAB, k: int = K,
+) -> None:  # fmt: skip
+    problem = make_problem(rows=16, vocab=vocab, seed=stable_seed(variant, tail, reduction)).to(dtype)
     if vocab_size is not None:
-        problem.labels[problem.labels >= vocab_size] -= VOCAB - vocab_size
-    ids, logprobs = topk_of(problem.teacher_logits, K, vocab_size)
+        problem.labels[problem.labels >= vocab_size] -= vocab - vocab_size
+    ids, logprobs = topk_of(problem.teacher_logits, k, vocab_size)
     kwargs: dict[str, object] = dict(
         kl_weight=1.3, kl_divergence=variant, kl_temperature=2.0, kl_teacher_temperature=1.5,
         teacher_ce_weight=0.4 if tail == "uniform" else 0.0, label_smoothing=0.1, reduction=reduction,
@@ -43,7 +44,7 @@ def compare(
         problem.student_hidden, problem.weight, problem.labels, cache, backend=backend, config=config, **kwargs
     )
     exact = problem.to(torch.float64)
-    dense = orda_tp.PrecomputedTeacher(logits=dense_teacher(ids, logprobs, tail, VOCAB, vocab_size))
+    dense = orda_tp.PrecomputedTeacher(logits=dense_teacher(ids, logprobs, tail, vocab, vocab_size))
     expected = orda_tp.distillation_loss(
         exact.student_hidden, exact.weight, exact.labels, dense, backend="reference", **kwargs
     )
@@ -74,6 +75,12 @@ def test_topk_cache_equals_its_dense_teacher(backend: str, variant: str, tail: s
 def test_triton_topk_cache_equals_its_dense_teacher(variant: str, tail: str, reduction: str) -> None:
     pytest.importorskip("triton")
     compare(variant, tail, reduction, "triton", torch.float32, VOCAB - 13, 2e-5)
+
+
+def test_triton_reads_caches_of_more_than_255_ids() -> None:
+    """k = 260: the kernels' positions are int16 instead of one byte."""
+    pytest.importorskip("triton")
+    compare("forward", "uniform", "mean", "triton", torch.float32, 300, 2e-5, vocab=310, k=260)
 
 
 @pytest.mark.parametrize("variant", INFINITE_WITHOUT_SUPPORT)
@@ -113,6 +120,29 @@ def test_the_cache_is_read_in_chunks_never_densified() -> None:
         )
         out.loss.backward()
     assert seen and max(end - begin for begin, end in seen) <= 7
+
+
+@pytest.mark.parametrize(("k", "positions_dtype"), [(11, torch.uint8), (300, torch.int16)])
+def test_the_indexed_block_reads_as_the_dense_block(k: int, positions_dtype: torch.dtype) -> None:
+    """What the Triton kernels read (each column's place among its row's ids, looked up in the
+    row's ``[τ, l_1 … l_k]``) equals the formed block, on a shard's block whose columns hold only
+    some of the ids; one byte per entry while k ≤ 255."""
+    from orda_tp.teachers.source import IndexedLogits
+
+    vocab, rows = 1000, 5
+    logits = torch.randn(rows, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    ids, logprobs = topk_of(logits, k)
+    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
+    blocks = cache.block_source(vocab_start=200, vocab_size=vocab)
+    assert blocks is not None
+    dense = blocks.block(1, 4, 150, 550, torch.float64, as_stored=False)
+    indexed = blocks.block(1, 4, 150, 550, torch.float64, as_stored=True)
+    assert isinstance(indexed, IndexedLogits) and indexed.positions.dtype == positions_dtype
+    assert indexed.positions.shape == (3, 400) and 0 < int((indexed.positions > 0).sum()) < 3 * k
+    looked_up = indexed.values.gather(1, indexed.positions.long())
+    assert torch.equal(looked_up, dense)
+    expected = dense_teacher(ids, logprobs, "uniform", vocab, None)[1:4, 350:750]
+    torch.testing.assert_close(dense, expected, rtol=1e-12, atol=0.0)
 
 
 def _cache_error(message: str, edit: object, *, vocab_size: int | None = None, **fields: object) -> None:

@@ -743,6 +743,46 @@ def counting_worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
     return report
 
 
+HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero", "numpy")
+
+
+@contextmanager
+def counted_host_reads(reads: list[str]) -> Iterator[None]:
+    """Each way Python code reads a tensor's value on the host (on CUDA each synchronizes with
+    the device) appended to ``reads`` by name, then done."""
+    originals = {name: getattr(Tensor, name) for name in HOST_READS}
+
+    def counting(name: str) -> Callable[..., object]:
+        def read(self: Tensor, *args: object, **kwargs: object) -> object:
+            reads.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in HOST_READS:
+            setattr(Tensor, name, counting(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(Tensor, name, original)
+
+
+def host_reads_worker(rank: int, world: int) -> dict[str, list[str]]:
+    """The host reads of a forward + backward with host checks off (a CUDA call's default), per
+    teacher mode: a teacher read through a head has no local value check, a cache has."""
+    columns = chunk_ranges(VOCAB, world)[rank]
+    report = {}
+    for mode in ("tied", "separate", "precomputed"):
+        case = plain_case(f"host reads {mode}", "forward", mode, "mean", torch.float64, columns)
+        kwargs = {**case.kwargs, **case.tp_kwargs, "config": replace(TP_CHUNKS, host_checks=False)}
+        reads: list[str] = []
+        with counted_host_reads(reads):
+            loss_and_grads(case.local, case.mode, None, **kwargs)
+        report[mode] = reads
+    return report
+
+
 # ---------------------------------------------------------------------------- rank-consistent errors
 
 ERROR_WORLD = 3

@@ -22,7 +22,7 @@ from ..divergences.expr import Expr
 from ..kernels import unavailable_reason
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord
-from .logits import LogitGrads
+from .logits import LogitGrads, TeacherBlock
 from .row_formulas import RowProgram
 from .stats import GradRows
 from .torch_math import TorchBlockMath
@@ -45,7 +45,7 @@ class BlockMath(Protocol):
     def partition(
         self,
         student: Tensor,
-        teacher: Tensor | None,
+        teacher: TeacherBlock | None,
         labels: Tensor,
         col_start: int,
         families: Sequence[LogitFamily],
@@ -65,7 +65,7 @@ class BlockMath(Protocol):
         self,
         plan: LossPlan,
         student: Tensor,
-        teacher: Tensor,
+        teacher: TeacherBlock,
         labels: Tensor,
         col_start: int,
         lse_u: Tensor,
@@ -86,7 +86,7 @@ class BlockMath(Protocol):
         plan: LossPlan,
         rows: GradRows,
         student: Tensor,
-        teacher: Tensor | None,
+        teacher: TeacherBlock | None,
         labels: Tensor,
         col_start: int,
         out: LogitGrads,

@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..teachers.source import TeacherBlocks
 from ..terms import COMPONENTS, STUDENT_TERMS
 from .fused_grads import GemmPolicy, GradientBuffers, GradNeeds, allocate_buffers, run_gradient_gemms
-from .logits import HeadTensors, LogitGrads, SideLogits, logits_source, statistics_dtype
+from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
 from .row_walk import GradTarget, RecordExchange, RowWalk, row_layout, row_ranges, walk_rows
 from .stats import RowStats
 
@@ -44,7 +45,7 @@ class ChunkedProblem:
     walk: RowWalk
     denominator: float | Tensor
     gemms: GemmPolicy = GemmPolicy()
-    teacher_blocks: SideLogits | None = None
+    teacher_blocks: TeacherBlocks | None = None
     token_weights: Tensor | None = None
 
 

@@ -24,6 +24,8 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from ..teachers.source import IndexedLogits, TeacherBlocks
+
 __all__ = [
     "ColumnRange",
     "HeadLogits",
@@ -34,6 +36,7 @@ __all__ = [
     "PairedLogits",
     "SideLogits",
     "StoredLogits",
+    "TeacherBlock",
     "TiedLogits",
     "logits_mm",
     "logits_source",
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 ColumnRange = tuple[int, int]  # half-open local columns [start, stop)
+TeacherBlock = Tensor | IndexedLogits  # a block of teacher logits, dense or indexed (a top-k cache's)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -70,12 +74,13 @@ def softcapped(logits: Tensor, cap: float | None) -> Tensor:
 @dataclass(frozen=True)
 class LogitsBlock:
     """A chunk's logits on local columns ``[start, stop)``: ``student``, and ``teacher`` (None when
-    the call reads no teacher logits)."""
+    the call reads no teacher logits; :class:`IndexedLogits` only for a block math that reads
+    stored logits as stored)."""
 
     start: int
     stop: int
     student: Tensor
-    teacher: Tensor | None
+    teacher: TeacherBlock | None
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,7 @@ class PairedLogits:
     """A student side and a teacher side (None: no teacher logits), each formed on its own."""
 
     student: SideLogits
-    teacher: SideLogits | None
+    teacher: TeacherBlocks | None
 
     def blocks(
         self, begin: int, end: int, columns: Sequence[ColumnRange], dtype: torch.dtype, as_stored: bool
@@ -209,7 +214,7 @@ class HeadTensors(NamedTuple):
 def logits_source(
     head: HeadTensors,
     with_teacher: bool,
-    teacher_blocks: SideLogits | None = None,
+    teacher_blocks: TeacherBlocks | None = None,
     caps: tuple[float | None, float | None] = (None, None),
 ) -> LogitsSource:
     """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: the blocks it forms

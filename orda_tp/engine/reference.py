@@ -14,8 +14,9 @@ from torch import Tensor
 
 from ..divergences import DivergenceParams
 from ..plan import LossPlan
+from ..teachers.source import TeacherBlocks
 from ..terms import COMPONENTS, STUDENT_TERMS
-from .logits import SideLogits, statistics_dtype
+from .logits import statistics_dtype
 
 __all__ = ["reference_loss", "reference_divergence"]
 
@@ -129,11 +130,13 @@ def _teacher_logits(
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
-    teacher_blocks: SideLogits | None,
+    teacher_blocks: TeacherBlocks | None,
 ) -> Tensor:
     """The teacher's full logits over the head's (real) columns."""
     if teacher_blocks is not None:
-        return teacher_blocks.block(0, rows, 0, weight.shape[0], dtype, False)
+        formed = teacher_blocks.block(0, rows, 0, weight.shape[0], dtype, False)
+        assert isinstance(formed, Tensor)  # formed in ``dtype``, not as stored
+        return formed
     if teacher_logits is not None:
         return teacher_logits.to(dtype)  # a cache is taken as already capped
     assert teacher_hidden is not None
@@ -160,7 +163,7 @@ def reference_loss(
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
-    teacher_blocks: SideLogits | None = None,
+    teacher_blocks: TeacherBlocks | None = None,
     vocab_size: int | None = None,
     token_weights: Tensor | None = None,
 ) -> tuple[Tensor, ...]:

@@ -28,6 +28,7 @@ __all__ = [
     "position",
     "program_tile",
     "row_tile",
+    "teacher_at",
 ]
 
 
@@ -64,10 +65,34 @@ def local_labels(labels_ptr: tl.tensor, rows: tl.tensor, row_ok: tl.tensor, col_
 
 @triton.jit
 def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
-    """``cap·tanh(x/cap)`` in fp32 (``tanh|y| = (1 − e^{−2|y|})/(1 + e^{−2|y|})``, the sign put back)."""
-    decay: tl.tensor = tl.exp(-2.0 * tl.abs(x / cap))
+    """``cap·tanh(x/cap)`` in fp32 (``tanh|y| = (1 − e^{−2|y|})/(1 + e^{−2|y|})``, the sign put
+    back): one ``exp`` and one division per element, ``1/cap`` formed once per tile."""
+    inverse = 1.0 / cap
+    decay: tl.tensor = tl.exp(-2.0 * inverse * tl.abs(x))
     magnitude = cap * (1.0 - decay) / (1.0 + decay)
     return tl.where(x < 0.0, -magnitude, magnitude)
+
+
+@triton.jit
+def teacher_at(
+    t_ptr: tl.tensor,
+    rows: tl.tensor,
+    cols: tl.tensor,
+    ok: tl.tensor,
+    stride_t: tl.tensor,
+    indexed: tl.tuple,
+    other: tl.constexpr,
+    INDEXED: tl.constexpr,
+) -> tl.tensor:
+    """The teacher's logits at ``rows × cols`` (broadcast together, like ``ok``), fp32, ``other``
+    outside ``ok``: stored at ``t_ptr``, or, with ``INDEXED``, an indexed block
+    (``orda_tp.teachers.source.IndexedLogits``): ``t_ptr`` its positions and ``indexed =
+    (values_ptr, values_stride)``, each entry the row's value at its position."""
+    if INDEXED:
+        values_ptr, values_stride = indexed
+        place = tl.load(t_ptr + rows * stride_t + cols, mask=ok, other=0).to(tl.int64)
+        return tl.load(values_ptr + rows * values_stride + place, mask=ok, other=other).to(tl.float32)
+    return tl.load(t_ptr + rows * stride_t + cols, mask=ok, other=other).to(tl.float32)
 
 
 @triton.jit
@@ -82,23 +107,25 @@ def load_tile(
     c_end: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
+    indexed: tl.tuple,
     HAS_T: tl.constexpr,
+    INDEXED: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
     """``(cols, ok, s, t)`` of the tile at columns ``c0 … c0 + BLOCK_C − 1``: ``ok`` marks the
     entries inside the rows and the split, ``s`` and ``t`` are fp32 and −inf outside ``ok`` (``t``
-    is −inf everywhere without a teacher); a side whose ``CAPPED`` flag is set (student, teacher)
-    is soft-capped by ``cap_s`` or ``cap_t`` as it is loaded."""
+    is −inf everywhere without a teacher; an indexed teacher block with ``INDEXED``, see
+    :func:`teacher_at`); a side whose ``CAPPED`` flag is set (student, teacher) is soft-capped by
+    ``cap_s`` or ``cap_t`` as it is loaded."""
     cols = c0 + tl.arange(0, BLOCK_C)
     ok = row_ok[:, None] & (cols[None, :] < c_end)
     s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=ok, other=float("-inf")).to(tl.float32)
     if CAPPED[0]:
         s = tl.where(ok, softcap(s, cap_s), s)
     if HAS_T:
-        t = tl.load(t_ptr + rows[:, None] * stride_t + cols[None, :], mask=ok, other=float("-inf"))
-        t = t.to(tl.float32)
+        t = teacher_at(t_ptr, rows[:, None], cols[None, :], ok, stride_t, indexed, float("-inf"), INDEXED)
         if CAPPED[1]:
             t = tl.where(ok, softcap(t, cap_t), t)
     else:

@@ -100,7 +100,7 @@ def teacher_logit_grad(
 def through_softcap(grad: tl.tensor, capped: tl.tensor, cap: tl.tensor) -> tl.tensor:
     """The gradient with respect to ``z`` of ``grad`` with respect to ``s = cap·tanh(z/cap)``,
     from the capped values: ``grad·(1 − (s/cap)²)``."""
-    ratio = capped / cap
+    ratio = capped * (1.0 / cap)
     return grad * (1.0 - ratio * ratio)
 
 
@@ -130,6 +130,7 @@ def grads_kernel(
     cols_per_split: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
+    indexed: tl.tuple,
     inv_ts: tl.tensor,
     inv_tt: tl.tensor,
     w_kl_s: tl.tensor,
@@ -142,6 +143,7 @@ def grads_kernel(
     TEACHER_CE: tl.constexpr,
     TEACHER_KL: tl.constexpr,
     HAS_T: tl.constexpr,
+    INDEXED: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -155,8 +157,9 @@ def grads_kernel(
     rowc = load_row_constants(rowc_ptr, rows, row_ok, count(ROW_CONSTANTS))
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R, BLOCK_C
-        )
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t,
+            indexed, HAS_T, INDEXED, CAPPED, BLOCK_R, BLOCK_C,
+        )  # fmt: skip
         is_target = cols[None, :] == local_label
         if STUDENT_KL or TEACHER_KL:
             lse_u, lse_v = rowc[position(ROW_CONSTANTS, "lse_u")], rowc[position(ROW_CONSTANTS, "lse_v")]

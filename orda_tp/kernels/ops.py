@@ -27,11 +27,12 @@ from torch import Tensor
 from triton.runtime.jit import KernelInterface
 
 from ..divergences.expr import Expr
-from ..engine.logits import LogitGrads
+from ..engine.logits import LogitGrads, TeacherBlock
 from ..engine.row_formulas import RowProgram
 from ..engine.stats import GradRows
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord, block_partition_record
+from ..teachers.source import IndexedLogits
 from . import tiles, variant_terms
 from .grads import grads_kernel
 from .partition import merge_kernel, partition_kernel
@@ -74,6 +75,18 @@ def _caps(caps: Caps) -> tuple[tuple[float, float], tuple[bool, bool]]:
     return (caps[0] or 1.0, caps[1] or 1.0), (caps[0] is not None, caps[1] is not None)
 
 
+def _teacher_operand(teacher: TeacherBlock | None, student: Tensor) -> tuple[Tensor, int, tuple[Tensor, int], bool]:
+    """The kernels' teacher arguments ``(t, stride_t, indexed, INDEXED)``: the tensor ``t_ptr``
+    reads and its row stride, and for an :class:`IndexedLogits` block (its positions read at
+    ``t_ptr``) its values and their row stride; the student's block stands in for a missing
+    teacher (``HAS_T`` off)."""
+    if isinstance(teacher, IndexedLogits):
+        positions, values = teacher
+        return positions, positions.stride(0), (values, values.stride(0)), True
+    other = student if teacher is None else teacher
+    return other, other.stride(0), (other, 0), False
+
+
 class TritonBlockMath:
     """The kernels on whole chunks: one block per chunk, since they tile the columns themselves;
     they read raw blocks and apply the soft-caps as they load a tile."""
@@ -87,7 +100,7 @@ class TritonBlockMath:
     def partition(
         self,
         student: Tensor,
-        teacher: Tensor | None,
+        teacher: TeacherBlock | None,
         labels: Tensor,
         col_start: int,
         families: Sequence[LogitFamily],
@@ -98,22 +111,23 @@ class TritonBlockMath:
         the row sums of the student terms' ``column_sums``, of the logits soft-capped by ``caps``."""
         rows, cols = student.shape
         count = len(families)
-        if count == 0:  # no family: no student term either, so no column sums
-            return block_partition_record(student, teacher, labels, col_start, families)
+        if count == 0:  # no family: no student term and no teacher term, so no column sums or t_y
+            return block_partition_record(student, None, labels, col_start, families)
         sums = variant_terms.student_column_sums(column_sums).function if column_sums else None
         chosen, launch, per_split = _tiles_and_grid("partition", rows, cols)
         width = 2 * count + 3 + len(column_sums)
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
-        other = student if teacher is None else teacher
+        other, stride_t, indexed, is_indexed = _teacher_operand(teacher, student)
         cap_values, capped = _caps(caps)
         _launch(partition_kernel, launch)(
-            student, other, labels, partial, rows, cols, student.stride(0), other.stride(0), col_start, per_split,
-            *cap_values, tuple(1.0 / family.temperature for family in families),
+            student, other, labels, partial, rows, cols, student.stride(0), stride_t, col_start, per_split,
+            *cap_values, indexed, tuple(1.0 / family.temperature for family in families),
             READS_TEACHER=tuple(family.side == "teacher" for family in families),
             NUM_FAMILIES=count,
             COLUMN_SUMS=sums,
             NUM_COLUMN_SUMS=len(column_sums),
             HAS_T=teacher is not None,
+            INDEXED=is_indexed,
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
@@ -134,7 +148,7 @@ class TritonBlockMath:
         return PartitionRecord.unpack(merged, num_families)
 
     def kl_sums(
-        self, plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tensor, col_start: int, lse_u: Tensor,
+        self, plan: LossPlan, student: Tensor, teacher: TeacherBlock, labels: Tensor, col_start: int, lse_u: Tensor,
         lse_v: Tensor,
     ) -> Tensor:  # fmt: skip
         """(rows, num_sums) round-2 sums of the plan's variant over a block: ``Σ_columns`` of its
@@ -147,13 +161,15 @@ class TritonBlockMath:
         chosen, launch, per_split = _tiles_and_grid("sums", rows, cols)
         out = torch.empty(launch[1], rows, terms.outputs, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap))
+        other, stride_t, indexed, is_indexed = _teacher_operand(teacher, student)
         _launch(sums_kernel, launch)(
-            student, teacher, labels, lse_u, lse_v, out, rows, cols, student.stride(0), teacher.stride(0),
-            lse_u.stride(0), lse_v.stride(0), col_start, per_split, *cap_values,
+            student, other, labels, lse_u, lse_v, out, rows, cols, student.stride(0), stride_t,
+            lse_u.stride(0), lse_v.stride(0), col_start, per_split, *cap_values, indexed,
             1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature,
             COLUMN_TERMS=terms.function,
             NUM_SUMS=terms.outputs,
             HAS_T=True,
+            INDEXED=is_indexed,
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
@@ -182,7 +198,7 @@ class TritonBlockMath:
         return out
 
     def stage_logit_grads(
-        self, plan: LossPlan, rows: GradRows, student: Tensor, teacher: Tensor | None, labels: Tensor,
+        self, plan: LossPlan, rows: GradRows, student: Tensor, teacher: TeacherBlock | None, labels: Tensor,
         col_start: int, out: LogitGrads,
     ) -> None:  # fmt: skip
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is set: the plan trains the
@@ -195,13 +211,13 @@ class TritonBlockMath:
         divergence = plan.divergence
         student_grad = variant_terms.kl_grad(divergence, plan.params, "student").function if student_kl else None
         teacher_grad = variant_terms.kl_grad(divergence, plan.params, "teacher").function if teacher_kl else None
-        other = student if teacher is None else teacher
+        other, stride_t, indexed, is_indexed = _teacher_operand(teacher, student)
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", n_rows, cols)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap if teacher is not None else None))
         _launch(grads_kernel, launch)(
             student, other, labels, rows.packed, out.student, out_t, n_rows, cols, student.stride(0),
-            other.stride(0), out.student.stride(0), out_t.stride(0), col_start, per_split, *cap_values,
+            stride_t, out.student.stride(0), out_t.stride(0), col_start, per_split, *cap_values, indexed,
             1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature, *plan.kl_grad_weights,
             ROW_CONSTANTS=rows.names,
             STUDENT_GRAD=student_grad,
@@ -211,6 +227,7 @@ class TritonBlockMath:
             TEACHER_CE=plan.teacher_ce_trains_teacher,
             TEACHER_KL=teacher_kl,
             HAS_T=teacher is not None,
+            INDEXED=is_indexed,
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,

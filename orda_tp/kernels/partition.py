@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_io import accumulated, empty_tuple, load_tile, local_labels, program_tile, row_tile, softcap
+from .block_io import accumulated, empty_tuple, load_tile, local_labels, program_tile, row_tile, softcap, teacher_at
 
 __all__ = ["label_logits", "merge_kernel", "online_lse_update", "partition_kernel"]
 
@@ -45,17 +45,20 @@ def label_logits(
     owned: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
+    indexed: tl.tuple,
     HAS_T: tl.constexpr,
+    INDEXED: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
     """The rows' student and teacher logits at their label where ``owned`` (0 elsewhere, and for
-    a missing teacher), fp32, soft-capped as the tiles are."""
+    a missing teacher), fp32, soft-capped as the tiles are (an indexed teacher block read as
+    :func:`.block_io.teacher_at` reads it)."""
     target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
     if CAPPED[0]:
         target_s = softcap(target_s, cap_s)
     if HAS_T:
-        target_t = tl.load(t_ptr + rows * stride_t + label, mask=owned, other=0.0).to(tl.float32)
+        target_t = teacher_at(t_ptr, rows, label, owned, stride_t, indexed, 0.0, INDEXED)
         if CAPPED[1]:
             target_t = softcap(target_t, cap_t)
     else:
@@ -77,12 +80,14 @@ def partition_kernel(
     cols_per_split: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
+    indexed: tl.tuple,
     inv_temperatures: tl.tuple,
     READS_TEACHER: tl.constexpr,
     NUM_FAMILIES: tl.constexpr,
     COLUMN_SUMS: tl.constexpr,
     NUM_COLUMN_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
+    INDEXED: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -98,7 +103,7 @@ def partition_kernel(
     label = local_labels(labels_ptr, rows, row_ok, col_start)
     owned = row_ok & (label >= c_begin) & (label < c_end)
     target_s, target_t = label_logits(
-        s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R
+        s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, cap_s, cap_t, indexed, HAS_T, INDEXED, CAPPED, BLOCK_R
     )
     partials = empty_tuple()  # per family (m, z)
     for _ in tl.static_range(NUM_FAMILIES):
@@ -108,8 +113,9 @@ def partition_kernel(
         sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R, BLOCK_C
-        )
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t,
+            indexed, HAS_T, INDEXED, CAPPED, BLOCK_R, BLOCK_C,
+        )  # fmt: skip
         updated = empty_tuple()
         for f in tl.static_range(NUM_FAMILIES):
             m, z = partials[f]

@@ -36,11 +36,13 @@ def sums_kernel(
     cols_per_split: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
+    indexed: tl.tuple,
     inv_ts: tl.tensor,
     inv_tt: tl.tensor,
     COLUMN_TERMS: tl.constexpr,
     NUM_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
+    INDEXED: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -58,8 +60,9 @@ def sums_kernel(
         sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t, HAS_T, CAPPED, BLOCK_R, BLOCK_C
-        )
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t,
+            indexed, HAS_T, INDEXED, CAPPED, BLOCK_R, BLOCK_C,
+        )  # fmt: skip
         is_target = cols[None, :] == local_label
         logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
         sums = accumulated(sums, COLUMN_TERMS(logp, logq, p, q, is_target), ok, p, NUM_SUMS)

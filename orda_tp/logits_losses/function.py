@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..engine.logits import LogitGrads, PairedLogits, SideLogits, StoredLogits
+from ..engine.logits import LogitGrads, PairedLogits, StoredLogits
 from ..engine.row_walk import GradTarget, walk_rows
 from ..engine.stats import RowStats
+from ..teachers.source import TeacherBlocks
 from .problem import LogitsProblem, row_statistics
 
 __all__ = ["logits_distillation"]
@@ -32,7 +33,7 @@ class _LogitsContext(FunctionCtx):
     problem: LogitsProblem
     denominator: float | Tensor
     walked: list[RowStats]
-    teacher: SideLogits
+    teacher: TeacherBlocks
     dtype: torch.dtype
     row_weights: Tensor | None
     saved_tensors: tuple[Tensor]
@@ -45,7 +46,7 @@ class _LogitsDistillation(torch.autograd.Function):
         problem: LogitsProblem,
         denominator: float | Tensor,
         student: Tensor,
-        teacher: SideLogits,
+        teacher: TeacherBlocks,
         dtype: torch.dtype,
         row_weights: Tensor | None,
     ) -> Tensor:
@@ -80,7 +81,7 @@ def logits_distillation(
     problem: LogitsProblem,
     denominator: float | Tensor,
     student: Tensor,
-    teacher: SideLogits,
+    teacher: TeacherBlocks,
     dtype: torch.dtype,
     row_weights: Tensor | None = None,
 ) -> Tensor:

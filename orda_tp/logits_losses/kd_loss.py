@@ -26,10 +26,11 @@ from ..checks import (
 )
 from ..config import KernelConfig
 from ..divergences import EntropyGate
-from ..engine.logits import SideLogits, StoredLogits, statistics_dtype
+from ..engine.logits import StoredLogits, statistics_dtype
 from ..options import LogitsOptions
 from ..plan import LossPlan, check_sparse_teacher
 from ..teachers import PrecomputedTeacher
+from ..teachers.source import TeacherBlocks
 from .function import logits_distillation
 from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_group
 from .problem import build_problem
@@ -116,7 +117,7 @@ def _kd_loss(
         # The label only marks the row as valid: any column that one rank owns reads the same.
         stats_labels = torch.where(valid, 0, flat_labels)
     student = local_student.reshape(-1, shard.columns)
-    teacher: SideLogits
+    teacher: TeacherBlocks
     if cache is None:
         teacher = StoredLogits(local_teacher.detach().reshape(-1, shard.columns))
         dtype = statistics_dtype(student, local_teacher)

@@ -74,7 +74,9 @@ def build_problem(
             columns, shards = layout.max_local_columns, layout.world_size
             held = held_sides * dtype.itemsize
             chunk_rows = row_layout(options.config, rows, columns, held, 0, shards).chunk_rows
-    exchange = None if group is None else ShardExchange(group, sequence_parallel=False, local_error=None)
+    exchange = None
+    if group is not None:  # no local value checks here: nothing to share
+        exchange = ShardExchange(group, sequence_parallel=False, local_error=None, shares_errors=False)
     return LogitsProblem(RowWalk(plan, labels, valid, exchange, layout, math), chunk_rows)
 
 

@@ -24,7 +24,7 @@ from .fsdp import check_not_fsdp_sharded
 from .layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
 from .shard_exchange import LocalError, LocalErrorCode
 
-__all__ = ["DTensorShards", "LocalInputs", "local_error", "same_ranks", "shard_inputs"]
+__all__ = ["DTensorShards", "LocalInputs", "can_fail_locally", "local_error", "same_ranks", "shard_inputs"]
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,14 @@ def shard_inputs(
     layout = _agree_layout(group, local, options.vocab_size, failure)
     assert local is not None
     return local, layout
+
+
+def can_fail_locally(plan: LossPlan, teacher: TeacherSource) -> bool:
+    """Whether a check of :func:`local_error` can fail on some rank: a cached teacher's (watched
+    for in-place changes, its values read where host checks run) or ``check_finite_inputs``'.
+    Decided by the descriptor's kind and the keywords, alike on every rank, so every rank's first
+    record exchange has the same width; when False no error travels and none is read on the host."""
+    return not teacher.trainable or plan.config.check_finite_inputs
 
 
 def local_error(

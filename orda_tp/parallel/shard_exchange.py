@@ -3,10 +3,12 @@
 Each statistics round is one all-gather of the packed (rows, K) records; every rank merges the same
 gathered stack with the same ops, so the merged record is bitwise identical on every rank.
 
-The first round of a call also carries each rank's *local error* (a check that only that rank
+When some rank's check of its own values can fail (a cached teacher, or ``check_finite_inputs``),
+the first round of a call also carries each rank's *local error* (a check that only that rank
 could make, e.g. NaN in its shard of a cached teacher) in three extra columns; after the gather
-every rank sees every rank's error and raises the same ValueError. A call with no rows to process
-(all ignored) exchanges just the errors.
+every rank reads every rank's error on the host and raises the same ValueError. A call with no
+rows to process (all ignored) exchanges just the errors. Otherwise (the default path: a teacher
+read through a head) no error columns travel and nothing is read on the host.
 
 No collective of a call is left to the process group when the call returns: the row-group
 gradient sums started during the row walk are waited by the end of the forward (:meth:`finish`)
@@ -70,11 +72,16 @@ class LocalError:
 class ShardExchange:
     """The tensor-parallel :class:`orda_tp.engine.row_walk.RecordExchange`."""
 
-    def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool, local_error: LocalError | None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, sequence_parallel: bool, local_error: LocalError | None, shares_errors: bool
+    ) -> None:
+        """``local_error``: this rank's, or None; ``shares_errors``: whether the ranks' errors are
+        exchanged at all (the same on every rank: False where no rank's local check can fail)."""
+        assert shares_errors or local_error is None
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.local_error = local_error
-        self.errors_exchanged = False
+        self.errors_exchanged = not shares_errors
         self.pending_sums: list[dist.Work] = []  # row-group gradient sums in flight
         self.summed_rows = BackendLoan()  # the rows those sums were handed
 

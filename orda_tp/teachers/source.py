@@ -13,6 +13,7 @@ from torch import Tensor, nn
 __all__ = [
     "TEACHER_MODES",
     "ExpectedShape",
+    "IndexedLogits",
     "SeparateTeacher",
     "ShardReader",
     "TeacherHead",
@@ -61,12 +62,25 @@ class ExpectedShape(NamedTuple):
     meaning: str
 
 
+class IndexedLogits(NamedTuple):
+    """A block of logits held as an index into a few values per row (a top-k cache's block, as
+    the Triton kernels read it): entry ``(r, c)`` is ``values[r, positions[r, c]]``.
+    ``positions``: (rows, columns), an integer dtype (uint8 while a row has at most 256 values);
+    ``values``: (rows, n), unit column stride."""
+
+    positions: Tensor
+    values: Tensor
+
+
 class TeacherBlocks(Protocol):
     """A teacher's logits that are neither a head product nor stored logits (a top-k cache): a
     source of its blocks, as the row walk reads them (``orda_tp.engine.logits.SideLogits``)."""
 
-    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
-        """Rows ``[begin, end)`` on local columns ``[start, stop)``, in ``dtype``."""
+    def block(
+        self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
+    ) -> Tensor | IndexedLogits:
+        """Rows ``[begin, end)`` on local columns ``[start, stop)``, in ``dtype``; ``as_stored``:
+        as the teacher stores them, which may be :class:`IndexedLogits`."""
         ...
 
 

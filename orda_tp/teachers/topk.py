@@ -10,8 +10,10 @@ vocabulary) and their log-probabilities ``l_1 … l_k`` (≤ 0). The teacher's l
 - ``tail="renormalize"``: ``τ = −inf``; the teacher is ``softmax(t)`` over the cached ids alone.
 
 The cache itself is (rows, k): a chunk's block over local columns ``[start, stop)`` is formed
-when the walk reads it (``τ`` broadcast, the ids of the block scattered in) and lives as long as
-the chunk's other logits. Under tensor parallelism every rank holds the whole cache (ids are
+when the walk reads it and lives as long as the chunk's other logits. The Triton kernels read it
+as :class:`~orda_tp.teachers.source.IndexedLogits` (each column's place among the row's ids, one
+byte per entry), the torch block math and the reference as dense values (``τ`` broadcast, the
+ids of the block scattered in). Under tensor parallelism every rank holds the whole cache (ids are
 global, like the labels) and forms the columns of its shard.
 """
 
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .source import IndexedLogits
 
 __all__ = ["TAILS", "TopKBlocks", "check_topk_values", "tail_values"]
 
@@ -83,25 +87,38 @@ def check_topk_values(ids: Tensor, logprobs: Tensor, vocab_size: int) -> None:
 
 @dataclass(frozen=True)
 class TopKBlocks:
-    """The dense teacher of a top-k cache over this device's columns: ``ids`` (rows, k) global,
-    ``logprobs`` (rows, k), ``tail`` (rows,) the value of the other columns; local column 0 is
-    global column ``vocab_start``."""
+    """The dense teacher of a top-k cache over this device's columns: ``ids`` (rows, k) global;
+    ``table`` (rows, 1 + k) contiguous, each row's tail value ``τ`` then its cached
+    log-probabilities; local column 0 is global column ``vocab_start``."""
 
     ids: Tensor
-    logprobs: Tensor
-    tail: Tensor
+    table: Tensor
     vocab_start: int
 
-    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
-        """Rows ``[begin, end)`` on local columns ``[start, stop)`` in ``dtype``: ``τ`` broadcast,
-        the cached log-probabilities at their ids. The ``m``-th id of a row outside the block lands
-        in spare column ``width + m`` past the block's end, which the returned view leaves out:
-        every write has its own place, so the scatter is deterministic."""
+    def block(
+        self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
+    ) -> Tensor | IndexedLogits:
+        """Rows ``[begin, end)`` on local columns ``[start, stop)``: ``as_stored``, an
+        :class:`IndexedLogits` into the rows of ``table`` (each column's place among its row's ids,
+        1-based, 0 for ``τ``: one byte per entry while ``k ≤ 255``); else formed in ``dtype``."""
+        rows, k, width = end - begin, self.ids.shape[1], stop - start
+        index = self._scatter_index(begin, end, start, stop)
+        table = self.table[begin:end]
+        if as_stored:
+            dtype = torch.uint8 if k <= 255 else torch.int16 if k <= 32767 else torch.int32
+            positions = torch.zeros(rows, width + k, dtype=dtype, device=index.device)
+            places = torch.arange(1, k + 1, dtype=dtype, device=index.device).expand(rows, k)
+            return IndexedLogits(positions.scatter_(1, index, places)[:, :width], table)
+        dense = torch.empty(rows, width + k, dtype=dtype, device=index.device)
+        dense.copy_(table[:, :1].expand(-1, width + k))
+        return dense.scatter_(1, index, table[:, 1:].to(dtype))[:, :width]
+
+    def _scatter_index(self, begin: int, end: int, start: int, stop: int) -> Tensor:
+        """Where each cached entry of rows ``[begin, end)`` lands in a block of local columns
+        ``[start, stop)`` widened by ``k`` spare columns: its own column, or, for the ``m``-th id
+        of a row outside the block, spare column ``width + m``, which the block leaves out. Every
+        entry has its own place, so a scatter is deterministic."""
         width, k = stop - start, self.ids.shape[1]
         local = self.ids[begin:end] - (self.vocab_start + start)
         spare = torch.arange(width, width + k, device=local.device)
-        index = torch.where((local >= 0) & (local < width), local, spare)
-        dense = torch.empty(end - begin, width + k, dtype=dtype, device=self.ids.device)
-        dense.copy_(self.tail[begin:end, None].to(dtype).expand(-1, width + k))
-        dense.scatter_(1, index, self.logprobs[begin:end].to(dtype))
-        return dense[:, :width]
+        return torch.where((local >= 0) & (local < width), local, spare)
