@@ -20,7 +20,7 @@ global, like the labels) and forms the columns of its shard.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -89,11 +89,13 @@ def check_topk_values(ids: Tensor, logprobs: Tensor, vocab_size: int) -> None:
 class TopKBlocks:
     """The dense teacher of a top-k cache over this device's columns: ``ids`` (rows, k) global;
     ``table`` (rows, 1 + k) contiguous, each row's tail value ``τ`` then its cached
-    log-probabilities; local column 0 is global column ``vocab_start``."""
+    log-probabilities; local column 0 is global column ``vocab_start``. Where a block's entries
+    land is worked out once per call and column range, for every row (``scatter_indices``)."""
 
     ids: Tensor
     table: Tensor
     vocab_start: int
+    scatter_indices: dict[tuple[int, int], Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def block(
         self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
@@ -102,7 +104,7 @@ class TopKBlocks:
         :class:`IndexedLogits` into the rows of ``table`` (each column's place among its row's ids,
         1-based, 0 for ``τ``: one byte per entry while ``k ≤ 255``); else formed in ``dtype``."""
         rows, k, width = end - begin, self.ids.shape[1], stop - start
-        index = self._scatter_index(begin, end, start, stop)
+        index = self._scatter_index(start, stop)[begin:end]
         table = self.table[begin:end]
         if as_stored:
             dtype = torch.uint8 if k <= 255 else torch.int16 if k <= 32767 else torch.int32
@@ -113,12 +115,16 @@ class TopKBlocks:
         dense.copy_(table[:, :1].expand(-1, width + k))
         return dense.scatter_(1, index, table[:, 1:].to(dtype))[:, :width]
 
-    def _scatter_index(self, begin: int, end: int, start: int, stop: int) -> Tensor:
-        """Where each cached entry of rows ``[begin, end)`` lands in a block of local columns
-        ``[start, stop)`` widened by ``k`` spare columns: its own column, or, for the ``m``-th id
-        of a row outside the block, spare column ``width + m``, which the block leaves out. Every
-        entry has its own place, so a scatter is deterministic."""
-        width, k = stop - start, self.ids.shape[1]
-        local = self.ids[begin:end] - (self.vocab_start + start)
-        spare = torch.arange(width, width + k, device=local.device)
-        return torch.where((local >= 0) & (local < width), local, spare)
+    def _scatter_index(self, start: int, stop: int) -> Tensor:
+        """Where each cached entry lands in a block of local columns ``[start, stop)`` widened by
+        ``k`` spare columns: its own column, or, for the ``m``-th id of a row outside the block,
+        spare column ``width + m``, which the block leaves out. Every entry has its own place, so
+        a scatter is deterministic. Formed for every row at the first block of this range."""
+        index = self.scatter_indices.get((start, stop))
+        if index is None:
+            width, k = stop - start, self.ids.shape[1]
+            local = self.ids - (self.vocab_start + start)
+            spare = torch.arange(width, width + k, device=local.device)
+            index = torch.where((local >= 0) & (local < width), local, spare)
+            self.scatter_indices[(start, stop)] = index
+        return index
