@@ -77,8 +77,8 @@ def test_triton_topk_cache_equals_its_dense_teacher(variant: str, tail: str, red
     compare(variant, tail, reduction, "triton", torch.float32, VOCAB - 13, 2e-5)
 
 
-def test_triton_reads_caches_of_more_than_255_ids() -> None:
-    """k = 260: the kernels' positions are int16 instead of one byte."""
+def test_triton_reads_caches_of_many_ids() -> None:
+    """k = 260: rows whose ids fill most of a tile, searched in several steps."""
     pytest.importorskip("triton")
     compare("forward", "uniform", "mean", "triton", torch.float32, 300, 2e-5, vocab=310, k=260)
 
@@ -122,26 +122,30 @@ def test_the_cache_is_read_in_chunks_never_densified() -> None:
     assert seen and max(end - begin for begin, end in seen) <= 7
 
 
-@pytest.mark.parametrize(("k", "positions_dtype"), [(11, torch.uint8), (300, torch.int16)])
-def test_the_indexed_block_reads_as_the_dense_block(k: int, positions_dtype: torch.dtype) -> None:
-    """What the Triton kernels read (each column's place among its row's ids, looked up in the
-    row's ``[τ, l_1 … l_k]``) equals the formed block, on a shard's block whose columns hold only
-    some of the ids; one byte per entry while k ≤ 255."""
-    from orda_tp.teachers.source import IndexedLogits
+def test_the_sparse_block_reads_as_the_dense_block() -> None:
+    """What the Triton kernels read (each row's ids ascending with their values, and ``τ``)
+    stands for the formed block: on a shard's block whose columns hold only some of the ids, the
+    listed values at their columns and ``τ`` elsewhere equal it entry for entry."""
+    from orda_tp.teachers.source import SparseLogits
 
-    vocab, rows = 1000, 5
+    vocab, rows, k, vocab_start, start, stop = 1000, 5, 11, 200, 150, 550
     logits = torch.randn(rows, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     ids, logprobs = topk_of(logits, k)
     cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
-    blocks = cache.block_source(vocab_start=200, vocab_size=vocab)
+    blocks = cache.block_source(vocab_start=vocab_start, vocab_size=vocab)
     assert blocks is not None
-    dense = blocks.block(1, 4, 150, 550, torch.float64, as_stored=False)
-    indexed = blocks.block(1, 4, 150, 550, torch.float64, as_stored=True)
-    assert isinstance(indexed, IndexedLogits) and indexed.positions.dtype == positions_dtype
-    assert indexed.positions.shape == (3, 400) and 0 < int((indexed.positions > 0).sum()) < 3 * k
-    looked_up = indexed.values.gather(1, indexed.positions.long())
-    assert torch.equal(looked_up, dense)
-    expected = dense_teacher(ids, logprobs, "uniform", vocab, None)[1:4, 350:750]
+    dense = blocks.block(1, 4, start, stop, torch.float64, as_stored=False)
+    sparse = blocks.block(1, 4, start, stop, torch.float64, as_stored=True)
+    assert isinstance(sparse, SparseLogits) and sparse.ids.shape == (3, k)
+    assert bool((sparse.ids[:, 1:] > sparse.ids[:, :-1]).all())
+    read = sparse.fill[:, None].expand(3, stop - start).clone()
+    first = vocab_start + start
+    inside = (sparse.ids >= first) & (sparse.ids < vocab_start + stop)
+    assert 0 < int(inside.sum()) < 3 * k
+    for row, column in inside.nonzero().tolist():
+        read[row, int(sparse.ids[row, column]) - first] = sparse.values[row, column]
+    assert torch.equal(read, dense)
+    expected = dense_teacher(ids, logprobs, "uniform", vocab, None)[1:4, first : vocab_start + stop]
     torch.testing.assert_close(dense, expected, rtol=1e-12, atol=0.0)
 
 

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from ..teachers.source import IndexedLogits, TeacherBlocks
+from ..teachers.source import SparseLogits, TeacherBlocks
 
 __all__ = [
     "ColumnRange",
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 ColumnRange = tuple[int, int]  # half-open local columns [start, stop)
-TeacherBlock = Tensor | IndexedLogits  # a block of teacher logits, dense or indexed (a top-k cache's)
+TeacherBlock = Tensor | SparseLogits  # a block of teacher logits, dense or sparse (a top-k cache's)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -74,7 +74,7 @@ def softcapped(logits: Tensor, cap: float | None) -> Tensor:
 @dataclass(frozen=True)
 class LogitsBlock:
     """A chunk's logits on local columns ``[start, stop)``: ``student``, and ``teacher`` (None when
-    the call reads no teacher logits; :class:`IndexedLogits` only for a block math that reads
+    the call reads no teacher logits; :class:`SparseLogits` only for a block math that reads
     stored logits as stored)."""
 
     start: int

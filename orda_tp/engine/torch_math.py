@@ -26,7 +26,7 @@ from torch import Tensor
 from ..divergences.expr import Expr
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
-from ..teachers.source import IndexedLogits
+from ..teachers.source import SparseLogits
 from ..terms import RAW_STUDENT
 from .logits import LogitGrads, TeacherBlock
 from .row_formulas import RowProgram
@@ -160,7 +160,7 @@ class TorchBlockMath:
         """Round-1 record of a block (:func:`orda_tp.records.block_partition_record`), with the
         row sums of ``column_sums`` over the student logits (``caps`` unused: the blocks arrive
         capped)."""
-        assert not isinstance(teacher, IndexedLogits)  # reads_stored_cache is False: blocks arrive dense
+        assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         sums = None
         if column_sums:
             terms = evaluate(column_sums, {str(RAW_STUDENT.value): student}, {}, shape=str(RAW_STUDENT.value))
@@ -181,7 +181,7 @@ class TorchBlockMath:
         lse_v: Tensor,
     ) -> Tensor:
         """(rows, num_sums) column sums of the variant's terms over the block."""
-        assert not isinstance(teacher, IndexedLogits)  # reads_stored_cache is False: blocks arrive dense
+        assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         assert plan.divergence is not None and plan.formulas is not None
         local_labels = labels - col_start if plan.divergence.needs_target else None
         symbols = _block_symbols(plan, student, teacher, lse_u, lse_v, local_labels)
@@ -207,7 +207,7 @@ class TorchBlockMath:
         """``∂loss/∂s`` and, where ``out.teacher`` is not None, ``∂loss/∂t`` of the block (module
         docstring) written into ``out``; rows whose ``scale`` is 0 get exactly 0, whatever their
         logits hold."""
-        assert not isinstance(teacher, IndexedLogits)  # reads_stored_cache is False: blocks arrive dense
+        assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         local_labels, row_scale = labels - col_start, rows.scale
         student_grad = torch.zeros_like(student)
         teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None

@@ -28,7 +28,9 @@ __all__ = [
     "position",
     "program_tile",
     "row_tile",
-    "teacher_at",
+    "sparse_at",
+    "sparse_start",
+    "sparse_tile",
 ]
 
 
@@ -73,26 +75,76 @@ def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
     return tl.where(x < 0.0, -magnitude, magnitude)
 
 
+NO_ID = 1 << 62  # an id past every column: where a row's sorted ids end
+SPARSE_STEP = 32  # a sparse block's ids read this many at a time when a row's are searched
+
+
 @triton.jit
-def teacher_at(
-    t_ptr: tl.tensor,
-    rows: tl.tensor,
-    cols: tl.tensor,
-    ok: tl.tensor,
-    stride_t: tl.tensor,
-    indexed: tl.tuple,
-    other: tl.constexpr,
-    INDEXED: tl.constexpr,
+def sparse_start(
+    sparse: tl.tuple, rows: tl.tensor, row_ok: tl.tensor, first: tl.tensor, SPARSE: tl.constexpr
 ) -> tl.tensor:
-    """The teacher's logits at ``rows × cols`` (broadcast together, like ``ok``), fp32, ``other``
-    outside ``ok``: stored at ``t_ptr``, or, with ``INDEXED``, an indexed block
-    (``orda_tp.teachers.source.IndexedLogits``): ``t_ptr`` its positions and ``indexed =
-    (values_ptr, values_stride)``, each entry the row's value at its position."""
-    if INDEXED:
-        values_ptr, values_stride = indexed
-        place = tl.load(t_ptr + rows * stride_t + cols, mask=ok, other=0).to(tl.int64)
-        return tl.load(values_ptr + rows * values_stride + place, mask=ok, other=other).to(tl.float32)
-    return tl.load(t_ptr + rows * stride_t + cols, mask=ok, other=other).to(tl.float32)
+    """Per row, how many of a sparse block's sorted ids lie before global column ``first``: where
+    the row's walk over a split's tiles starts (zeros without ``SPARSE``). ``sparse = (ids_ptr,
+    values_ptr, stride, k)`` (``orda_tp.teachers.source.SparseLogits``)."""
+    ahead = tl.zeros(rows.shape, dtype=tl.int32)
+    if SPARSE:
+        ids_ptr, _, stride, k = sparse
+        for m0 in tl.range(0, k, SPARSE_STEP):
+            m = m0 + tl.arange(0, SPARSE_STEP)
+            present = row_ok[:, None] & (m[None, :] < k)
+            ids = tl.load(ids_ptr + rows[:, None] * stride + m[None, :], mask=present, other=NO_ID)
+            ahead += tl.sum(tl.where(ids < first, 1, 0), axis=1).to(tl.int32)
+    return ahead
+
+
+@triton.jit
+def sparse_tile(
+    fill_ptr: tl.tensor,
+    sparse: tl.tuple,
+    rows: tl.tensor,
+    row_ok: tl.tensor,
+    first: tl.tensor,
+    ok: tl.tensor,
+    ahead: tl.tensor,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """``(t, ahead)``: a sparse block's tile at global columns ``first … first + BLOCK_C − 1``, fp32,
+    −inf outside ``ok``: each row's fill, with the row's listed values at their columns. ``ahead``:
+    per row, how many of its sorted ids lie before the tile; returned advanced past the tile's.
+    Each row's next id is compared with the tile's columns until no row has one left inside it,
+    so a tile costs one pass per listed id of its fullest row, and no load per entry."""
+    ids_ptr, values_ptr, stride, k = sparse
+    columns = first + tl.arange(0, BLOCK_C)
+    end = first + BLOCK_C
+    fill = tl.load(fill_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    t = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32) + fill[:, None]
+    listed = tl.load(ids_ptr + rows * stride + ahead, mask=row_ok & (ahead < k), other=NO_ID)
+    inside = listed < end
+    while tl.max(inside.to(tl.int32), axis=0) > 0:
+        value = tl.load(values_ptr + rows * stride + ahead, mask=inside, other=0.0).to(tl.float32)
+        t = tl.where(columns[None, :] == listed[:, None], value[:, None], t)
+        ahead += inside.to(tl.int32)
+        listed = tl.load(ids_ptr + rows * stride + ahead, mask=row_ok & (ahead < k), other=NO_ID)
+        inside = listed < end
+    return tl.where(ok, t, float("-inf")), ahead
+
+
+@triton.jit
+def sparse_at(fill_ptr: tl.tensor, sparse: tl.tuple, rows: tl.tensor, column: tl.tensor, mask: tl.tensor) -> tl.tensor:
+    """A sparse block's value at one global ``column`` per row (its listed value, else its fill),
+    fp32, 0 outside ``mask``."""
+    ids_ptr, values_ptr, stride, k = sparse
+    found = tl.load(fill_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    for m0 in tl.range(0, k, SPARSE_STEP):
+        m = m0 + tl.arange(0, SPARSE_STEP)
+        present = mask[:, None] & (m[None, :] < k)
+        ids = tl.load(ids_ptr + rows[:, None] * stride + m[None, :], mask=present, other=NO_ID)
+        values = tl.load(values_ptr + rows[:, None] * stride + m[None, :], mask=present, other=0.0)
+        hit = ids == column[:, None]
+        listed = tl.sum(tl.where(hit, values.to(tl.float32), 0.0), axis=1)
+        found = tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, listed, found)
+    return tl.where(mask, found, 0.0)
 
 
 @triton.jit
@@ -105,32 +157,39 @@ def load_tile(
     stride_t: tl.tensor,
     c0: tl.tensor,
     c_end: tl.tensor,
+    col_start: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
-    indexed: tl.tuple,
+    sparse: tl.tuple,
+    ahead: tl.tensor,
     HAS_T: tl.constexpr,
-    INDEXED: tl.constexpr,
+    SPARSE: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
-    """``(cols, ok, s, t)`` of the tile at columns ``c0 … c0 + BLOCK_C − 1``: ``ok`` marks the
-    entries inside the rows and the split, ``s`` and ``t`` are fp32 and −inf outside ``ok`` (``t``
-    is −inf everywhere without a teacher; an indexed teacher block with ``INDEXED``, see
-    :func:`teacher_at`); a side whose ``CAPPED`` flag is set (student, teacher) is soft-capped by
-    ``cap_s`` or ``cap_t`` as it is loaded."""
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """``(cols, ok, s, t, ahead)`` of the tile at columns ``c0 … c0 + BLOCK_C − 1``: ``ok`` marks
+    the entries inside the rows and the split, ``s`` and ``t`` are fp32 and −inf outside ``ok``
+    (``t`` is −inf everywhere without a teacher); a side whose ``CAPPED`` flag is set (student,
+    teacher) is soft-capped by ``cap_s`` or ``cap_t`` as it is loaded. With ``SPARSE`` the teacher
+    is a sparse block (``t_ptr`` its fill, ``sparse`` its ids and values, :func:`sparse_tile`,
+    which advances ``ahead``; block column 0 is global column ``col_start``)."""
     cols = c0 + tl.arange(0, BLOCK_C)
     ok = row_ok[:, None] & (cols[None, :] < c_end)
     s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=ok, other=float("-inf")).to(tl.float32)
     if CAPPED[0]:
         s = tl.where(ok, softcap(s, cap_s), s)
     if HAS_T:
-        t = teacher_at(t_ptr, rows[:, None], cols[None, :], ok, stride_t, indexed, float("-inf"), INDEXED)
+        if SPARSE:
+            t, ahead = sparse_tile(t_ptr, sparse, rows, row_ok, col_start + c0, ok, ahead, BLOCK_R, BLOCK_C)
+        else:
+            t = tl.load(t_ptr + rows[:, None] * stride_t + cols[None, :], mask=ok, other=float("-inf"))
+            t = t.to(tl.float32)
         if CAPPED[1]:
             t = tl.where(ok, softcap(t, cap_t), t)
     else:
         t = tl.full([BLOCK_R, BLOCK_C], float("-inf"), dtype=tl.float32)
-    return cols, ok, s, t
+    return cols, ok, s, t, ahead
 
 
 @triton.jit

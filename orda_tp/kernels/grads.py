@@ -30,6 +30,7 @@ from .block_io import (
     normalized,
     position,
     program_tile,
+    sparse_start,
 )
 
 __all__ = ["grads_kernel"]
@@ -130,7 +131,7 @@ def grads_kernel(
     cols_per_split: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
-    indexed: tl.tuple,
+    sparse: tl.tuple,
     inv_ts: tl.tensor,
     inv_tt: tl.tensor,
     w_kl_s: tl.tensor,
@@ -143,7 +144,7 @@ def grads_kernel(
     TEACHER_CE: tl.constexpr,
     TEACHER_KL: tl.constexpr,
     HAS_T: tl.constexpr,
-    INDEXED: tl.constexpr,
+    SPARSE: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -155,10 +156,11 @@ def grads_kernel(
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
     rowc = load_row_constants(rowc_ptr, rows, row_ok, count(ROW_CONSTANTS))
+    ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
-        cols, ok, s, t = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t,
-            indexed, HAS_T, INDEXED, CAPPED, BLOCK_R, BLOCK_C,
+        cols, ok, s, t, ahead = load_tile(
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, cap_s, cap_t,
+            sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
         is_target = cols[None, :] == local_label
         if STUDENT_KL or TEACHER_KL:

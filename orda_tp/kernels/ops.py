@@ -32,7 +32,7 @@ from ..engine.row_formulas import RowProgram
 from ..engine.stats import GradRows
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord, block_partition_record
-from ..teachers.source import IndexedLogits
+from ..teachers.source import SparseLogits
 from . import tiles, variant_terms
 from .grads import grads_kernel
 from .partition import merge_kernel, partition_kernel
@@ -75,16 +75,19 @@ def _caps(caps: Caps) -> tuple[tuple[float, float], tuple[bool, bool]]:
     return (caps[0] or 1.0, caps[1] or 1.0), (caps[0] is not None, caps[1] is not None)
 
 
-def _teacher_operand(teacher: TeacherBlock | None, student: Tensor) -> tuple[Tensor, int, tuple[Tensor, int], bool]:
-    """The kernels' teacher arguments ``(t, stride_t, indexed, INDEXED)``: the tensor ``t_ptr``
-    reads and its row stride, and for an :class:`IndexedLogits` block (its positions read at
-    ``t_ptr``) its values and their row stride; the student's block stands in for a missing
-    teacher (``HAS_T`` off)."""
-    if isinstance(teacher, IndexedLogits):
-        positions, values = teacher
-        return positions, positions.stride(0), (values, values.stride(0)), True
+def _teacher_operand(
+    teacher: TeacherBlock | None, student: Tensor
+) -> tuple[Tensor, int, tuple[Tensor, Tensor, int, int], bool]:
+    """The kernels' teacher arguments ``(t, stride_t, sparse, SPARSE)``: the tensor ``t_ptr`` reads
+    and its row stride; for a :class:`SparseLogits` block its fill at ``t_ptr`` and ``sparse =
+    (ids, values, row stride, k)``. The student's block stands in for a missing teacher
+    (``HAS_T`` off) and for the unused sparse operands."""
+    if isinstance(teacher, SparseLogits):
+        ids, values, fill = teacher
+        assert ids.stride() == values.stride() and ids.stride(1) == 1
+        return fill, fill.stride(0), (ids, values, ids.stride(0), ids.shape[1]), True
     other = student if teacher is None else teacher
-    return other, other.stride(0), (other, 0), False
+    return other, other.stride(0), (student, student, 0, 0), False
 
 
 class TritonBlockMath:
@@ -117,17 +120,17 @@ class TritonBlockMath:
         chosen, launch, per_split = _tiles_and_grid("partition", rows, cols)
         width = 2 * count + 3 + len(column_sums)
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
-        other, stride_t, indexed, is_indexed = _teacher_operand(teacher, student)
+        other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         cap_values, capped = _caps(caps)
         _launch(partition_kernel, launch)(
             student, other, labels, partial, rows, cols, student.stride(0), stride_t, col_start, per_split,
-            *cap_values, indexed, tuple(1.0 / family.temperature for family in families),
+            *cap_values, sparse, tuple(1.0 / family.temperature for family in families),
             READS_TEACHER=tuple(family.side == "teacher" for family in families),
             NUM_FAMILIES=count,
             COLUMN_SUMS=sums,
             NUM_COLUMN_SUMS=len(column_sums),
             HAS_T=teacher is not None,
-            INDEXED=is_indexed,
+            SPARSE=is_sparse,
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
@@ -161,15 +164,15 @@ class TritonBlockMath:
         chosen, launch, per_split = _tiles_and_grid("sums", rows, cols)
         out = torch.empty(launch[1], rows, terms.outputs, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap))
-        other, stride_t, indexed, is_indexed = _teacher_operand(teacher, student)
+        other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         _launch(sums_kernel, launch)(
             student, other, labels, lse_u, lse_v, out, rows, cols, student.stride(0), stride_t,
-            lse_u.stride(0), lse_v.stride(0), col_start, per_split, *cap_values, indexed,
+            lse_u.stride(0), lse_v.stride(0), col_start, per_split, *cap_values, sparse,
             1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature,
             COLUMN_TERMS=terms.function,
             NUM_SUMS=terms.outputs,
             HAS_T=True,
-            INDEXED=is_indexed,
+            SPARSE=is_sparse,
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
@@ -211,13 +214,13 @@ class TritonBlockMath:
         divergence = plan.divergence
         student_grad = variant_terms.kl_grad(divergence, plan.params, "student").function if student_kl else None
         teacher_grad = variant_terms.kl_grad(divergence, plan.params, "teacher").function if teacher_kl else None
-        other, stride_t, indexed, is_indexed = _teacher_operand(teacher, student)
+        other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", n_rows, cols)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap if teacher is not None else None))
         _launch(grads_kernel, launch)(
             student, other, labels, rows.packed, out.student, out_t, n_rows, cols, student.stride(0),
-            stride_t, out.student.stride(0), out_t.stride(0), col_start, per_split, *cap_values, indexed,
+            stride_t, out.student.stride(0), out_t.stride(0), col_start, per_split, *cap_values, sparse,
             1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature, *plan.kl_grad_weights,
             ROW_CONSTANTS=rows.names,
             STUDENT_GRAD=student_grad,
@@ -227,7 +230,7 @@ class TritonBlockMath:
             TEACHER_CE=plan.teacher_ce_trains_teacher,
             TEACHER_KL=teacher_kl,
             HAS_T=teacher is not None,
-            INDEXED=is_indexed,
+            SPARSE=is_sparse,
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,

@@ -18,9 +18,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_io import accumulated, empty_tuple, load_tile, local_labels, program_tile, row_tile, softcap, teacher_at
+from .block_io import (
+    accumulated,
+    empty_tuple,
+    load_tile,
+    local_labels,
+    program_tile,
+    row_tile,
+    softcap,
+    sparse_at,
+    sparse_start,
+)
 
-__all__ = ["label_logits", "merge_kernel", "online_lse_update", "partition_kernel"]
+__all__ = ["label_logits", "merge_kernel", "nothing_seen", "online_lse_update", "partition_kernel"]
 
 
 @triton.jit
@@ -45,25 +55,45 @@ def label_logits(
     owned: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
-    indexed: tl.tuple,
+    col_start: tl.tensor,
+    sparse: tl.tuple,
     HAS_T: tl.constexpr,
-    INDEXED: tl.constexpr,
+    SPARSE: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
     """The rows' student and teacher logits at their label where ``owned`` (0 elsewhere, and for
-    a missing teacher), fp32, soft-capped as the tiles are (an indexed teacher block read as
-    :func:`.block_io.teacher_at` reads it)."""
+    a missing teacher), fp32, soft-capped as the tiles are; with ``SPARSE`` the teacher's is looked
+    up among the row's listed ids (:func:`.block_io.sparse_at`; block column 0 is global column
+    ``col_start``)."""
     target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
     if CAPPED[0]:
         target_s = softcap(target_s, cap_s)
     if HAS_T:
-        target_t = teacher_at(t_ptr, rows, label, owned, stride_t, indexed, 0.0, INDEXED)
+        if SPARSE:
+            target_t = sparse_at(t_ptr, sparse, rows, col_start + label, owned)
+        else:
+            target_t = tl.load(t_ptr + rows * stride_t + label, mask=owned, other=0.0).to(tl.float32)
         if CAPPED[1]:
             target_t = softcap(target_t, cap_t)
     else:
         target_t = tl.zeros([BLOCK_R], dtype=tl.float32)
     return target_s, target_t
+
+
+@triton.jit
+def nothing_seen(
+    NUM_FAMILIES: tl.constexpr, NUM_COLUMN_SUMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+) -> tuple[tl.tuple, tl.tuple]:
+    """A record before its first column: per family ``(m, z) = (−inf, 0)``, and per column sum a
+    (BLOCK_R, BLOCK_C) tile of zeros (accumulated per element, reduced once at the end)."""
+    partials = empty_tuple()
+    for _ in tl.static_range(NUM_FAMILIES):
+        partials += ((tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32)),)
+    sums = empty_tuple()
+    for _ in tl.static_range(NUM_COLUMN_SUMS):
+        sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
+    return partials, sums
 
 
 @triton.jit(do_not_specialize=["R", "col_start"])
@@ -80,14 +110,14 @@ def partition_kernel(
     cols_per_split: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
-    indexed: tl.tuple,
+    sparse: tl.tuple,
     inv_temperatures: tl.tuple,
     READS_TEACHER: tl.constexpr,
     NUM_FAMILIES: tl.constexpr,
     COLUMN_SUMS: tl.constexpr,
     NUM_COLUMN_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
-    INDEXED: tl.constexpr,
+    SPARSE: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -103,18 +133,15 @@ def partition_kernel(
     label = local_labels(labels_ptr, rows, row_ok, col_start)
     owned = row_ok & (label >= c_begin) & (label < c_end)
     target_s, target_t = label_logits(
-        s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, cap_s, cap_t, indexed, HAS_T, INDEXED, CAPPED, BLOCK_R
-    )
-    partials = empty_tuple()  # per family (m, z)
-    for _ in tl.static_range(NUM_FAMILIES):
-        partials += ((tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32)),)
-    sums = empty_tuple()
-    for _ in tl.static_range(NUM_COLUMN_SUMS):
-        sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
+        s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, cap_s, cap_t, col_start, sparse,
+        HAS_T, SPARSE, CAPPED, BLOCK_R,
+    )  # fmt: skip
+    partials, sums = nothing_seen(NUM_FAMILIES, NUM_COLUMN_SUMS, BLOCK_R, BLOCK_C)
+    ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
-        cols, ok, s, t = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t,
-            indexed, HAS_T, INDEXED, CAPPED, BLOCK_R, BLOCK_C,
+        cols, ok, s, t, ahead = load_tile(
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, cap_s, cap_t,
+            sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
         updated = empty_tuple()
         for f in tl.static_range(NUM_FAMILIES):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_io import accumulated, empty_tuple, load_tile, local_labels, normalized, program_tile
+from .block_io import accumulated, empty_tuple, load_tile, local_labels, normalized, program_tile, sparse_start
 
 __all__ = ["sums_kernel"]
 
@@ -36,13 +36,13 @@ def sums_kernel(
     cols_per_split: tl.tensor,
     cap_s: tl.tensor,
     cap_t: tl.tensor,
-    indexed: tl.tuple,
+    sparse: tl.tuple,
     inv_ts: tl.tensor,
     inv_tt: tl.tensor,
     COLUMN_TERMS: tl.constexpr,
     NUM_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
-    INDEXED: tl.constexpr,
+    SPARSE: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -58,10 +58,11 @@ def sums_kernel(
     sums = empty_tuple()
     for _ in tl.static_range(NUM_SUMS):
         sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
+    ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
-        cols, ok, s, t = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, cap_s, cap_t,
-            indexed, HAS_T, INDEXED, CAPPED, BLOCK_R, BLOCK_C,
+        cols, ok, s, t, ahead = load_tile(
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, cap_s, cap_t,
+            sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
         is_target = cols[None, :] == local_label
         logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)

@@ -132,7 +132,9 @@ def _kd_loss(
         if isinstance(token_weights, Tensor) and token_weights.shape == local_labels.shape:
             token_weights = token_weights.reshape(-1)
         row_weights = check_token_weights(token_weights, flat_labels, host_checks)
-    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype, int(cache is not None))
+    # A top-k cache forms nothing on the Triton kernels (they read its rows) and counts among the
+    # two converted sides on torch: no side to add either way.
+    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
     denominator = valid.sum().clamp_min(1) if given_denominator is None else given_denominator
     with torch.autocast(student.device.type, enabled=False):
         return logits_distillation(problem, denominator, student, teacher, dtype, row_weights)
@@ -179,8 +181,8 @@ class KDLoss(nn.Module):
       last dimension. Every rank returns the single-device loss; each rank's gradient is its
       columns' slice.
     - ``chunk_size``: rows (tokens) per chunk; 0 (default): the library chooses. The Triton kernels
-      read both sides' logits in place, so the whole batch is one chunk (a top-k teacher's blocks
-      are formed, and sized to the default 448 MiB workspace); the torch backend converts each
+      read both sides' logits in place (a top-k teacher's ids and values too), so the whole batch
+      is one chunk; the torch backend converts each
       block and takes as many rows as fit that workspace (``KernelConfig``). Every path,
       tensor-parallel included, walks rows in chunks and never holds more than one chunk's fp32
       logits.

@@ -147,7 +147,7 @@ class PrecomputedTeacher(TeacherSource):
         logprobs = _savable(self.topk_logprobs)
         assert logprobs is not None
         tail = tail_values(logprobs, self.tail, vocab_size)
-        return TopKBlocks(self.topk_ids, torch.cat([tail[:, None], logprobs], dim=1), vocab_start)
+        return TopKBlocks.from_cache(self.topk_ids, logprobs, tail, vocab_start)
 
     def check_cache_values(self, vocab_size: int) -> None:
         if self.topk_ids is not None and self.topk_logprobs is not None:

@@ -13,9 +13,9 @@ from torch import Tensor, nn
 __all__ = [
     "TEACHER_MODES",
     "ExpectedShape",
-    "IndexedLogits",
     "SeparateTeacher",
     "ShardReader",
+    "SparseLogits",
     "TeacherHead",
     "TeacherBlocks",
     "TeacherSource",
@@ -62,14 +62,16 @@ class ExpectedShape(NamedTuple):
     meaning: str
 
 
-class IndexedLogits(NamedTuple):
-    """A block of logits held as an index into a few values per row (a top-k cache's block, as
-    the Triton kernels read it): entry ``(r, c)`` is ``values[r, positions[r, c]]``.
-    ``positions``: (rows, columns), an integer dtype (uint8 while a row has at most 256 values);
-    ``values``: (rows, n), unit column stride."""
+class SparseLogits(NamedTuple):
+    """A block of logits that holds a few listed values per row and one fill value elsewhere (a
+    top-k cache's block, as the Triton kernels read it, without forming it): entry ``(r, c)`` is
+    ``values[r, m]`` where ``ids[r, m]`` is global column ``c``, else ``fill[r]``. ``ids``: (rows, k)
+    int64, ascending in each row, distinct; ``values``: (rows, k), their order, the same strides;
+    ``fill``: (rows,)."""
 
-    positions: Tensor
+    ids: Tensor
     values: Tensor
+    fill: Tensor
 
 
 class TeacherBlocks(Protocol):
@@ -78,9 +80,9 @@ class TeacherBlocks(Protocol):
 
     def block(
         self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
-    ) -> Tensor | IndexedLogits:
+    ) -> Tensor | SparseLogits:
         """Rows ``[begin, end)`` on local columns ``[start, stop)``, in ``dtype``; ``as_stored``:
-        as the teacher stores them, which may be :class:`IndexedLogits`."""
+        as the teacher stores them, which may be :class:`SparseLogits`."""
         ...
 
 

@@ -9,12 +9,12 @@ vocabulary) and their log-probabilities ``l_1 … l_k`` (≤ 0). The teacher's l
   (``LSE(t) = 0``), and every loss on it equals the loss on that dense teacher.
 - ``tail="renormalize"``: ``τ = −inf``; the teacher is ``softmax(t)`` over the cached ids alone.
 
-The cache itself is (rows, k): a chunk's block over local columns ``[start, stop)`` is formed
-when the walk reads it and lives as long as the chunk's other logits. The Triton kernels read it
-as :class:`~orda_tp.teachers.source.IndexedLogits` (each column's place among the row's ids, one
-byte per entry), the torch block math and the reference as dense values (``τ`` broadcast, the
-ids of the block scattered in). Under tensor parallelism every rank holds the whole cache (ids are
-global, like the labels) and forms the columns of its shard.
+The cache itself is (rows, k). The Triton kernels read its rows as they are
+(:class:`~orda_tp.teachers.source.SparseLogits`: each row's ids sorted once per call, its values
+in their order, ``τ``); the torch block math and the reference get a chunk's block over local
+columns ``[start, stop)`` formed when the walk reads it (``τ`` broadcast, the ids of the block
+scattered in), which lives as long as the chunk's other logits. Under tensor parallelism every
+rank holds the whole cache (ids are global, like the labels) and reads the columns of its shard.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .source import IndexedLogits
+from .source import SparseLogits
 
 __all__ = ["TAILS", "TopKBlocks", "check_topk_values", "tail_values"]
 
@@ -87,33 +87,37 @@ def check_topk_values(ids: Tensor, logprobs: Tensor, vocab_size: int) -> None:
 
 @dataclass(frozen=True)
 class TopKBlocks:
-    """The dense teacher of a top-k cache over this device's columns: ``ids`` (rows, k) global;
-    ``table`` (rows, 1 + k) contiguous, each row's tail value ``τ`` then its cached
-    log-probabilities; local column 0 is global column ``vocab_start``. Where a block's entries
-    land is worked out once per call and column range, for every row (``scatter_indices``)."""
+    """The dense teacher of a top-k cache over this device's columns: ``ids`` (rows, k) global,
+    ascending in each row, and ``logprobs`` (rows, k) in their order, both contiguous; ``tail``
+    (rows,) the value of the other columns; local column 0 is global column ``vocab_start``.
+    Where a dense block's entries land is worked out once per call and column range, for every
+    row (``scatter_indices``)."""
 
     ids: Tensor
-    table: Tensor
+    logprobs: Tensor
+    tail: Tensor
     vocab_start: int
     scatter_indices: dict[tuple[int, int], Tensor] = field(default_factory=dict, compare=False, repr=False)
 
+    @classmethod
+    def from_cache(cls, ids: Tensor, logprobs: Tensor, tail: Tensor, vocab_start: int) -> TopKBlocks:
+        """The blocks of a cache whose rows list their ids in any order."""
+        ids, order = ids.sort(dim=1)
+        return cls(ids, logprobs.gather(1, order), tail, vocab_start)
+
     def block(
         self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
-    ) -> Tensor | IndexedLogits:
-        """Rows ``[begin, end)`` on local columns ``[start, stop)``: ``as_stored``, an
-        :class:`IndexedLogits` into the rows of ``table`` (each column's place among its row's ids,
-        1-based, 0 for ``τ``: one byte per entry while ``k ≤ 255``); else formed in ``dtype``."""
-        rows, k, width = end - begin, self.ids.shape[1], stop - start
-        index = self._scatter_index(start, stop)[begin:end]
-        table = self.table[begin:end]
+    ) -> Tensor | SparseLogits:
+        """Rows ``[begin, end)`` on local columns ``[start, stop)``: ``as_stored``, the cache's own
+        rows as :class:`SparseLogits` (global ids, so one object serves every column range);
+        else formed in ``dtype``: ``τ`` broadcast, the cached log-probabilities at their ids."""
         if as_stored:
-            dtype = torch.uint8 if k <= 255 else torch.int16 if k <= 32767 else torch.int32
-            positions = torch.zeros(rows, width + k, dtype=dtype, device=index.device)
-            places = torch.arange(1, k + 1, dtype=dtype, device=index.device).expand(rows, k)
-            return IndexedLogits(positions.scatter_(1, index, places)[:, :width], table)
-        dense = torch.empty(rows, width + k, dtype=dtype, device=index.device)
-        dense.copy_(table[:, :1].expand(-1, width + k))
-        return dense.scatter_(1, index, table[:, 1:].to(dtype))[:, :width]
+            return SparseLogits(self.ids[begin:end], self.logprobs[begin:end], self.tail[begin:end])
+        rows, k, width = end - begin, self.ids.shape[1], stop - start
+        dense = torch.empty(rows, width + k, dtype=dtype, device=self.ids.device)
+        dense.copy_(self.tail[begin:end, None].to(dtype).expand(-1, width + k))
+        index = self._scatter_index(start, stop)[begin:end]
+        return dense.scatter_(1, index, self.logprobs[begin:end].to(dtype))[:, :width]
 
     def _scatter_index(self, start: int, stop: int) -> Tensor:
         """Where each cached entry lands in a block of local columns ``[start, stop)`` widened by
