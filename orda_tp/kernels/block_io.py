@@ -75,8 +75,8 @@ def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
     return tl.where(x < 0.0, -magnitude, magnitude)
 
 
-NO_ID = 1 << 62  # an id past every column: where a row's sorted ids end
-SPARSE_STEP = 32  # a sparse block's ids read this many at a time when a row's are searched
+NO_ID = tl.constexpr(1 << 62)  # an id past every column: where a row's sorted ids end
+SPARSE_STEP = tl.constexpr(32)  # a sparse block's ids read this many at a time when a row's are searched
 
 
 @triton.jit
