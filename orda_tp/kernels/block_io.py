@@ -76,7 +76,6 @@ def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
 
 
 NO_ID = tl.constexpr(1 << 62)  # an id past every column: where a row's sorted ids end
-SPARSE_WINDOW = tl.constexpr(2)  # a sparse block's ids compared with a tile at once, per row
 SPARSE_STEP = tl.constexpr(32)  # a sparse block's ids read this many at a time when a row's are searched
 
 
@@ -113,21 +112,13 @@ def sparse_tile(
     """``(t, ahead)``: a sparse block's tile at global columns ``first … first + BLOCK_C − 1``, fp32,
     −inf outside ``ok``: each row's fill, with the row's listed values at their columns. ``ahead``:
     per row, how many of its sorted ids lie before the tile; returned advanced past the tile's.
-    Each row's next ``SPARSE_WINDOW`` ids are read at once and compared with the tile's columns
-    (one compare-and-select per window slot and entry, no load per entry); only a row with more
-    listed ids in the tile than the window holds goes on one id at a time."""
+    Each row's next id is compared with the tile's columns until no row has one left inside it,
+    so a tile costs one pass per listed id of its fullest row, and no load per entry."""
     ids_ptr, values_ptr, stride, k = sparse
     columns = first + tl.arange(0, BLOCK_C)
     end = first + BLOCK_C
     fill = tl.load(fill_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     t = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32) + fill[:, None]
-    taken = tl.zeros(ahead.shape, dtype=tl.int32)
-    for w in tl.static_range(SPARSE_WINDOW):
-        listed = tl.load(ids_ptr + rows * stride + ahead + w, mask=row_ok & (ahead + w < k), other=NO_ID)
-        value = tl.load(values_ptr + rows * stride + ahead + w, mask=listed < end, other=0.0).to(tl.float32)
-        t = tl.where(columns[None, :] == listed[:, None], value[:, None], t)
-        taken += (listed < end).to(tl.int32)
-    ahead += taken
     listed = tl.load(ids_ptr + rows * stride + ahead, mask=row_ok & (ahead < k), other=NO_ID)
     inside = listed < end
     while tl.max(inside.to(tl.int32), axis=0) > 0:
