@@ -115,7 +115,7 @@ def sparse_tile(
     Each row's next id is compared with the tile's columns until no row has one left inside it,
     so a tile costs one pass per listed id of its fullest row, and no load per entry."""
     ids_ptr, values_ptr, stride, k = sparse
-    columns = first + tl.arange(0, BLOCK_C)
+    offsets = tl.arange(0, BLOCK_C)  # int32 columns of the tile, compared with each id's offset
     end = first + BLOCK_C
     fill = tl.load(fill_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     t = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32) + fill[:, None]
@@ -123,7 +123,8 @@ def sparse_tile(
     inside = listed < end
     while tl.max(inside.to(tl.int32), axis=0) > 0:
         value = tl.load(values_ptr + rows * stride + ahead, mask=inside, other=0.0).to(tl.float32)
-        t = tl.where(columns[None, :] == listed[:, None], value[:, None], t)
+        offset = tl.where(inside, listed - first, -1).to(tl.int32)
+        t = tl.where(offsets[None, :] == offset[:, None], value[:, None], t)
         ahead += inside.to(tl.int32)
         listed = tl.load(ids_ptr + rows * stride + ahead, mask=row_ok & (ahead < k), other=NO_ID)
         inside = listed < end
