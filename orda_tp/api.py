@@ -155,7 +155,7 @@ def _run(
     if local.group is not None:  # the value checks travel with the first record exchange
         error = local_error(plan, local, teacher, layout, host_checks)
         shares_errors = can_fail_locally(plan, local.teacher)
-        exchange = ShardExchange(local.group, layout.sequence_parallel, error, shares_errors)
+        exchange = ShardExchange(local.group, layout.sequence_parallel, error, shares_errors, layout.inconsistent)
     else:
         read_cache, finite_inputs = host_checks and plan.needs_teacher_logits, config.check_finite_inputs
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import time
 import zlib
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import orda_tp
-from orda_tp import KL_VARIANTS
+from orda_tp import KL_VARIANTS, KernelConfig
 
 from .cases import VARIANT_KWARGS, relative_error
 from .distributed import note
@@ -164,6 +165,25 @@ def error_case(label: str, rank: int, world: int, change: str, match: str) -> li
     return problems
 
 
+def unchecked_labels_case(rank: int, world: int) -> list[str]:
+    """Host checks off (what KDLoss does on an NCCL group): labels that differ on the last rank
+    make the loss and the logits' gradient NaN on every rank instead of raising."""
+    note("labels differ, host checks off")
+    start, stop = chunk_ranges(VOCAB, world)[rank]
+    student, teacher, labels = full_logits(1, torch.float64)
+    if rank == world - 1:
+        labels = labels.flip(-1)
+    local_student = student[..., start:stop].detach().requires_grad_()
+    loss_fn = orda_tp.KDLoss(tp_group=dist.group.WORLD, chunk_size=4)
+    loss_fn.options = replace(loss_fn.options, config=KernelConfig(host_checks=False))
+    loss = loss_fn(local_student, teacher[..., start:stop], labels)
+    loss.backward()
+    assert local_student.grad is not None
+    if not (torch.isnan(loss) and bool(torch.isnan(local_student.grad).any())):
+        return [f"rank {rank}: labels differ without host checks gave loss {float(loss)}, not NaN"]
+    return []
+
+
 def tensor_parallel_worker(rank: int, world: int) -> list[str]:
     problems: list[str] = []
     for variant in KL_VARIANTS:
@@ -190,4 +210,5 @@ def tensor_parallel_worker(rank: int, world: int) -> list[str]:
     problems += error_case("teacher shard of another width", rank, world, "teacher width", "teacher_logits must have")
     problems += error_case("labels differ", rank, world, "labels", "labels must be identical on every rank")
     problems += error_case("num_batch_labels on one rank", rank, world, "count", "num_batch_labels must be finite")
+    problems += unchecked_labels_case(rank, world)
     return problems

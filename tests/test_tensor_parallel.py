@@ -10,6 +10,7 @@ mismatch at once.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -133,13 +134,37 @@ def test_collectives_per_call(world_size: int) -> None:
 
 
 def test_host_reads_of_a_call() -> None:
-    """With host checks off (a CUDA call's default), a call reads one tensor on the host: the
-    layout handshake's gathered values. A teacher read through a head has no local value check, so
-    its first record exchange carries no error columns and nothing else is read; a cached
-    teacher's exchange carries them, and they are read once more."""
+    """With host checks off (a CUDA call's default), a call reads on the host only the ranks'
+    claims, host values gathered over a host group (2 ranks × 9 values; the labels' checksums and
+    the heads' fingerprints stay on the device). A teacher read through a head has no local value
+    check, so its first record exchange carries no error columns; a cached teacher's exchange
+    carries them, and they are read once more (2 ranks × 3)."""
     reports = run_distributed(2, tp_workers.host_reads_worker, timeout=MATRIX_TIMEOUT_S)
+    claims, errors = ("tolist", (2, 9)), ("tolist", (2, 3))
     for report in reports:
-        assert report == {"tied": ["tolist"], "separate": ["tolist"], "precomputed": ["tolist", "tolist"]}, report
+        assert report == {"tied": [claims], "separate": [claims], "precomputed": [claims, errors]}, report
+
+
+def test_without_host_checks_bad_labels_or_a_full_head_make_every_rank_nan() -> None:
+    """Host checks off (a CUDA call's default): the handshake's checks run on the device. Labels
+    that differ on one rank, or the same full head on every rank, give a NaN loss and NaN
+    gradients on every rank (with host checks they raise, test_error_on_one_rank_raises_everywhere);
+    good inputs equal the single-device loss."""
+    reports = run_distributed(2, tp_workers.device_checks_worker, timeout=MATRIX_TIMEOUT_S)
+    for report in reports:
+        loss, all_nan, error = report["good"]
+        assert math.isfinite(loss) and not all_nan and error <= 1e-12, report
+        for name in ("labels differ", "full head on every rank"):
+            loss, all_nan, _ = report[name]
+            assert math.isnan(loss) and all_nan, (name, report)
+
+
+def test_gloo_twin_gathers_host_values() -> None:
+    """The group that carries the handshake's host values beside an NCCL group (exercised here on
+    gloo): the same ranks, made once, gathering in rank order."""
+    reports = run_distributed(2, tp_workers.gloo_twin_worker, timeout=MATRIX_TIMEOUT_S)
+    for ranks, cached, gathered in reports:
+        assert ranks == [0, 1] and cached and gathered == [[[0, 0]], [[1, 10]]]
 
 
 @pytest.mark.parametrize("scenario", list(tp_workers.ERROR_SCENARIOS))

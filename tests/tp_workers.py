@@ -747,14 +747,14 @@ HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist",
 
 
 @contextmanager
-def counted_host_reads(reads: list[str]) -> Iterator[None]:
+def counted_host_reads(reads: list[tuple[str, tuple[int, ...]]]) -> Iterator[None]:
     """Each way Python code reads a tensor's value on the host (on CUDA each synchronizes with
-    the device) appended to ``reads`` by name, then done."""
+    the device) appended to ``reads`` with the tensor's shape, then done."""
     originals = {name: getattr(Tensor, name) for name in HOST_READS}
 
     def counting(name: str) -> Callable[..., object]:
         def read(self: Tensor, *args: object, **kwargs: object) -> object:
-            reads.append(name)
+            reads.append((name, tuple(self.shape)))
             return originals[name](self, *args, **kwargs)
 
         return read
@@ -768,7 +768,7 @@ def counted_host_reads(reads: list[str]) -> Iterator[None]:
             setattr(Tensor, name, original)
 
 
-def host_reads_worker(rank: int, world: int) -> dict[str, list[str]]:
+def host_reads_worker(rank: int, world: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """The host reads of a forward + backward with host checks off (a CUDA call's default), per
     teacher mode: a teacher read through a head has no local value check, a cache has."""
     columns = chunk_ranges(VOCAB, world)[rank]
@@ -776,11 +776,52 @@ def host_reads_worker(rank: int, world: int) -> dict[str, list[str]]:
     for mode in ("tied", "separate", "precomputed"):
         case = plain_case(f"host reads {mode}", "forward", mode, "mean", torch.float64, columns)
         kwargs = {**case.kwargs, **case.tp_kwargs, "config": replace(TP_CHUNKS, host_checks=False)}
-        reads: list[str] = []
+        reads: list[tuple[str, tuple[int, ...]]] = []
         with counted_host_reads(reads):
             loss_and_grads(case.local, case.mode, None, **kwargs)
         report[mode] = reads
     return report
+
+
+def device_checks_worker(rank: int, world: int) -> dict[str, list[float]]:
+    """With host checks off (a CUDA call's default) the handshake reads nothing of the device:
+    labels that differ on one rank, and a full head passed on every rank, make every value and
+    gradient NaN on every rank instead of raising; good inputs give the single-device result.
+    Per scenario: the loss, whether every gradient entry is NaN, and the relative error against
+    the single-device loss (NaN when not compared)."""
+    group, off = dist.group.WORLD, replace(TP_CHUNKS, host_checks=False)
+    full = full_problem("tied", torch.float64, 11)
+    columns = chunk_ranges(VOCAB, world)[rank]
+    kwargs = {**call_kwargs("forward", "tied", "mean"), "config": off, "tp_group": group}
+    expected, _ = loss_and_grads(full, "tied", None, **call_kwargs("forward", "tied", "mean"))
+    report = {}
+    scenarios = {
+        "good": shard_problem(full, columns, None),
+        "labels differ": _on(1, rank, _change_a_label)(shard_problem(full, columns, None))
+        if rank == 1
+        else shard_problem(full, columns, None),
+        "full head on every rank": full,
+    }
+    for name, local in scenarios.items():
+        out, grads = loss_and_grads(local, "tied", None, **kwargs)
+        valid = local.labels != -100
+        # An ignored row's hidden gradient is exactly 0 whatever the statistics hold.
+        counted = [g[valid] if g.shape[0] == valid.shape[0] else g for g in grads if g is not None]
+        all_nan = all(bool(torch.isnan(g).all()) for g in counted)
+        error = relative_error(out.loss, expected.loss) if name == "good" else math.nan
+        report[name] = [float(out.loss.detach()), float(all_nan), error]
+    return report
+
+
+def gloo_twin_worker(rank: int, world: int) -> list[object]:
+    """The gloo twin of a group: its ranks, the same object on a second call, and a gather of
+    host values through it."""
+    from orda_tp.parallel.collectives import all_gather_rows, gloo_twin
+
+    twin = gloo_twin(dist.group.WORLD)
+    again = gloo_twin(dist.group.WORLD)
+    gathered = all_gather_rows(torch.tensor([[rank, 10 * rank]]), twin).tolist()
+    return [dist.get_process_group_ranks(twin), twin is again, gathered]
 
 
 # ---------------------------------------------------------------------------- rank-consistent errors

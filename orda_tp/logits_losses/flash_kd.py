@@ -143,7 +143,7 @@ def flash_ce_kd_loss(
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
-    layout = agree_vocabulary(group, shard, failure)
+    layout = agree_vocabulary(group, shard, failure, options.config.host_checks)
     assert local is not None and shard is not None
     return _scores(options, group, layout, shard.labels, *local, upcast)
 

@@ -103,7 +103,7 @@ def _kd_loss(
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
-    layout = agree_vocabulary(group, shard, failure)
+    layout = agree_vocabulary(group, shard, failure, options.config.host_checks)
     assert shard is not None  # set last: this rank's checks passed
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
     flat_labels = shard.labels

@@ -187,17 +187,18 @@ class ShardShape:
 
 
 def agree_vocabulary(
-    group: dist.ProcessGroup | None, shard: ShardShape | None, failure: Exception | None
+    group: dist.ProcessGroup | None, shard: ShardShape | None, failure: Exception | None, host_checks: bool | None
 ) -> VocabLayout:
     """The layout of the call: every column on one device, or agreed across ``group`` by the
     fused path's handshake. ``failure``: this rank's own input-check failure (``shard`` is then
-    None); the handshake makes every rank raise it."""
+    None); the handshake makes every rank raise it. ``host_checks``: ``KernelConfig.host_checks``
+    (:func:`orda_tp.parallel.layout.resolve_layout`)."""
     if group is None:
         assert shard is not None
         columns = shard.columns
         return VocabLayout(0, columns, columns, columns, columns, columns, columns)
     if failure is not None or shard is None:
-        return resolve_layout(group, ShardClaim(failed=1), None, None, failure)
+        return resolve_layout(group, ShardClaim(failed=1), None, None, failure, host_checks)
     start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)
     rows = shard.labels.shape[0]
     claim = ShardClaim(
@@ -208,4 +209,5 @@ def agree_vocabulary(
         label_rows=rows,
         hidden_rows=rows,
     )
-    return resolve_layout(group, claim, shard.labels, HeadShard("student_logits", shard.student, -1), None)
+    head = HeadShard("student_logits", shard.student, -1)
+    return resolve_layout(group, claim, shard.labels, head, None, host_checks)

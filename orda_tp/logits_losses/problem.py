@@ -76,7 +76,7 @@ def build_problem(
             chunk_rows = row_layout(options.config, rows, columns, held, 0, shards).chunk_rows
     exchange = None
     if group is not None:  # no local value checks here: nothing to share
-        exchange = ShardExchange(group, sequence_parallel=False, local_error=None, shares_errors=False)
+        exchange = ShardExchange(group, False, None, shares_errors=False, inconsistent=layout.inconsistent)
     return LogitsProblem(RowWalk(plan, labels, valid, exchange, layout, math), chunk_rows)
 
 

@@ -6,6 +6,8 @@
 - :func:`reduce_scatter_rows`: under sequence parallelism, sum the hidden gradients over the
   shards and keep this rank's rows, in one collective (without it, the row walk all-reduces each
   row group's hidden gradients as they complete: ``ShardExchange.start_row_gradient_sum``).
+- :func:`host_group`: the group that gathers host values (the handshake's claims) without a
+  device, for a device (NCCL) group its gloo twin.
 - :class:`BackendLoan`: how a collective's host tensors are handed to the process group, so
   that none is still held by its worker threads when the call returns (below).
 
@@ -39,7 +41,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["BackendLoan", "all_gather_rows", "gather_sequence_rows", "reduce_scatter_rows"]
+__all__ = [
+    "BackendLoan",
+    "all_gather_rows",
+    "carries_host_tensors",
+    "gather_sequence_rows",
+    "gloo_twin",
+    "host_group",
+    "reduce_scatter_rows",
+]
 
 # Newer torch names these all_gather_single / reduce_scatter_single and warns (FutureWarning) on
 # the old names, which are all that older torch has.
@@ -104,6 +114,34 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
     all_gather_single(loan.alias(gathered), loan.alias(local), group=group)
     loan.settle()
     return gathered.view(world, *local.shape)
+
+
+_GLOO_TWINS: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def carries_host_tensors(group: dist.ProcessGroup) -> bool:
+    """Whether ``group``'s backend takes host (CPU) tensors: gloo, alone or beside another."""
+    return "gloo" in str(dist.get_backend(group))
+
+
+def gloo_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks, for collectives of host values beside a device group
+    (NCCL): created at the first call by those ranks alone (``use_local_synchronization``; the
+    ranks of a tensor-parallel group enter the loss together) and kept for later calls."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (group.group_name, ranks)
+    twin = _GLOO_TWINS.get(key)
+    if twin is None:
+        twin = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        assert twin is not None  # this rank is one of the ranks
+        _GLOO_TWINS[key] = twin
+    return twin
+
+
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group over ``group``'s ranks that gathers host values without the device: ``group``
+    itself when it takes CPU tensors, else its :func:`gloo_twin`."""
+    return group if carries_host_tensors(group) else gloo_twin(group)
 
 
 def _pack_columns(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:

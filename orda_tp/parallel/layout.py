@@ -17,12 +17,13 @@ every rank are copies of one tensor, not shards of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_rows
+from ..checks import runs_host_checks
+from .collectives import all_gather_rows, host_group
 
 __all__ = ["HeadShard", "ShardClaim", "VocabLayout", "resolve_layout", "shard_fingerprint"]
 
@@ -48,6 +49,9 @@ class VocabLayout:
     rank: int = 0
     world_size: int = 1
     sequence_parallel: bool = False
+    #: Where host checks do not run under a group: a 0-d bool on the device, whether the ranks'
+    #: labels differ or their heads are copies of one head (:func:`resolve_layout`).
+    inconsistent: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -225,28 +229,63 @@ def _raise_replicated_head(claims: list[ShardClaim], fingerprints: list[tuple[in
         )
 
 
+def _value_checks(labels: torch.Tensor | None, head: HeadShard | None, device: torch.device) -> torch.Tensor:
+    """This rank's labels checksum (2 values) and head fingerprint (3), int64 on ``device``."""
+    checksum = labels_checksum(labels) if labels is not None else torch.full((2,), -1, dtype=torch.int64)
+    fingerprint = (
+        shard_fingerprint(head.tensor, head.vocab_dim) if head is not None else torch.zeros(3, dtype=torch.int64)
+    )
+    return torch.cat([checksum.to(device), fingerprint.to(device)])
+
+
+def _inconsistent(claims: list[ShardClaim], checks: torch.Tensor, fingerprinted: bool) -> torch.Tensor:
+    """On the device, from every rank's (checksum, fingerprint) ``checks`` (world, 5): whether the
+    labels differ between ranks or the heads are copies of one head (:func:`_raise_replicated_head`'s
+    rule); a 0-d bool."""
+    labels_differ = (checks[:, :2] != checks[:1, :2]).any()
+    same_size = len(claims) > 1 and len({claim.local_columns for claim in claims}) == 1
+    if not (fingerprinted and same_size):
+        return labels_differ
+    fingerprints = checks[:, 2:]
+    copies = (fingerprints[:, 2] != 0).all() & (fingerprints == fingerprints[:1]).all()
+    return labels_differ | copies
+
+
 def resolve_layout(
     group: dist.ProcessGroup,
     claim: ShardClaim,
     labels: torch.Tensor | None,
     head: HeadShard | None,
     problem: Exception | None,
+    host_checks: bool | None = None,
 ) -> VocabLayout:
-    """The layout agreed by every rank of ``group`` (one fixed-size all-gather).
+    """The layout agreed by every rank of ``group``.
 
     ``problem`` is this rank's own input-check failure, if any: it travels as a flag, so every
     rank raises. Labels must be identical on every rank; their checksums are compared. ``head``'s
-    fingerprints must not show the same full head on every rank.
+    fingerprints must not show the same full head on every rank. ``host_checks``
+    (``KernelConfig.host_checks``; None: on a group of host tensors, not on an NCCL group, so that
+    every rank decides alike): one all-gather carries all of it and its values are read on the
+    host, so both value checks raise a ValueError on every rank. Without, nothing of the device is
+    read: the claims (host values)
+    go through :func:`~.collectives.host_group`, the checksums and fingerprints through a device
+    all-gather, compared on the device into ``VocabLayout.inconsistent``, which makes the call's
+    statistics NaN on every rank (``ShardExchange``).
     """
     world = dist.get_world_size(group)
     device = labels.device if labels is not None else torch.device("cpu")
-    if dist.get_backend(group) == dist.Backend.NCCL and device.type != "cuda":
+    nccl = dist.get_backend(group) == dist.Backend.NCCL
+    if nccl and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    checksum = labels_checksum(labels) if labels is not None else torch.full((2,), -1, dtype=torch.int64)
-    fingerprint = (
-        shard_fingerprint(head.tensor, head.vocab_dim) if head is not None else torch.zeros(3, dtype=torch.int64)
-    )
-    mine = torch.cat([claim.as_tensor().to(device), checksum.to(device), fingerprint.to(device)])
+    if not runs_host_checks(host_checks, torch.device("cuda" if nccl else "cpu")):
+        host = host_group(group)
+        gathered = all_gather_rows(claim.as_tensor().view(1, -1), host).view(world, -1).tolist()
+        claims = [ShardClaim(*(int(v) for v in values)) for values in gathered]
+        _raise_local_failures(claims, problem, host)
+        layout = _layout_from_claims(claims, dist.get_rank(group), group)
+        checks = all_gather_rows(_value_checks(labels, head, device).view(1, -1), group).view(world, -1)
+        return replace(layout, inconsistent=_inconsistent(claims, checks, head is not None))
+    mine = torch.cat([claim.as_tensor().to(device), _value_checks(labels, head, device)])
     rows = all_gather_rows(mine.view(1, -1), group).view(world, -1).tolist()
     claims = [ShardClaim(*(int(v) for v in values[:-5])) for values in rows]
     _raise_local_failures(claims, problem, group)

@@ -137,12 +137,16 @@ def _localize(
 
 
 def _agree_layout(
-    group: dist.ProcessGroup, inputs: LocalInputs | None, vocab_size: int | None, problem: Exception | None
+    group: dist.ProcessGroup,
+    inputs: LocalInputs | None,
+    options: LossOptions,
+    problem: Exception | None,
 ) -> VocabLayout:
     """The layout of this call, agreed across ``group``: ``inputs`` is None and ``problem`` set
     when this rank's own checks failed; the handshake then makes every rank raise."""
+    host_checks, vocab_size = options.kernel_config.host_checks, options.vocab_size
     if inputs is None:
-        return resolve_layout(group, ShardClaim(failed=1), None, None, problem)
+        return resolve_layout(group, ShardClaim(failed=1), None, None, problem, host_checks)
     start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
     teacher_columns = inputs.teacher.vocab_columns()
     claim = ShardClaim(
@@ -155,7 +159,7 @@ def _agree_layout(
         hidden_rows=inputs.student_hidden.shape[0],
         sequence_parallel=int(inputs.sequence_parallel),
     )
-    return resolve_layout(group, claim, inputs.labels, HeadShard("weight", inputs.weight, 0), problem)
+    return resolve_layout(group, claim, inputs.labels, HeadShard("weight", inputs.weight, 0), problem, host_checks)
 
 
 def _tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -202,7 +206,7 @@ def shard_inputs(
             raise
         failure = error  # every rank of the group raises it after the handshake
     assert group is not None  # a call without a group raised above (no DTensor weight, no tp_group)
-    layout = _agree_layout(group, local, options.vocab_size, failure)
+    layout = _agree_layout(group, local, options, failure)
     assert local is not None
     return local, layout
 

@@ -8,7 +8,9 @@ the first round of a call also carries each rank's *local error* (a check that o
 could make, e.g. NaN in its shard of a cached teacher) in three extra columns; after the gather
 every rank reads every rank's error on the host and raises the same ValueError. A call with no
 rows to process (all ignored) exchanges just the errors. Otherwise (the default path: a teacher
-read through a head) no error columns travel and nothing is read on the host.
+read through a head) no error columns travel and nothing is read on the host. Where the handshake
+did not read its checks on the host (``VocabLayout.inconsistent``), ranks whose labels differ or
+whose heads are copies of one head get NaN records, the same on every rank.
 
 No collective of a call is left to the process group when the call returns: the row-group
 gradient sums started during the row walk are waited by the end of the forward (:meth:`finish`)
@@ -73,15 +75,23 @@ class ShardExchange:
     """The tensor-parallel :class:`orda_tp.engine.row_walk.RecordExchange`."""
 
     def __init__(
-        self, group: dist.ProcessGroup, sequence_parallel: bool, local_error: LocalError | None, shares_errors: bool
+        self,
+        group: dist.ProcessGroup,
+        sequence_parallel: bool,
+        local_error: LocalError | None,
+        shares_errors: bool,
+        inconsistent: Tensor | None = None,
     ) -> None:
         """``local_error``: this rank's, or None; ``shares_errors``: whether the ranks' errors are
-        exchanged at all (the same on every rank: False where no rank's local check can fail)."""
+        exchanged at all (the same on every rank: False where no rank's local check can fail);
+        ``inconsistent``: the handshake's device-side verdict on the ranks' labels and heads
+        (``VocabLayout.inconsistent``), which, when set, makes every merged record NaN."""
         assert shares_errors or local_error is None
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.local_error = local_error
         self.errors_exchanged = not shares_errors
+        self.inconsistent = inconsistent
         self.pending_sums: list[dist.Work] = []  # row-group gradient sums in flight
         self.summed_rows = BackendLoan()  # the rows those sums were handed
 
@@ -109,6 +119,8 @@ class ShardExchange:
         if packed.shape[1] > width:
             self._raise_gathered_errors(gathered[..., width:])
             gathered = gathered[..., :width].contiguous()
+        if self.inconsistent is not None:  # labels that differ, or copies of one head: NaN, no host read
+            gathered = torch.where(self.inconsistent, float("nan"), gathered)
         return merge_stacked(gathered, local.maxes.shape[1])
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
