@@ -8,7 +8,10 @@ Ranks agree on the layout through one small "handshake" all-gather of fixed size
 every call. It carries each rank's shard sizes, vocabulary range, row counts, a checksum of its
 labels, a fingerprint of its head shard and whether its own input checks failed. Everything is
 checked from the gathered values, so every rank raises the same error and none is left waiting in a
-collective, whatever changed on whichever rank since the last call.
+collective, whatever changed on whichever rank since the last call. Without host checks (an NCCL
+group's default) nothing of the device is read: the host values travel over a host group and the
+checksum and fingerprint comparison stays on the device, where a mismatch makes the call's
+statistics NaN on every rank (:func:`resolve_layout`).
 
 The fingerprint catches a full (unsharded) head passed on every rank: vocabulary shards hold
 different rows, so shards whose sampled rows differ from each other yet agree bitwise across
