@@ -740,15 +740,16 @@ def extras_specs(shape: BenchShape, device: torch.device) -> list[RowSpec]:
     """KD with every KL variant, with a separate and a precomputed-logits teacher, and with the
     student's loss terms (orda_tp's default)."""
     name, options = orda_options(device)[0]
+
+    def row(case: str, gemms: int, step: Callable[[BenchInputs], Step], **labels: str) -> RowSpec:
+        return RowSpec(section="extras", shape=shape, case=case, impl=name, gemms=gemms, step=step, labels=labels)
+
     specs = [
-        RowSpec(
-            section="extras",
-            shape=shape,
-            case=f"KD {variant}",
-            impl=name,
-            gemms=TASK_GEMMS["KD"],
-            step=partial(orda_step, task="KD", variant=variant, **options),
-            labels={"variant": variant},
+        row(
+            f"KD {variant}",
+            TASK_GEMMS["KD"],
+            partial(orda_step, task="KD", variant=variant, **options),
+            variant=variant,
         )
         for variant in KL_VARIANTS
     ]
@@ -760,27 +761,16 @@ def extras_specs(shape: BenchShape, device: torch.device) -> list[RowSpec]:
     )
     for teacher, make, gemms in teachers:
         specs.append(
-            RowSpec(
-                section="extras",
-                shape=shape,
-                case=f"KD {teacher}",
-                impl=name,
-                gemms=gemms,
-                step=lambda inputs, m=make: orda_step(inputs, "KD", teacher=m(inputs), **options),
-                labels={"teacher": teacher},
+            row(
+                f"KD {teacher}",
+                gemms,
+                lambda inputs, m=make: orda_step(inputs, "KD", teacher=m(inputs), **options),
+                teacher=teacher,
             )
         )
     for term, keywords in LOSS_TERMS.items():
         specs.append(
-            RowSpec(
-                section="extras",
-                shape=shape,
-                case=f"KD + {term}",
-                impl=name,
-                gemms=TASK_GEMMS["KD"],
-                step=partial(orda_step, task="KD", terms=keywords, **options),
-                labels={"term": term},
-            )
+            row(f"KD + {term}", TASK_GEMMS["KD"], partial(orda_step, task="KD", terms=keywords, **options), term=term)
         )
     return specs
 

@@ -795,11 +795,10 @@ def device_checks_worker(rank: int, world: int) -> dict[str, list[float]]:
     kwargs = {**call_kwargs("forward", "tied", "mean"), "config": off, "tp_group": group}
     expected, _ = loss_and_grads(full, "tied", None, **call_kwargs("forward", "tied", "mean"))
     report = {}
+    shard = shard_problem(full, columns, None)
     scenarios = {
-        "good": shard_problem(full, columns, None),
-        "labels differ": _on(1, rank, _change_a_label)(shard_problem(full, columns, None))
-        if rank == 1
-        else shard_problem(full, columns, None),
+        "good": shard,
+        "labels differ": _change_a_label(shard) if rank == 1 else shard,
         "full head on every rank": full,
     }
     for name, local in scenarios.items():

@@ -21,6 +21,7 @@ import triton.language as tl
 __all__ = [
     "count",
     "empty_tuple",
+    "listed_step",
     "load_row_constants",
     "load_tile",
     "local_labels",
@@ -80,6 +81,18 @@ SPARSE_STEP = tl.constexpr(32)  # a sparse block's ids read this many at a time 
 
 
 @triton.jit
+def listed_step(sparse: tl.tuple, rows: tl.tensor, mask: tl.tensor, m0: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
+    """Ids ``m0 … m0 + SPARSE_STEP − 1`` of each row of a sparse block and their values (fp32),
+    (rows, SPARSE_STEP); :data:`NO_ID` and 0 past the row's ``k`` ids or outside ``mask``."""
+    ids_ptr, values_ptr, stride, k = sparse
+    m = m0 + tl.arange(0, SPARSE_STEP)
+    present = mask[:, None] & (m[None, :] < k)
+    ids = tl.load(ids_ptr + rows[:, None] * stride + m[None, :], mask=present, other=NO_ID)
+    values = tl.load(values_ptr + rows[:, None] * stride + m[None, :], mask=present, other=0.0)
+    return ids, values.to(tl.float32)
+
+
+@triton.jit
 def sparse_start(
     sparse: tl.tuple, rows: tl.tensor, row_ok: tl.tensor, first: tl.tensor, SPARSE: tl.constexpr
 ) -> tl.tensor:
@@ -88,11 +101,9 @@ def sparse_start(
     values_ptr, stride, k)`` (``orda_tp.teachers.source.SparseLogits``)."""
     ahead = tl.zeros(rows.shape, dtype=tl.int32)
     if SPARSE:
-        ids_ptr, _, stride, k = sparse
+        ids_ptr, values_ptr, stride, k = sparse
         for m0 in tl.range(0, k, SPARSE_STEP):
-            m = m0 + tl.arange(0, SPARSE_STEP)
-            present = row_ok[:, None] & (m[None, :] < k)
-            ids = tl.load(ids_ptr + rows[:, None] * stride + m[None, :], mask=present, other=NO_ID)
+            ids, values = listed_step(sparse, rows, row_ok, m0)
             ahead += tl.sum(tl.where(ids < first, 1, 0), axis=1).to(tl.int32)
     return ahead
 
@@ -135,15 +146,12 @@ def sparse_tile(
 def sparse_at(fill_ptr: tl.tensor, sparse: tl.tuple, rows: tl.tensor, column: tl.tensor, mask: tl.tensor) -> tl.tensor:
     """A sparse block's value at one global ``column`` per row (its listed value, else its fill),
     fp32, 0 outside ``mask``."""
-    ids_ptr, values_ptr, stride, k = sparse
     found = tl.load(fill_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    ids_ptr, values_ptr, stride, k = sparse
     for m0 in tl.range(0, k, SPARSE_STEP):
-        m = m0 + tl.arange(0, SPARSE_STEP)
-        present = mask[:, None] & (m[None, :] < k)
-        ids = tl.load(ids_ptr + rows[:, None] * stride + m[None, :], mask=present, other=NO_ID)
-        values = tl.load(values_ptr + rows[:, None] * stride + m[None, :], mask=present, other=0.0)
+        ids, values = listed_step(sparse, rows, mask, m0)
         hit = ids == column[:, None]
-        listed = tl.sum(tl.where(hit, values.to(tl.float32), 0.0), axis=1)
+        listed = tl.sum(tl.where(hit, values, 0.0), axis=1)
         found = tl.where(tl.max(hit.to(tl.int32), axis=1) > 0, listed, found)
     return tl.where(mask, found, 0.0)
 

@@ -218,18 +218,13 @@ class HeadShard:
     vocab_dim: int
 
 
-def _raise_replicated_head(claims: list[ShardClaim], fingerprints: list[tuple[int, ...]], name: str) -> None:
-    """Shards of equal size whose slices differ within each shard but match bitwise across every
-    rank are one tensor passed whole on every rank, not its shards."""
-    same_size = len({claim.local_columns for claim in claims}) == 1
-    slices_differ = all(differ for *_, differ in fingerprints)
-    if len(claims) > 1 and same_size and slices_differ and len(set(fingerprints)) == 1:
-        raise ValueError(
-            f"{name} holds the same values on every rank of tp_group ({claims[0].local_columns} vocabulary "
-            f"entries each): a full, unsharded head passed on every rank? With tp_group each rank passes its own "
-            f"vocabulary shard (e.g. weight.chunk(world_size)[rank], or a Shard(0) DTensor); without tensor "
-            "parallelism, leave tp_group=None"
-        )
+def _replicated_head_error(claims: list[ShardClaim], name: str) -> ValueError:
+    return ValueError(
+        f"{name} holds the same values on every rank of tp_group ({claims[0].local_columns} vocabulary "
+        f"entries each): a full, unsharded head passed on every rank? With tp_group each rank passes its own "
+        f"vocabulary shard (e.g. weight.chunk(world_size)[rank], or a Shard(0) DTensor); without tensor "
+        "parallelism, leave tp_group=None"
+    )
 
 
 def _value_checks(labels: torch.Tensor | None, head: HeadShard | None, device: torch.device) -> torch.Tensor:
@@ -241,17 +236,18 @@ def _value_checks(labels: torch.Tensor | None, head: HeadShard | None, device: t
     return torch.cat([checksum.to(device), fingerprint.to(device)])
 
 
-def _inconsistent(claims: list[ShardClaim], checks: torch.Tensor, fingerprinted: bool) -> torch.Tensor:
-    """On the device, from every rank's (checksum, fingerprint) ``checks`` (world, 5): whether the
-    labels differ between ranks or the heads are copies of one head (:func:`_raise_replicated_head`'s
-    rule); a 0-d bool."""
+def _inconsistencies(
+    claims: list[ShardClaim], checks: torch.Tensor, fingerprinted: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels differ, copies of one head)``, 0-d bools on ``checks``' device, from every rank's
+    labels checksum and head fingerprint ``checks`` (world, 5). Shards of equal size whose slices
+    differ within each shard but match bitwise across every rank are one tensor passed whole on
+    every rank, not its shards."""
     labels_differ = (checks[:, :2] != checks[:1, :2]).any()
     same_size = len(claims) > 1 and len({claim.local_columns for claim in claims}) == 1
-    if not (fingerprinted and same_size):
-        return labels_differ
     fingerprints = checks[:, 2:]
     copies = (fingerprints[:, 2] != 0).all() & (fingerprints == fingerprints[:1]).all()
-    return labels_differ | copies
+    return labels_differ, copies & (fingerprinted and same_size)
 
 
 def resolve_layout(
@@ -287,13 +283,17 @@ def resolve_layout(
         _raise_local_failures(claims, problem, host)
         layout = _layout_from_claims(claims, dist.get_rank(group), group)
         checks = all_gather_rows(_value_checks(labels, head, device).view(1, -1), group).view(world, -1)
-        return replace(layout, inconsistent=_inconsistent(claims, checks, head is not None))
+        labels_differ, copies = _inconsistencies(claims, checks, head is not None)
+        return replace(layout, inconsistent=labels_differ | copies)
     mine = torch.cat([claim.as_tensor().to(device), _value_checks(labels, head, device)])
     rows = all_gather_rows(mine.view(1, -1), group).view(world, -1).tolist()
     claims = [ShardClaim(*(int(v) for v in values[:-5])) for values in rows]
     _raise_local_failures(claims, problem, group)
-    if len({tuple(values[-5:-3]) for values in rows}) != 1:
+    # The values are on the host now: the same rule on a host tensor of them.
+    labels_differ, copies = _inconsistencies(claims, torch.tensor(rows)[:, -5:], head is not None)
+    if labels_differ:
         raise ValueError("labels must be identical on every rank of tp_group (they are global ids); they differ")
-    if head is not None:
-        _raise_replicated_head(claims, [tuple(values[-3:]) for values in rows], head.name)
+    if copies:
+        assert head is not None
+        raise _replicated_head_error(claims, head.name)
     return _layout_from_claims(claims, dist.get_rank(group), group)
