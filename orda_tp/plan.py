@@ -84,12 +84,6 @@ def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight
         )
 
 
-def _vocabulary_scalars(vocab_size: int) -> dict[str, float]:
-    """The terms' scalar of the vocabulary: ``inv_vocab = 1/V`` (inf for an empty vocabulary,
-    which the calls' checks refuse)."""
-    return {"inv_vocab": 1.0 / vocab_size if vocab_size else math.inf}
-
-
 @dataclass(frozen=True)
 class StepKey:
     """What a call's row programs (:mod:`orda_tp.engine.row_formulas`) depend on: its structure,
@@ -255,7 +249,8 @@ class LossPlan:
         return LossPlan(
             student_terms=tuple(terms),
             term_weights=tuple(getattr(options, term.weight) for term in terms),
-            term_scalars={**scalars, **_vocabulary_scalars(vocab_size)},
+            # 1/V (inf for an empty vocabulary, which the call's checks refuse)
+            term_scalars={**scalars, "inv_vocab": 1.0 / vocab_size if vocab_size else math.inf},
             teacher_ce_weight=teacher_ce_weight,
             kl_weight=options.kl_weight,
             student_temperature=options.kl_temperature,
@@ -281,7 +276,7 @@ class LossPlan:
         return LossPlan(
             student_terms=(CrossEntropy(),) if student_ce_weight > 0 else (),
             term_weights=(student_ce_weight,) if student_ce_weight > 0 else (),
-            term_scalars=_vocabulary_scalars(vocab_size),
+            term_scalars={"inv_vocab": 1.0 / vocab_size if vocab_size else math.inf},
             teacher_ce_weight=0.0,
             kl_weight=1.0,
             student_temperature=options.temperature,
