@@ -119,6 +119,12 @@ class LossPlan:
     1's record (the terms'); ``step_key`` is what the row programs depend on, ``formulas`` the
     variant's trees (None without a KL term) and ``grad_row_names`` the gradient kernel's row
     constants, in the order it reads them.
+
+    ``student_logits_finite``: the student's logits are a head's products (finite for finite
+    inputs), not given values that may hold ``−inf``. ``kl_sums_in_gradient_pass``: round 2 may be
+    summed by the gradient pass (:mod:`.engine.row_walk`): the variant's gradients read no constant
+    of round 2 and its ``D`` cannot be ``+inf`` (finite student logits, and finite without teacher
+    support), so the row's ``keep`` is known after round 1 (today ``forward``).
     """
 
     student_terms: tuple[StudentTerm, ...]
@@ -139,6 +145,7 @@ class LossPlan:
     # Soft-caps c of each side's logits (c·tanh(z/c)), None for none; never a cache's (taken as capped).
     student_softcap: float | None = None
     teacher_softcap: float | None = None
+    student_logits_finite: bool = True
     # Derived once from the fields above (read at every chunk, so not recomputed there).
     computes_kl: bool = field(init=False)
     needs_teacher_logits: bool = field(init=False)
@@ -153,6 +160,7 @@ class LossPlan:
     step_key: StepKey = field(init=False)
     formulas: VariantFormulas | None = field(init=False)
     grad_row_names: tuple[str, ...] = field(init=False)
+    kl_sums_in_gradient_pass: bool = field(init=False)
 
     def __post_init__(self) -> None:
         computes_kl = self.kl_weight > 0 and self.divergence is not None
@@ -204,6 +212,11 @@ class LossPlan:
             "step_key": step_key,
             "formulas": formulas,
             "grad_row_names": tuple(grad_row_names),
+            "kl_sums_in_gradient_pass": formulas is not None
+            and self.divergence is not None
+            and not formulas.row_names
+            and self.student_logits_finite
+            and not self.divergence.infinite_without_support(self.params),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -289,4 +302,5 @@ class LossPlan:
             teacher_role="frozen",
             teacher_trainable=False,
             config=options.config,
+            student_logits_finite=False,
         )

@@ -16,7 +16,7 @@ import torch
 from orda_tp import KL_VARIANTS, TiedTeacher
 from orda_tp.engine.logits import LogitGrads, LogitsBlock
 from orda_tp.engine.reference import reference_loss
-from orda_tp.engine.row_walk import RowWalk, chunk_row_stats, grad_rows
+from orda_tp.engine.row_walk import GradTarget, RowWalk, chunk_row_stats, stage_grads
 from orda_tp.engine.torch_math import TorchBlockMath
 from orda_tp.options import LossOptions
 from orda_tp.parallel.layout import VocabLayout
@@ -49,8 +49,12 @@ def make_plan(variant: str, vocab: int, teacher: TiedTeacher):
     return LossPlan.build(options, teacher, vocab)
 
 
+@pytest.mark.parametrize("in_one_walk", [False, True], ids=["statistics-then-gradients", "one-walk"])
 @pytest.mark.parametrize("variant", KL_VARIANTS)
-def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
+def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str, in_one_walk: bool) -> None:
+    """Statistics and logit gradients of shuffled uneven blocks against the fp64 reference, the
+    gradients formed after the statistics (the deferred path) or in the same walk (the eager
+    path, where ``forward`` sums round 2 in its gradient pass)."""
     generator = torch.Generator().manual_seed(5)
     rows, vocab = 9, BOUNDARIES[-1]
     # With hidden = logits and weight = identity, the reference's hidden gradients are the
@@ -60,6 +64,7 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
     identity = torch.eye(vocab, dtype=torch.float64)
     labels = torch.randint(0, vocab, (rows,), generator=generator)
     plan = make_plan(variant, vocab, TiedTeacher(teacher))
+    assert plan.kl_sums_in_gradient_pass == (variant == "forward")
 
     expected = reference_loss(plan, labels, 1.0, student, identity, teacher, None, None)
     expected_student_grad, expected_teacher_grad = torch.autograd.grad(expected[0], (student, teacher))
@@ -71,19 +76,16 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str) -> None:
     random.Random(variant).shuffle(blocks)
     layout = VocabLayout(0, vocab, vocab, vocab, vocab, vocab, vocab)
     walk = RowWalk(plan, labels, torch.ones(rows, dtype=torch.bool), None, layout, TorchBlockMath())
-    stats = chunk_row_stats(walk, blocks, labels, student)
-    for actual, reference in zip((stats.student_ce, stats.teacher_ce, stats.kl), expected[1:]):
-        assert relative_error(actual.sum(), reference) <= 1e-12
-
     student_grad = torch.zeros_like(student)
     teacher_grad = torch.zeros_like(teacher)
-    math = TorchBlockMath()
-    upstream, valid = torch.ones((), dtype=torch.float64), torch.ones(rows, dtype=torch.bool)
-    rows = grad_rows(plan, stats, upstream, valid, math, student)
-    for block in blocks:
-        columns = slice(block.start, block.stop)
-        out = LogitGrads(student_grad[:, columns], teacher_grad[:, columns])
-        math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, block.start, out)
+    target = GradTarget(LogitGrads(student_grad, teacher_grad), 0, torch.ones((), dtype=torch.float64))
+    if in_one_walk:
+        stats = chunk_row_stats(walk, blocks, labels, student, (target, 0, rows))
+    else:
+        stats = chunk_row_stats(walk, blocks, labels, student)
+        stage_grads(walk, blocks, labels, stats.gradient_inputs(), (target, 0, rows), student)
+    for actual, reference in zip((stats.student_ce, stats.teacher_ce, stats.kl), expected[1:]):
+        assert relative_error(actual.sum(), reference) <= 1e-12
     assert relative_error(student_grad, expected_student_grad) <= 1e-12
     assert relative_error(teacher_grad, expected_teacher_grad) <= 1e-12
 

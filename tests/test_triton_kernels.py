@@ -8,6 +8,8 @@ accuracy, while gradients come back in the input dtype.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ import orda_tp
 from orda_tp import KL_VARIANTS
 from orda_tp.divergences.expr import equal, exp, greater, log, row, where
 from orda_tp.engine.torch_math import TorchBlockMath, evaluate_rows
+from orda_tp.plan import LossPlan
 from orda_tp.records import LogitFamily, merge_stacked_partition_records
 from orda_tp.terms import RAW_STUDENT
 
@@ -70,6 +73,43 @@ def test_triton_matches_reference_fp32(variant: str, mode: str, reduction: str) 
 @pytest.mark.parametrize("variant", KL_VARIANTS)
 def test_triton_low_precision_inputs(variant: str, dtype: torch.dtype) -> None:
     compare(variant, "tied", "mean", dtype)
+
+
+@pytest.mark.parametrize("mode", TEACHER_MODES)
+def test_forward_kl_sums_round_two_in_its_gradient_pass(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With eager gradients, ``forward`` (whose gradient ``p − q`` reads nothing of round 2) on a
+    head's logits runs no round-2 pass of its own: the gradient kernel sums it. The loss equals
+    the one a call without gradients computes with the round-2 kernel, and the reference's; a
+    variant whose gradient reads round 2 (``reverse``) keeps the pass."""
+    from orda_tp.kernels.ops import TritonBlockMath
+
+    passes: list[str] = []
+    kl_sums = TritonBlockMath.kl_sums
+
+    def counted(self: TritonBlockMath, plan: LossPlan, *args: Any) -> torch.Tensor:
+        assert plan.divergence is not None
+        passes.append(plan.divergence.name)
+        return kl_sums(self, plan, *args)
+
+    monkeypatch.setattr(TritonBlockMath, "kl_sums", counted)
+    problem = make_problem(rows=14, vocab=203, seed=stable_seed("folded", mode)).to(torch.float32)
+    if mode == "separate":
+        problem = separate_problem(problem).to(torch.float32)
+    kwargs = call_kwargs("forward", mode, "mean")
+    expected, _ = loss_and_grads(problem.to(torch.float64), mode, backend="reference", **kwargs)
+    folded, _ = loss_and_grads(problem, mode, backend="triton", config=CHUNKS, **kwargs)
+    assert passes == []
+    with torch.no_grad():
+        separate = orda_tp.distillation_loss(
+            problem.student_hidden, problem.weight, problem.labels, problem.teacher(mode),
+            backend="triton", config=CHUNKS, **kwargs,
+        )  # fmt: skip
+    assert passes == ["forward"] * 2  # one round-2 pass per chunk of 7 rows
+    for field in ("loss", "kl"):
+        assert relative_error(getattr(folded, field), getattr(expected, field)) <= 1e-5, field
+        assert relative_error(getattr(folded, field), getattr(separate, field)) <= 1e-6, field
+    loss_and_grads(problem, mode, backend="triton", config=CHUNKS, **call_kwargs("reverse", mode, "mean"))
+    assert passes == ["forward"] * 2 + ["reverse"] * 2
 
 
 def test_triton_padded_vocabulary_and_zero_support() -> None:

@@ -90,9 +90,12 @@ class BlockMath(Protocol):
         labels: Tensor,
         col_start: int,
         out: LogitGrads,
-    ) -> None:
+        kl_sums: bool = False,
+    ) -> Tensor | None:
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is not None) of the block
-        into the views ``out``, in their dtype, from the chunk's gradient row constants."""
+        into the views ``out``, in their dtype, from the chunk's gradient row constants. With
+        ``kl_sums`` (``plan.kl_sums_in_gradient_pass``) also return the block's (rows, num_sums)
+        round-2 sums, as :meth:`kl_sums` would; else None."""
         ...
 
 

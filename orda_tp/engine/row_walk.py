@@ -14,7 +14,9 @@ logits-level losses (logits the caller holds). Per chunk of rows ``[begin, end)`
    an earlier walk skip both rounds;
 3. when asked (a :class:`GradTarget`), the grad step forms the chunk's gradient row constants
    and the block math writes each block's logit gradients into the target: a staging buffer for
-   the fused path's gradient GEMMs, the logits' gradient itself for the logits path.
+   the fused path's gradient GEMMs, the logits' gradient itself for the logits path. Where the
+   variant's gradient reads nothing of round 2 (``LossPlan.kl_sums_in_gradient_pass``: ``forward``
+   on a head's logits), that gradient pass also sums round 2, in place of a pass of its own.
 
 Each row step is one program of :mod:`.row_formulas` (one launch on the Triton backend), whose
 result is unpacked here, once, into the named fields of :mod:`.stats`. A chunk's logits live only
@@ -24,7 +26,7 @@ the variant, the number of ranks or what the gradients feed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,9 +51,9 @@ __all__ = [
     "RowRange",
     "RowWalk",
     "chunk_row_stats",
-    "grad_rows",
     "row_layout",
     "row_ranges",
+    "stage_grads",
     "walk_rows",
 ]
 
@@ -208,29 +210,28 @@ def _walk_chunk(
 ) -> RowStats:
     """One chunk: its logits, its statistics (computed unless given), and with ``target`` its logit
     gradients. The logits live only as long as this call."""
-    plan, math = walk.plan, walk.math
-    blocks = source.blocks(begin, end, column_ranges, like.dtype, math.reads_stored_cache)
+    blocks = source.blocks(begin, end, column_ranges, like.dtype, walk.math.reads_stored_cache)
     labels = walk.labels[begin:end]
     if stats is None:
-        stats = chunk_row_stats(walk, blocks, labels, like)
+        return chunk_row_stats(walk, blocks, labels, like, None if target is None else (target, begin, end))
     if target is not None:
-        upstream = target.upstream[begin:end] if target.upstream.dim() else target.upstream
-        rows = grad_rows(plan, stats, upstream, walk.valid[begin:end], math, like)
-        first, last, teacher = begin - target.first_row, end - target.first_row, target.grads.teacher
-        for block in blocks:
-            out = LogitGrads(
-                target.grads.student[first:last, block.start : block.stop],
-                None if teacher is None else teacher[first:last, block.start : block.stop],
-            )
-            global_start = walk.layout.vocab_start + block.start
-            math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out)
+        stage_grads(walk, blocks, labels, stats.gradient_inputs(), (target, begin, end), like)
     return stats
 
 
-def chunk_row_stats(walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor, like: Tensor) -> RowStats:
+ChunkTarget = tuple[GradTarget, int, int]  # a gradient target and the batch rows [begin, end) of a chunk
+
+
+def chunk_row_stats(
+    walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor, like: Tensor, target: ChunkTarget | None = None
+) -> RowStats:
     """Round 1 (and, with a KL term, round 2) of a chunk from its column blocks (no blocks: this
-    device holds only vocabulary padding). ``labels``: the chunk's (rows,) labels; ``like``: any
-    tensor of the statistics dtype and device."""
+    device holds only vocabulary padding), and with ``target`` the chunk's logit gradients.
+    ``labels``: the chunk's (rows,) labels; ``like``: any tensor of the statistics dtype and device.
+
+    Where the plan allows (``LossPlan.kl_sums_in_gradient_pass``) and gradients are formed, round 2
+    is summed by the gradient pass instead of a pass of its own: the gradient then reads the KL's
+    ``keep`` from round 1 (``present``), which is the finish step's when ``D`` cannot be ``+inf``."""
     plan, math, exchange = walk.plan, walk.math, walk.exchange
     vocab_start, families = walk.layout.vocab_start, plan.families
     sums, caps = plan.column_sums, (plan.student_softcap, plan.teacher_softcap)
@@ -249,12 +250,21 @@ def chunk_row_stats(walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor
     scalars = {"t_s": plan.student_temperature, "t_t": plan.teacher_temperature, **plan.term_scalars}
     partition = math.rows(step, inputs, scalars, like)
     outputs = dict(zip(step.outputs, partition.unbind(1)))
-    kl, kl_stats = outputs.get("kl"), None
+    num_families = plan.step_key.num_families
+    statistics = {**{f"lse{f}": partition[:, f] for f in range(num_families)}, **outputs}
+    kl, kl_stats, kl_sums = outputs.get("kl"), None, None
+    in_gradient_pass = target is not None and plan.kl_sums_in_gradient_pass
+    if in_gradient_pass:
+        assert target is not None
+        kl_sums = stage_grads(walk, blocks, labels, {**statistics, "keep": outputs["present"]}, target, like, True)
     if plan.computes_kl:
-        kl, kl_stats = _kl_round(walk, blocks, labels, outputs, like)
+        kl, kl_stats = _kl_round(walk, blocks, labels, outputs, like, kl_sums)
+        statistics.update(keep=kl_stats.keep, **kl_stats.consts)
+    if target is not None and not in_gradient_pass:
+        stage_grads(walk, blocks, labels, statistics, target, like)
     assert kl is not None
     return RowStats(
-        log_partitions=partition[:, : plan.step_key.num_families],
+        log_partitions=partition[:, :num_families],
         owned=outputs["owned"],
         absent=outputs.get("absent"),
         student_terms={term.name: outputs[term.name] for term in STUDENT_TERMS},
@@ -265,24 +275,31 @@ def chunk_row_stats(walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor
 
 
 def _kl_round(
-    walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor, partition: dict[str, Tensor], like: Tensor
+    walk: RowWalk,
+    blocks: Sequence[LogitsBlock],
+    labels: Tensor,
+    partition: dict[str, Tensor],
+    like: Tensor,
+    block_sums: Tensor | None = None,
 ) -> tuple[Tensor, KLRowStats]:
     """Round 2 and the finish step, from the partition step's outputs ``partition``: the rows' KL
     component ``T_s²·max(D, 0)`` and the KL term's statistics. Round 2's sums merge by addition,
-    block after block."""
+    block after block; ``block_sums``: this device's, when the gradient pass summed them."""
     plan, math = walk.plan, walk.math
     divergence = plan.divergence
     assert divergence is not None
     lse_u, lse_v = partition["lse_u"], partition["lse_v"]
     vocab_start = walk.layout.vocab_start
-    partial_sums = [
-        math.kl_sums(plan, block.student, block.teacher, labels, vocab_start + block.start, lse_u, lse_v)
-        for block in blocks
-        if block.teacher is not None
-    ]
-    sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], divergence.num_sums)
-    for block_sums in partial_sums[1:]:
-        sums = sums + block_sums
+    sums = block_sums
+    if sums is None:
+        partial_sums = [
+            math.kl_sums(plan, block.student, block.teacher, labels, vocab_start + block.start, lse_u, lse_v)
+            for block in blocks
+            if block.teacher is not None
+        ]
+        sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], divergence.num_sums)
+        for partial in partial_sums[1:]:
+            sums = sums + partial
     if walk.exchange is not None:
         sums = walk.exchange.sum_over_shards(sums)
     targets = RowTargets(logp_y=partition["logp_y"], logq_y=partition["logq_y"])
@@ -303,29 +320,33 @@ def _kl_round(
     return outputs["kl"], kl_stats
 
 
-def grad_rows(
-    plan: LossPlan, stats: RowStats, upstream_scale: Tensor, valid: Tensor, math: BlockMath, like: Tensor
-) -> GradRows:
-    """The gradient's row constants of a chunk (``row_formulas.grad_step``), by name.
-    ``upstream_scale``: 0-d or the chunk's (rows,) upstream gradient (÷ N for "mean"); ``valid``:
-    the chunk's (rows,) valid-row mask."""
+def stage_grads(
+    walk: RowWalk,
+    blocks: Sequence[LogitsBlock],
+    labels: Tensor,
+    statistics: Mapping[str, Tensor],
+    target: ChunkTarget,
+    like: Tensor,
+    kl_sums: bool = False,
+) -> Tensor | None:
+    """The chunk's gradient row constants (``row_formulas.grad_step``, from its named row
+    ``statistics``: the families' ``lse<f>``, ``owned``, ``absent``, the KL's ``lse_u``, ``lse_v``,
+    ``keep`` and the variant's constants) and each block's logit gradients written into the
+    target's rows ``[begin, end)``. With ``kl_sums`` (a plan whose ``kl_sums_in_gradient_pass`` is
+    set) returns the blocks' round-2 sums, added up (rows, num_sums), None when there are no
+    blocks; else None."""
+    plan, math = walk.plan, walk.math
+    grad_target, begin, end = target
     program = grad_step(plan.step_key, plan.grad_row_names)
-    statistics = dict(zip((f"lse{f}" for f in range(stats.log_partitions.shape[1])), stats.log_partitions.unbind(1)))
-    statistics["owned"] = stats.owned
-    if stats.absent is not None:
-        statistics["absent"] = stats.absent
-    kl = stats.kl_stats
-    if kl is not None:
-        statistics.update(lse_u=kl.lse_u, lse_v=kl.lse_v, keep=kl.keep)
-        statistics.update(kl.consts)
     values = {name: statistics[name] for name in program.inputs if name not in ("upstream", "valid")}
-    values["upstream"] = upstream_scale.expand(valid.shape[0]) if upstream_scale.dim() == 0 else upstream_scale
-    values["valid"] = valid
+    upstream = grad_target.upstream
+    values["upstream"] = upstream[begin:end] if upstream.dim() else upstream.expand(end - begin)
+    values["valid"] = walk.valid[begin:end]
     weights = {f"w_{term.name}": weight for term, weight in zip(plan.student_terms, plan.term_weights)}
     scalars = {"w_t": plan.teacher_ce_weight, **weights, **plan.term_scalars}
     packed = math.rows(program, values, scalars, like)
     columns = dict(zip(program.outputs, packed.unbind(1)))
-    return GradRows(
+    rows = GradRows(
         packed=packed,
         names=program.outputs,
         scale=columns["scale"],
@@ -340,3 +361,14 @@ def grad_rows(
         keep=columns.get("keep"),
         consts={name: columns[name] for name in (plan.formulas.row_names if plan.formulas else ())},
     )
+    first, last, grads = begin - grad_target.first_row, end - grad_target.first_row, grad_target.grads
+    total = None
+    for block in blocks:
+        span = slice(block.start, block.stop)
+        teacher = None if grads.teacher is None else grads.teacher[first:last, span]
+        out = LogitGrads(grads.student[first:last, span], teacher)
+        global_start = walk.layout.vocab_start + block.start
+        sums = math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out, kl_sums)
+        if sums is not None:
+            total = sums if total is None else total + sums
+    return total

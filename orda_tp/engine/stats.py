@@ -61,6 +61,18 @@ class RowStats:
         """The student's (label-smoothed) CE per row."""
         return self.student_terms["student_ce"]
 
+    def gradient_inputs(self) -> dict[str, Tensor]:
+        """The statistics the grad step reads, by name: ``lse<f>`` per family, ``owned``,
+        ``absent`` and the KL's ``lse_u``, ``lse_v``, ``keep`` and the variant's constants."""
+        inputs = {f"lse{f}": column for f, column in enumerate(self.log_partitions.unbind(1))}
+        inputs["owned"] = self.owned
+        if self.absent is not None:
+            inputs["absent"] = self.absent
+        if self.kl_stats is not None:
+            kl = self.kl_stats
+            inputs.update(lse_u=kl.lse_u, lse_v=kl.lse_v, keep=kl.keep, **kl.consts)
+        return inputs
+
 
 @dataclass(frozen=True)
 class GradRows:

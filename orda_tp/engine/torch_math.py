@@ -203,15 +203,17 @@ class TorchBlockMath:
         labels: Tensor,
         col_start: int,
         out: LogitGrads,
-    ) -> None:
+        kl_sums: bool = False,
+    ) -> Tensor | None:
         """``∂loss/∂s`` and, where ``out.teacher`` is not None, ``∂loss/∂t`` of the block (module
         docstring) written into ``out``; rows whose ``scale`` is 0 get exactly 0, whatever their
-        logits hold."""
+        logits hold. With ``kl_sums``, the block's round-2 sums from the same column values."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         local_labels, row_scale = labels - col_start, rows.scale
         student_grad = torch.zeros_like(student)
         teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
         w_kl_s, w_kl_t = plan.kl_grad_weights
+        column_terms: list[Tensor] = []
         if rows.lse_s is not None:
             assert rows.c_p is not None and rows.c_y is not None and rows.c_u is not None
             terms = _softmax_grad(student, rows.lse_s, local_labels, rows.c_p, rows.c_y) - rows.c_u[:, None]
@@ -226,7 +228,8 @@ class TorchBlockMath:
             keep, consts = rows.keep[:, None] > 0, dict(rows.consts)
             target = local_labels if divergence.needs_target else None
             symbols = _block_symbols(plan, student, teacher, rows.lse_u, rows.lse_v, target)
-            (student_kl,) = evaluate([formulas.student_grad], symbols, consts)
+            sum_terms = formulas.column_terms if kl_sums else ()
+            student_kl, *column_terms = evaluate([formulas.student_grad, *sum_terms], symbols, consts)
             student_grad += (w_kl_s * row_scale)[:, None] * torch.where(keep, student_kl, 0.0)
             if teacher_grad is not None and plan.kl_trains_teacher:
                 assert formulas.teacher_grad is not None
@@ -242,3 +245,4 @@ class TorchBlockMath:
         if out.teacher is not None:
             assert teacher_grad is not None
             out.teacher.copy_(torch.where(active, teacher_grad, 0.0))
+        return torch.stack([term.sum(1) for term in column_terms], dim=1) if kl_sums else None

@@ -32,6 +32,8 @@ __all__ = [
     "sparse_at",
     "sparse_start",
     "sparse_tile",
+    "store_sums",
+    "zero_sums",
 ]
 
 
@@ -167,8 +169,7 @@ def load_tile(
     c0: tl.tensor,
     c_end: tl.tensor,
     col_start: tl.tensor,
-    cap_s: tl.tensor,
-    cap_t: tl.tensor,
+    caps: tl.tuple,
     sparse: tl.tuple,
     ahead: tl.tensor,
     HAS_T: tl.constexpr,
@@ -180,9 +181,10 @@ def load_tile(
     """``(cols, ok, s, t, ahead)`` of the tile at columns ``c0 … c0 + BLOCK_C − 1``: ``ok`` marks
     the entries inside the rows and the split, ``s`` and ``t`` are fp32 and −inf outside ``ok``
     (``t`` is −inf everywhere without a teacher); a side whose ``CAPPED`` flag is set (student,
-    teacher) is soft-capped by ``cap_s`` or ``cap_t`` as it is loaded. With ``SPARSE`` the teacher
+    teacher) is soft-capped by its ``caps = (cap_s, cap_t)`` as it is loaded. With ``SPARSE`` the teacher
     is a sparse block (``t_ptr`` its fill, ``sparse`` its ids and values, :func:`sparse_tile`,
     which advances ``ahead``; block column 0 is global column ``col_start``)."""
+    cap_s, cap_t = caps
     cols = c0 + tl.arange(0, BLOCK_C)
     ok = row_ok[:, None] & (cols[None, :] < c_end)
     s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=ok, other=float("-inf")).to(tl.float32)
@@ -203,9 +205,11 @@ def load_tile(
 
 @triton.jit
 def normalized(
-    s: tl.tensor, t: tl.tensor, inv_ts: tl.tensor, inv_tt: tl.tensor, lse_u: tl.tensor, lse_v: tl.tensor
+    s: tl.tensor, t: tl.tensor, inv_temperatures: tl.tuple, lse_u: tl.tensor, lse_v: tl.tensor
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
-    """``(log p, log q, p, q)``: ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)``."""
+    """``(log p, log q, p, q)``: ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)``;
+    ``inv_temperatures = (1/T_s, 1/T_t)``."""
+    inv_ts, inv_tt = inv_temperatures
     logp = s * inv_ts - lse_u
     logq = t * inv_tt - lse_v
     return logp, logq, tl.exp(logp), tl.exp(logq)
@@ -231,6 +235,26 @@ def accumulated(sums: tl.tuple, terms: tl.tuple, ok: tl.tensor, like: tl.tensor,
     for k in tl.static_range(COUNT):
         added += (sums[k] + tl.where(ok, terms[k] + tl.zeros_like(like), 0.0),)
     return added
+
+
+@triton.jit
+def zero_sums(COUNT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr) -> tl.tuple:
+    """``COUNT`` fp32 tiles of zeros, the per-element accumulators of a pass's column sums."""
+    sums = empty_tuple()
+    for _ in tl.static_range(COUNT):
+        sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
+    return sums
+
+
+@triton.jit
+def store_sums(
+    out_ptr: tl.tensor, sums: tl.tuple, rows: tl.tensor, row_ok: tl.tensor, R: tl.tensor, COUNT: tl.constexpr
+) -> None:
+    """Each accumulator of ``sums`` reduced over its columns, into split ``program_id(1)`` of
+    ``out`` (splits, R, COUNT)."""
+    base = out_ptr + tl.program_id(1) * R * COUNT + rows * COUNT
+    for k in tl.static_range(COUNT):
+        tl.store(base + k, tl.sum(sums[k], axis=1), mask=row_ok)
 
 
 @triton.jit

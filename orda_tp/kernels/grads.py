@@ -15,6 +15,12 @@ formed, ``c_ce_t`` the teacher CE's coefficient (0 on rows without a teacher). A
 ``∂D/∂v`` are the variant's, the generated functions of :mod:`.variant_terms` passed in as
 ``STUDENT_GRAD`` and ``TEACHER_GRAD``; the weights are runtime arguments, so a change of
 ``kl_weight`` between calls compiles nothing.
+
+With ``COLUMN_TERMS`` (``NUM_SUMS > 0``) the kernel also sums round 2 as it goes: the variant's
+column terms of the ``log p``, ``log q``, ``p``, ``q`` it forms anyway, as the ``sums`` kernel
+(:mod:`.sums`) would, written to ``sums_ptr`` (splits, R, NUM_SUMS). That is for a variant whose
+gradient reads no constant of round 2 (``forward``: ``∂D/∂u = p − q``), so one read pass of the
+chunk's logits fewer (``LossPlan.kl_sums_in_gradient_pass``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .block_io import (
+    accumulated,
     count,
     load_row_constants,
     load_tile,
@@ -31,6 +38,8 @@ from .block_io import (
     position,
     program_tile,
     sparse_start,
+    store_sums,
+    zero_sums,
 )
 
 __all__ = ["grads_kernel"]
@@ -49,18 +58,22 @@ def kept(keep: tl.tensor, grad: tl.tensor, like: tl.tensor) -> tl.tensor:
 
 
 @triton.jit
-def student_logit_grad(
+def student_grads(
     s: tl.tensor,
     is_target: tl.tensor,
     grad_u: tl.tensor | None,
     rowc: tl.tuple,
-    w_kl_s: tl.tensor,
+    w_kl: tl.tuple,
+    caps: tl.tuple,
     ROW_CONSTANTS: tl.constexpr,
     STUDENT_TERMS: tl.constexpr,
     STUDENT_KL: tl.constexpr,
+    CAPPED: tl.constexpr,
 ) -> tl.tensor:
     """``∂loss/∂s = scale·(c_p·softmax(s) − c_y·onehot_y − c_u + w_kl_s·keep·∂D/∂u)`` of a tile,
-    the terms chosen by the switches; exactly 0 on rows whose scale is 0. ``grad_u``: ``∂D/∂u``."""
+    the terms chosen by the switches, through the student's soft-cap ``caps[0]`` when
+    ``CAPPED[0]``; exactly 0 on rows whose scale is 0. ``grad_u``: ``∂D/∂u``; ``w_kl = (w_kl_s,
+    w_kl_t)``."""
     scale = rowc[position(ROW_CONSTANTS, "scale")]
     ds = tl.zeros_like(s)
     if STUDENT_TERMS:
@@ -68,33 +81,42 @@ def student_logit_grad(
         ds += rowc[position(ROW_CONSTANTS, "c_p")] * softmax - rowc[position(ROW_CONSTANTS, "c_u")]
         ds -= tl.where(is_target, rowc[position(ROW_CONSTANTS, "c_y")], 0.0)
     if STUDENT_KL:
+        w_kl_s, w_kl_t = w_kl
         ds += w_kl_s * kept(rowc[position(ROW_CONSTANTS, "keep")], grad_u, s)
-    return tl.where(scale != 0.0, ds * scale, 0.0)
+    ds = tl.where(scale != 0.0, ds * scale, 0.0)
+    cap_s, cap_t = caps
+    return through_softcap(ds, s, cap_s) if CAPPED[0] else ds
 
 
 @triton.jit
-def teacher_logit_grad(
+def teacher_grads(
     t: tl.tensor,
     is_target: tl.tensor,
     grad_v: tl.tensor | None,
     rowc: tl.tuple,
-    w_kl_t: tl.tensor,
+    w_kl: tl.tuple,
+    caps: tl.tuple,
     ROW_CONSTANTS: tl.constexpr,
     TEACHER_CE: tl.constexpr,
     TEACHER_KL: tl.constexpr,
+    CAPPED: tl.constexpr,
 ) -> tl.tensor:
     """``∂loss/∂t = scale·w_kl_t·keep·∂D/∂v + c_ce_t·(softmax(t) − onehot_y)`` of a tile, the
-    terms chosen by the switches; exactly 0 on rows whose scale is 0. ``grad_v``: ``∂D/∂v``."""
+    terms chosen by the switches, through the teacher's soft-cap ``caps[1]`` when ``CAPPED[1]``;
+    exactly 0 on rows whose scale is 0. ``grad_v``: ``∂D/∂v``; ``w_kl = (w_kl_s, w_kl_t)``."""
     scale = rowc[position(ROW_CONSTANTS, "scale")]
     dt = tl.zeros_like(t)
     if TEACHER_KL:
+        w_kl_s, w_kl_t = w_kl
         dt += w_kl_t * kept(rowc[position(ROW_CONSTANTS, "keep")], grad_v, t)
     dt = dt * scale
     if TEACHER_CE:
         dt += rowc[position(ROW_CONSTANTS, "c_ce_t")] * softmax_minus_onehot(
             t, rowc[position(ROW_CONSTANTS, "lse_t")], is_target
         )
-    return tl.where(scale != 0.0, dt, 0.0)
+    dt = tl.where(scale != 0.0, dt, 0.0)
+    cap_s, cap_t = caps
+    return through_softcap(dt, t, cap_t) if CAPPED[1] else dt
 
 
 @triton.jit
@@ -121,6 +143,7 @@ def grads_kernel(
     rowc_ptr: tl.tensor,
     ds_ptr: tl.tensor,
     dt_ptr: tl.tensor,
+    sums_ptr: tl.tensor,
     R: tl.tensor,
     C: tl.tensor,
     stride_s: tl.tensor,
@@ -129,16 +152,15 @@ def grads_kernel(
     stride_dt: tl.tensor,
     col_start: tl.tensor,
     cols_per_split: tl.tensor,
-    cap_s: tl.tensor,
-    cap_t: tl.tensor,
+    caps: tl.tuple,
     sparse: tl.tuple,
-    inv_ts: tl.tensor,
-    inv_tt: tl.tensor,
-    w_kl_s: tl.tensor,
-    w_kl_t: tl.tensor,
+    inv_temperatures: tl.tuple,
+    w_kl: tl.tuple,
     ROW_CONSTANTS: tl.constexpr,
     STUDENT_GRAD: tl.constexpr,
     TEACHER_GRAD: tl.constexpr,
+    COLUMN_TERMS: tl.constexpr,
+    NUM_SUMS: tl.constexpr,
     STUDENT_TERMS: tl.constexpr,
     STUDENT_KL: tl.constexpr,
     TEACHER_CE: tl.constexpr,
@@ -152,28 +174,30 @@ def grads_kernel(
     """``ds`` (and ``dt`` when a teacher term is on) of this program's rows and column split;
     ``rowc`` (R, len(ROW_CONSTANTS)), contiguous fp32, holds the row constants ``ROW_CONSTANTS``
     that the terms read (``scale``, ``lse_s``, ``c_p``, ``c_y``, ``c_u``, ``lse_t``, ``c_ce_t``, ``lse_u``, ``lse_v``,
-    ``keep``, the variant's), in the caller's order."""
+    ``keep``, the variant's), in the caller's order; with ``NUM_SUMS > 0`` also the split's round-2
+    sums ``Σ_columns COLUMN_TERMS(log p, log q, p, q, is_target)[k]`` into split ``program_id(1)`` of
+    ``sums`` (splits, R, NUM_SUMS), accumulated per tile element and reduced once, at the end."""
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
     rowc = load_row_constants(rowc_ptr, rows, row_ok, count(ROW_CONSTANTS))
+    sums = zero_sums(NUM_SUMS, BLOCK_R, BLOCK_C)
     ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t, ahead = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, cap_s, cap_t,
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, caps,
             sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
         is_target = cols[None, :] == local_label
         if STUDENT_KL or TEACHER_KL:
             lse_u, lse_v = rowc[position(ROW_CONSTANTS, "lse_u")], rowc[position(ROW_CONSTANTS, "lse_v")]
-            logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
+            logp, logq, p, q = normalized(s, t, inv_temperatures, lse_u, lse_v)
+            if NUM_SUMS > 0:
+                sums = accumulated(sums, COLUMN_TERMS(logp, logq, p, q, is_target), ok, p, NUM_SUMS)
         grad_u = STUDENT_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if STUDENT_KL else None
         grad_v = TEACHER_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if TEACHER_KL else None
-        ds = student_logit_grad(s, is_target, grad_u, rowc, w_kl_s, ROW_CONSTANTS, STUDENT_TERMS, STUDENT_KL)
-        if CAPPED[0]:
-            ds = through_softcap(ds, s, cap_s)
+        ds = student_grads(s, is_target, grad_u, rowc, w_kl, caps, ROW_CONSTANTS, STUDENT_TERMS, STUDENT_KL, CAPPED)
         store_tile(ds_ptr, stride_ds, rows, cols, ds, ok)
         if TEACHER_CE or TEACHER_KL:
-            dt = teacher_logit_grad(t, is_target, grad_v, rowc, w_kl_t, ROW_CONSTANTS, TEACHER_CE, TEACHER_KL)
-            if CAPPED[1]:
-                dt = through_softcap(dt, t, cap_t)
+            dt = teacher_grads(t, is_target, grad_v, rowc, w_kl, caps, ROW_CONSTANTS, TEACHER_CE, TEACHER_KL, CAPPED)
             store_tile(dt_ptr, stride_dt, rows, cols, dt, ok)
+    store_sums(sums_ptr, sums, rows, row_ok, R, NUM_SUMS)

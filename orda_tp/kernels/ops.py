@@ -96,6 +96,7 @@ class TritonBlockMath:
 
     reads_stored_cache = True
     applies_softcap = True
+    sums_kl_with_gradients = True
 
     def block_columns(self, configured: int, local_columns: int) -> int:
         return max(local_columns, 1)
@@ -124,7 +125,7 @@ class TritonBlockMath:
         cap_values, capped = _caps(caps)
         _launch(partition_kernel, launch)(
             student, other, labels, partial, rows, cols, student.stride(0), stride_t, col_start, per_split,
-            *cap_values, sparse, tuple(1.0 / family.temperature for family in families),
+            cap_values, sparse, tuple(1.0 / family.temperature for family in families),
             READS_TEACHER=tuple(family.side == "teacher" for family in families),
             NUM_FAMILIES=count,
             COLUMN_SUMS=sums,
@@ -167,8 +168,8 @@ class TritonBlockMath:
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         _launch(sums_kernel, launch)(
             student, other, labels, lse_u, lse_v, out, rows, cols, student.stride(0), stride_t,
-            lse_u.stride(0), lse_v.stride(0), col_start, per_split, *cap_values, sparse,
-            1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature,
+            lse_u.stride(0), lse_v.stride(0), col_start, per_split, cap_values, sparse,
+            (1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature),
             COLUMN_TERMS=terms.function,
             NUM_SUMS=terms.outputs,
             HAS_T=True,
@@ -202,29 +203,37 @@ class TritonBlockMath:
 
     def stage_logit_grads(
         self, plan: LossPlan, rows: GradRows, student: Tensor, teacher: TeacherBlock | None, labels: Tensor,
-        col_start: int, out: LogitGrads,
-    ) -> None:  # fmt: skip
+        col_start: int, out: LogitGrads, kl_sums: bool = False,
+    ) -> Tensor | None:  # fmt: skip
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is set: the plan trains the
         teacher) of a block into ``out`` (row-major views, any float dtype). The kernel reads the
         row constants ``rows.names`` from ``rows.packed`` and the KL's coefficients
-        ``plan.kl_grad_weights = (w_kl_s, w_kl_t)``."""
+        ``plan.kl_grad_weights = (w_kl_s, w_kl_t)``. With ``kl_sums`` (a plan whose
+        ``kl_sums_in_gradient_pass`` is set) it also sums round 2 over the block and returns the
+        (rows, num_sums) sums, as :meth:`kl_sums` would."""
         n_rows, cols = student.shape
         student_kl, teacher_kl = plan.computes_kl, plan.kl_trains_teacher
         assert (out.teacher is not None) == (plan.teacher_ce_trains_teacher or teacher_kl)
+        assert not kl_sums or plan.kl_sums_in_gradient_pass
         divergence = plan.divergence
         student_grad = variant_terms.kl_grad(divergence, plan.params, "student").function if student_kl else None
         teacher_grad = variant_terms.kl_grad(divergence, plan.params, "teacher").function if teacher_kl else None
+        terms = variant_terms.column_terms(divergence, plan.params) if kl_sums and divergence else None
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", n_rows, cols)
+        num_sums = 0 if terms is None else terms.outputs
+        sums = torch.empty(launch[1], n_rows, num_sums, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap if teacher is not None else None))
         _launch(grads_kernel, launch)(
-            student, other, labels, rows.packed, out.student, out_t, n_rows, cols, student.stride(0),
-            stride_t, out.student.stride(0), out_t.stride(0), col_start, per_split, *cap_values, sparse,
-            1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature, *plan.kl_grad_weights,
+            student, other, labels, rows.packed, out.student, out_t, sums, n_rows, cols, student.stride(0),
+            stride_t, out.student.stride(0), out_t.stride(0), col_start, per_split, cap_values, sparse,
+            (1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature), plan.kl_grad_weights,
             ROW_CONSTANTS=rows.names,
             STUDENT_GRAD=student_grad,
             TEACHER_GRAD=teacher_grad,
+            COLUMN_TERMS=None if terms is None else terms.function,
+            NUM_SUMS=num_sums,
             STUDENT_TERMS=bool(plan.student_terms),
             STUDENT_KL=student_kl,
             TEACHER_CE=plan.teacher_ce_trains_teacher,
@@ -236,6 +245,9 @@ class TritonBlockMath:
             BLOCK_C=chosen.block_c,
             num_warps=chosen.num_warps,
         )  # fmt: skip
+        if terms is None:
+            return None
+        return sums[0] if launch[1] == 1 else sums.sum(dim=0)
 
 
 def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:

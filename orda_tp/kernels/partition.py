@@ -28,6 +28,7 @@ from .block_io import (
     softcap,
     sparse_at,
     sparse_start,
+    zero_sums,
 )
 
 __all__ = ["label_logits", "merge_kernel", "nothing_seen", "online_lse_update", "partition_kernel"]
@@ -53,8 +54,7 @@ def label_logits(
     stride_t: tl.tensor,
     label: tl.tensor,
     owned: tl.tensor,
-    cap_s: tl.tensor,
-    cap_t: tl.tensor,
+    caps: tl.tuple,
     col_start: tl.tensor,
     sparse: tl.tuple,
     HAS_T: tl.constexpr,
@@ -66,6 +66,7 @@ def label_logits(
     a missing teacher), fp32, soft-capped as the tiles are; with ``SPARSE`` the teacher's is looked
     up among the row's listed ids (:func:`.block_io.sparse_at`; block column 0 is global column
     ``col_start``)."""
+    cap_s, cap_t = caps
     target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
     if CAPPED[0]:
         target_s = softcap(target_s, cap_s)
@@ -90,10 +91,7 @@ def nothing_seen(
     partials = empty_tuple()
     for _ in tl.static_range(NUM_FAMILIES):
         partials += ((tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32)),)
-    sums = empty_tuple()
-    for _ in tl.static_range(NUM_COLUMN_SUMS):
-        sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
-    return partials, sums
+    return partials, zero_sums(NUM_COLUMN_SUMS, BLOCK_R, BLOCK_C)
 
 
 @triton.jit(do_not_specialize=["R", "col_start"])
@@ -108,8 +106,7 @@ def partition_kernel(
     stride_t: tl.tensor,
     col_start: tl.tensor,
     cols_per_split: tl.tensor,
-    cap_s: tl.tensor,
-    cap_t: tl.tensor,
+    caps: tl.tuple,
     sparse: tl.tuple,
     inv_temperatures: tl.tuple,
     READS_TEACHER: tl.constexpr,
@@ -126,21 +123,21 @@ def partition_kernel(
     ``program_id(1)`` of ``out`` (splits, R, 2F + 3 + E). Family ``f`` reads ``t`` when
     ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
     loaded once per row, by the split that owns the label column. A side whose ``CAPPED`` flag is
-    set is soft-capped by ``cap_s`` or ``cap_t`` as it is read. ``COLUMN_SUMS(s)``: the
+    set is soft-capped by its ``caps = (cap_s, cap_t)`` as it is read. ``COLUMN_SUMS(s)``: the
     ``E = NUM_COLUMN_SUMS`` column terms, accumulated per tile element and reduced once."""
     WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3 + NUM_COLUMN_SUMS
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     label = local_labels(labels_ptr, rows, row_ok, col_start)
     owned = row_ok & (label >= c_begin) & (label < c_end)
     target_s, target_t = label_logits(
-        s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, cap_s, cap_t, col_start, sparse,
+        s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, caps, col_start, sparse,
         HAS_T, SPARSE, CAPPED, BLOCK_R,
     )  # fmt: skip
     partials, sums = nothing_seen(NUM_FAMILIES, NUM_COLUMN_SUMS, BLOCK_R, BLOCK_C)
     ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t, ahead = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, cap_s, cap_t,
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, caps,
             sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
         updated = empty_tuple()

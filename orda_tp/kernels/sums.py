@@ -13,7 +13,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_io import accumulated, empty_tuple, load_tile, local_labels, normalized, program_tile, sparse_start
+from .block_io import (
+    accumulated,
+    load_tile,
+    local_labels,
+    normalized,
+    program_tile,
+    sparse_start,
+    store_sums,
+    zero_sums,
+)
 
 __all__ = ["sums_kernel"]
 
@@ -34,11 +43,9 @@ def sums_kernel(
     stride_lv: tl.tensor,
     col_start: tl.tensor,
     cols_per_split: tl.tensor,
-    cap_s: tl.tensor,
-    cap_t: tl.tensor,
+    caps: tl.tuple,
     sparse: tl.tuple,
-    inv_ts: tl.tensor,
-    inv_tt: tl.tensor,
+    inv_temperatures: tl.tuple,
     COLUMN_TERMS: tl.constexpr,
     NUM_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
@@ -55,18 +62,14 @@ def sums_kernel(
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
     lse_u = tl.load(lse_u_ptr + rows * stride_lu, mask=row_ok, other=0.0)[:, None]
     lse_v = tl.load(lse_v_ptr + rows * stride_lv, mask=row_ok, other=0.0)[:, None]
-    sums = empty_tuple()
-    for _ in tl.static_range(NUM_SUMS):
-        sums += (tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32),)
+    sums = zero_sums(NUM_SUMS, BLOCK_R, BLOCK_C)
     ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t, ahead = load_tile(
-            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, cap_s, cap_t,
+            s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, caps,
             sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
         is_target = cols[None, :] == local_label
-        logp, logq, p, q = normalized(s, t, inv_ts, inv_tt, lse_u, lse_v)
+        logp, logq, p, q = normalized(s, t, inv_temperatures, lse_u, lse_v)
         sums = accumulated(sums, COLUMN_TERMS(logp, logq, p, q, is_target), ok, p, NUM_SUMS)
-    base = out_ptr + tl.program_id(1) * R * NUM_SUMS + rows * NUM_SUMS
-    for k in tl.static_range(NUM_SUMS):
-        tl.store(base + k, tl.sum(sums[k], axis=1), mask=row_ok)
+    store_sums(out_ptr, sums, rows, row_ok, R, NUM_SUMS)
