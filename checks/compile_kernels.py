@@ -89,7 +89,8 @@ def compile_launch(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 def calls() -> dict[str, Callable[[], object]]:
     """Representative calls: a tied KD with every student term and soft-caps, a separate teacher
-    with a co-training variant, a top-k cache, and the logits-level KDLoss."""
+    with a co-training variant, a top-k cache, the logits-level KDLoss, and backward's in-place
+    scaling."""
     generator = torch.Generator().manual_seed(0)
     rows, hidden, vocab = 48, 32, 3000
     student = (torch.randn(rows, hidden, generator=generator) / 2).requires_grad_()
@@ -119,8 +120,12 @@ def calls() -> dict[str, Callable[[], object]]:
         loss.backward()
         return loss
 
+    def scale() -> object:  # what backward runs on CUDA gradient buffers (torch's foreach on the CPU)
+        ops.scale_in_place([torch.empty(1000, dtype=torch.bfloat16)], torch.tensor(0.5))
+        return None
+
     return {"tied KD + terms + caps": tied_terms, "separate mutual": separate_mutual, "top-64 skew_js": topk_skew,
-            "KDLoss": kd_loss}  # fmt: skip
+            "KDLoss": kd_loss, "backward's scale": scale}  # fmt: skip
 
 
 def main() -> int:

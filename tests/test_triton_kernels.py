@@ -177,18 +177,21 @@ def test_triton_backend_on_two_gloo_ranks() -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("factor", [0.375, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_in_place_scaling_kernel(dtype: torch.dtype) -> None:
+def test_in_place_scaling_kernel(dtype: torch.dtype, factor: float) -> None:
+    """``x *= scale`` in place; a scale of 1 (which the kernel skips) leaves ``x`` bitwise as it was."""
     from orda_tp.kernels.ops import SCALE_BLOCK, scale_in_place
 
     values = torch.randn(SCALE_BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
     matrix = torch.randn(5, 7, generator=torch.Generator().manual_seed(1)).to(dtype)
-    expected = [(t.float() * 0.375).to(dtype) for t in (values, matrix)]
-    scale_in_place([values, matrix], torch.tensor(0.375))
+    values[3], matrix[1, 2] = float("nan"), float("-inf")
+    expected = [(t.float() * factor).to(dtype) for t in (values, matrix)]
+    scale_in_place([values, matrix], torch.tensor(factor))
     # The interpreter's fp32 -> bf16 conversion may round differently: within one bf16 step there.
     rtol = 2.0**-7 if dtype == torch.bfloat16 and not torch.cuda.is_available() else 0.0
     for actual, wanted in zip((values, matrix), expected):
-        torch.testing.assert_close(actual, wanted, rtol=rtol, atol=0.0)
+        torch.testing.assert_close(actual, wanted, rtol=rtol, atol=0.0, equal_nan=True)
 
 
 # The launches one by one against the torch block math, on blocks wider than one column split
