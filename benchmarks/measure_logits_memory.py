@@ -15,8 +15,10 @@ Each (loss, dtype) pair runs in a fresh subprocess, which:
    ``torch.cuda.reset_peak_memory_stats``) and reads the baseline,
 4. runs the forward pass and reads the peak, then the backward pass and reads the peak again.
 
-Reported: the forward peak above the baseline, and the backward peak above the baseline minus the
-gradient of the student logits (``BT × V`` in the logits' dtype, which backward must return). The
+Reported: the forward peak above the baseline, and the backward peak above the baseline, each minus
+the gradient of the student logits (``BT × V`` in the logits' dtype, which backward must return)
+once it exists: ``KDLoss`` forms it in forward (for a unit upstream gradient, scaled in place by
+backward), the textbook loss in backward. The
 script exits non-zero when KDLoss's forward or backward workspace reaches one fp32 copy of the
 logits. Linux only on CPU (it reads ``/proc/self``); ``--device cuda`` measures on a GPU.
 """
@@ -126,6 +128,8 @@ def run_worker(args: argparse.Namespace) -> None:
     backward_mib = peak.read_mib()
     seconds = time.perf_counter() - start
     gradient_mib = inputs["student"].grad.numel() * inputs["student"].grad.element_size() / MIB
+    if args.worker == "kdloss":  # its forward holds the student's gradient already
+        forward_mib -= gradient_mib
     result = {
         "loss": args.worker,
         "dtype": dtype_name,

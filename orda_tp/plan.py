@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from .config import KernelConfig
 from .divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
-from .divergences.expr import Expr
+from .divergences.expr import Expr, equal, greater, logical_and, where
 from .options import LogitsOptions, LossOptions
 from .records import LogitFamily
 from .teachers import TeacherSource
-from .terms import STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
+from .terms import RAW_STUDENT, RAW_TEACHER, STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 
-__all__ = ["LossPlan", "StepKey", "check_sparse_teacher"]
+__all__ = ["UNSUPPORTED", "LossPlan", "StepKey", "check_sparse_teacher"]
 
 
 def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
@@ -90,7 +90,8 @@ class StepKey:
     never its weights or temperatures. The indices of ``LossPlan.families`` that hold the student's
     family at ``T = 1`` (read by the student's row terms), the teacher's CE family and the KL
     families, and the first teacher family (each None where the call has none); the student's
-    row terms (:mod:`orda_tp.terms`) and the number of column sums of round 1's record."""
+    row terms (:mod:`orda_tp.terms`), the number of column sums of round 1's record and which of
+    them counts the :data:`UNSUPPORTED` columns (None where none does)."""
 
     num_families: int
     student_terms: tuple[StudentTerm, ...]
@@ -100,6 +101,14 @@ class StepKey:
     kl_student: int | None
     kl_teacher: int | None
     teacher_family: int | None
+    unsupported_sum: int | None = None
+
+
+#: A column where the student's logit is −inf and the teacher's is not: ``p = 0 < q`` there, so a
+#: KL weighted by ``q`` (``forward``) is +inf on its row. Counted by round 1 where a variant sums
+#: round 2 in the gradient pass on given logits (``LossPlan.kl_sums_in_gradient_pass``), so that
+#: the gradient knows ``keep`` before ``D``.
+UNSUPPORTED = where(logical_and(equal(RAW_STUDENT, -math.inf), greater(RAW_TEACHER, -math.inf)), 1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -123,8 +132,9 @@ class LossPlan:
     ``student_logits_finite``: the student's logits are a head's products (finite for finite
     inputs), not given values that may hold ``−inf``. ``kl_sums_in_gradient_pass``: round 2 may be
     summed by the gradient pass (:mod:`.engine.row_walk`): the variant's gradients read no constant
-    of round 2 and its ``D`` cannot be ``+inf`` (finite student logits, and finite without teacher
-    support), so the row's ``keep`` is known after round 1 (today ``forward``).
+    of round 2 and it is finite without teacher support, so ``D`` is ``+inf`` only on a row with an
+    :data:`UNSUPPORTED` column, which round 1 counts where the student's logits may hold ``−inf``:
+    the row's ``keep`` is known after round 1 (today ``forward``).
     """
 
     student_terms: tuple[StudentTerm, ...]
@@ -176,7 +186,13 @@ class LossPlan:
         wanted += [ce_families[1]] if self.teacher_ce_weight > 0 else []
         wanted += list(kl_families) if computes_kl else []
         families = tuple(dict.fromkeys(wanted))
-        column_sums = column_sums_of(self.student_terms)
+        formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
+        # Round 2 in the gradient pass: see the class docstring (the support test only for such a gradient).
+        in_gradient_pass = bool(formulas and not formulas.row_names) and not (
+            self.divergence and self.divergence.infinite_without_support(self.params)
+        )
+        counts_unsupported = in_gradient_pass and not self.student_logits_finite
+        column_sums = column_sums_of(self.student_terms) + ((UNSUPPORTED,) if counts_unsupported else ())
         step_key = StepKey(
             num_families=len(families),
             student_terms=self.student_terms,
@@ -186,8 +202,8 @@ class LossPlan:
             kl_student=families.index(kl_families[0]) if computes_kl else None,
             kl_teacher=families.index(kl_families[1]) if computes_kl else None,
             teacher_family=next((i for i, family in enumerate(families) if family.side == "teacher"), None),
+            unsupported_sum=len(column_sums) - 1 if counts_unsupported else None,
         )
-        formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
         # The gradient kernel's row constants, in the order it reads them (row_formulas.grad_step).
         grad_row_names = ["scale", *(["lse_s", "c_p", "c_y", "c_u"] if student_terms else [])]
         grad_row_names += ["lse_t", "c_ce_t"] if teacher_ce_trains else []
@@ -212,11 +228,7 @@ class LossPlan:
             "step_key": step_key,
             "formulas": formulas,
             "grad_row_names": tuple(grad_row_names),
-            "kl_sums_in_gradient_pass": formulas is not None
-            and self.divergence is not None
-            and not formulas.row_names
-            and self.student_logits_finite
-            and not self.divergence.infinite_without_support(self.params),
+            "kl_sums_in_gradient_pass": in_gradient_pass,
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)

@@ -42,6 +42,7 @@ from .divergences.expr import Expr, row, wrap
 __all__ = [
     "COMPONENTS",
     "RAW_STUDENT",
+    "RAW_TEACHER",
     "STUDENT_TERMS",
     "CrossEntropy",
     "RowSymbols",
@@ -53,6 +54,9 @@ __all__ = [
 
 #: The column symbol of the student's raw logit ``s_j``, read by the terms' column sums.
 RAW_STUDENT = Expr("column", value="s")
+#: The column symbol of the teacher's raw logit ``t_j`` (−inf without a teacher), which a column sum
+#: of round 1 may read besides ``s_j`` (``orda_tp.plan.UNSUPPORTED``).
+RAW_TEACHER = Expr("column", value="t")
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,64 @@ def test_ignored_rows_empty_batches_and_non_finite_rows() -> None:
     assert torch.isnan(loss_fn(poisoned, teacher, labels))
 
 
+def test_the_gradient_formed_in_forward_is_scaled_by_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With grad mode on, the student's gradient is formed in forward for a unit upstream gradient
+    and scaled in place by backward; a second backward through the same call (``retain_graph``)
+    walks the chunks again from the kept statistics; without grad mode no gradient is formed."""
+    from orda_tp.engine import row_walk
+
+    student, teacher, labels = logits_problem(seed=31)
+    loss_fn = orda_tp.KDLoss(temperature=TEMPERATURE, chunk_size=4, kl_divergence="reverse")
+    expected, expected_grad = expected_loss_and_grad(student, teacher, labels, TEMPERATURE, variant="reverse")
+    loss = loss_fn(student, teacher, labels)
+    assert relative_error(loss, expected) <= 1e-12
+    (0.3 * loss).backward(retain_graph=True)
+    assert relative_error(student.grad, 0.3 * expected_grad) <= 1e-12
+    (0.3 * loss).backward()
+    assert relative_error(student.grad, 0.6 * expected_grad) <= 1e-12
+    staged: list[int] = []
+    stage_grads = row_walk.stage_grads
+    monkeypatch.setattr(row_walk, "stage_grads", lambda *args: staged.append(1) or stage_grads(*args))
+    with torch.no_grad():
+        assert relative_error(loss_fn(student, teacher, labels), expected) <= 1e-12
+    assert not staged
+    loss_fn(student, teacher, labels)
+    assert len(staged) == 3  # with grad mode on: one per chunk (4, 4 and 2 of the 10 rows)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_kl_where_the_student_rules_out_what_the_teacher_gives_mass(backend: str) -> None:
+    """``forward`` on given logits sums round 2 in the gradient pass, so round 1 counts the
+    columns where the student's logit is −inf and the teacher's is not: such a row has ``D = +inf``
+    (its ``kl`` +inf, its KL gradient dropped, docs/variants.md §1), while a column −inf on both
+    sides (a masked id) is no such column. The other rows' gradient is ``T·(p − q)/N``."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dtype, tolerance = (torch.float64, 1e-12) if backend == "torch" else (torch.float32, 1e-5)
+    student, teacher, labels = logits_problem(seed=32, dtype=dtype)
+    student, teacher = student.detach().clone(), teacher.clone()
+    student[0, 0, 4] = float("-inf")  # the teacher gives column 4 mass: row (0, 0) is +inf
+    student[1, 1, :3] = teacher[1, 1, :3] = float("-inf")  # masked on both sides: finite
+    student.requires_grad_()
+    loss_fn = orda_tp.KDLoss(temperature=TEMPERATURE, chunk_size=4, backend=backend)
+    loss, grad = loss_and_grad(loss_fn, student, teacher, labels)
+    assert loss.item() == math.inf
+    valid = labels != -100
+    logp = torch.log_softmax(student.detach().double() / TEMPERATURE, dim=-1)
+    logq = torch.log_softmax(teacher.double() / TEMPERATURE, dim=-1)
+    expected_grad = TEMPERATURE * (logp.exp() - logq.exp()) / valid.sum()
+    expected_grad[~valid] = 0.0
+    expected_grad[0, 0] = 0.0  # the +inf row's KL gradient is dropped
+    assert relative_error(grad, expected_grad) <= tolerance
+    assert torch.count_nonzero(grad[0, 0]) == 0
+    q = logq.exp()
+    masked_row = TEMPERATURE**2 * torch.where(q > 0, q * (logq - logp), 0.0)[1, 1].sum()
+    per_row = orda_tp.KDLoss(temperature=TEMPERATURE, backend=backend)(
+        student[1:2, 1:2], teacher[1:2, 1:2], labels[1:2, 1:2]
+    )
+    assert relative_error(per_row, masked_row) <= tolerance
+
+
 def test_module_attributes_and_inference_mode() -> None:
     loss_fn = orda_tp.KDLoss(ignore_index=-1, temperature=3.0, fp32_upcast=False, chunk_size=8)
     assert (loss_fn.ignore_index, loss_fn.temperature, loss_fn.fp32_upcast, loss_fn.chunk_size) == (-1, 3.0, False, 8)

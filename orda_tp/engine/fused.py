@@ -26,7 +26,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..teachers.source import TeacherBlocks
 from ..terms import COMPONENTS, STUDENT_TERMS
-from .fused_grads import GemmPolicy, GradientBuffers, GradNeeds, allocate_buffers, run_gradient_gemms
+from .fused_grads import GemmPolicy, GradientBuffers, GradNeeds, allocate_buffers, run_gradient_gemms, scale_by_upstream
 from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
 from .row_walk import GradTarget, RecordExchange, RowWalk, row_layout, row_ranges, walk_rows
 from .stats import RowStats
@@ -229,14 +229,8 @@ class _ChunkedDistillation(torch.autograd.Function):
                     student_hidden=None if buffers.student_hidden is None else next(summed),
                     teacher_hidden=None if buffers.teacher_hidden is None else next(summed),
                 )
-            present = [grad for grad in buffers if grad is not None]
-            if eager_buffers is not None and present:
-                if present[0].is_cuda and all(t.is_contiguous() for t in present):
-                    from ..kernels.ops import scale_in_place  # one launch per tensor, the scale read on the device
-
-                    scale_in_place(present, grad_loss)
-                else:
-                    torch._foreach_mul_(present, grad_loss)
+            if eager_buffers is not None:
+                scale_by_upstream([grad for grad in buffers if grad is not None], grad_loss)
         # Only an input that is given has a gradient.
         grads = [
             None if grad is None or tensor is None else grad.to(tensor.dtype) for grad, tensor in zip(buffers, inputs)

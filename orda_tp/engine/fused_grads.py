@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .logits import HeadTensors, LogitGrads
 
-__all__ = ["GemmPolicy", "GradNeeds", "GradientBuffers", "allocate_buffers", "run_gradient_gemms"]
+__all__ = ["GemmPolicy", "GradNeeds", "GradientBuffers", "allocate_buffers", "run_gradient_gemms", "scale_by_upstream"]
 
 FP16_HEADROOM = 6.0e4  # below fp16's largest finite value, 65504
 _ADDMM_OUT_DTYPE = [True]  # cleared once if this torch has no addmm(..., out_dtype=...)
@@ -159,3 +159,18 @@ def run_gradient_gemms(
             if weight_grad is not None:
                 rows = torch.where(valid[:, None], hidden.detach()[begin:end], 0.0)
                 gemms.accumulate(weight_grad[:columns], logit_grads.T, rows)
+
+
+def scale_by_upstream(grads: Sequence[Tensor], upstream: Tensor) -> None:
+    """Gradients formed in the forward for a unit upstream gradient (an eager call's), scaled in
+    place by the 0-d ``upstream`` that backward receives: one launch per tensor with the scale read
+    on the device (``kernels.ops.scale_in_place``, which skips a scale of exactly 1) for contiguous
+    CUDA tensors, ``torch._foreach_mul_`` otherwise."""
+    if not grads:
+        return
+    if grads[0].is_cuda and all(grad.is_contiguous() for grad in grads):
+        from ..kernels.ops import scale_in_place  # imports triton: only where it runs
+
+        scale_in_place(grads, upstream)
+    else:
+        torch._foreach_mul_(list(grads), upstream)

@@ -11,9 +11,10 @@ small tensor ops per chunk.
   ``absent`` (the teacher's logits are all ``−inf``), each registered student term's value
   (:mod:`orda_tp.terms`: ``student_ce``, ``z_loss``), ``CE_t = LSE(t) − t_y`` (0 on absent rows) and, with a KL
   term, ``LSE(u)``, ``LSE(v)`` (0 on absent rows), ``log p_y = s_y/T_s − LSE(u)``, ``log q_y =
-  t_y/T_t − LSE(v)`` and ``present`` (the teacher is not absent: the gradient's ``keep`` where
-  ``D`` cannot be ``+inf``, ``LossPlan.kl_sums_in_gradient_pass``). The loss components are NaN
-  on rows whose label no column owns.
+  t_y/T_t − LSE(v)`` and ``present`` (the teacher is not absent, and no ``UNSUPPORTED`` column
+  where round 1 counts them: the gradient's ``keep`` when round 2 is summed in the gradient pass,
+  ``LossPlan.kl_sums_in_gradient_pass``). The loss components are NaN on rows whose label no
+  column owns.
 - :func:`finish_step`, after round 2 and the variant's finalize: the row's divergence
   ``max(D, 0)`` and ``KL = T_s²·max(D, 0)`` (both 0 on absent rows, NaN on unowned ones) and
   ``keep``, whether the row's KL gradient is formed (teacher present and ``D ≠ +inf``).
@@ -118,7 +119,10 @@ def partition_step(key: StepKey) -> RowProgram:
         outputs["lse_u"], outputs["lse_v"] = lse_u, lse_v
         outputs["logp_y"] = row("s_y") / row("t_s") - lse_u
         outputs["logq_y"] = row("t_y") / row("t_t") - lse_v
-        outputs["present"] = where(absent, 0.0, 1.0)
+        present = where(absent, 0.0, 1.0)
+        if key.unsupported_sum is not None:
+            present = where(greater(row(f"sum{key.unsupported_sum}"), 0.0), 0.0, present)
+        outputs["present"] = present
     else:
         outputs["kl"] = nan_elsewhere
     scalars = ["t_s", "t_t", *_term_scalars(key.student_terms)]

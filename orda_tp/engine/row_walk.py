@@ -40,7 +40,7 @@ from ..plan import LossPlan
 from ..records import PartitionRecord, merge_partition_records
 from ..terms import STUDENT_TERMS
 from .block_math import BlockMath
-from .logits import ColumnRange, LogitGrads, LogitsBlock, LogitsSource
+from .logits import LogitGrads, LogitsBlock, LogitsSource
 from .row_formulas import finish_step, grad_step, partition_step
 from .stats import GradRows, KLRowStats, RowStats
 
@@ -186,37 +186,24 @@ def walk_rows(
 ) -> list[RowStats]:
     """Walk ``chunks`` in order: each chunk's row statistics (computed, or ``saved[i]`` for
     ``chunks[i]``), with ``target`` its logit gradients written. Returns the statistics in chunk
-    order. ``dtype``: the statistics dtype."""
+    order. ``dtype``: the statistics dtype. A chunk's logits live only while it is walked."""
     like = torch.empty(0, dtype=dtype, device=walk.labels.device)
     columns = walk.layout.real_local_columns
     block = walk.math.block_columns(walk.plan.config.vocab_block, columns)
     column_ranges = [(start, min(start + block, columns)) for start in range(0, columns, block)]
     walked = []
     for index, (begin, end) in enumerate(chunks):
-        stats = None if saved is None else saved[index]
-        walked.append(_walk_chunk(walk, source, begin, end, column_ranges, stats, target, like))
+        blocks = source.blocks(begin, end, column_ranges, dtype, walk.math.reads_stored_cache)
+        labels, chunk_target = walk.labels[begin:end], None if target is None else (target, begin, end)
+        if saved is None:
+            stats = chunk_row_stats(walk, blocks, labels, like, chunk_target)
+        else:
+            stats = saved[index]
+            if chunk_target is not None:
+                stage_grads(walk, blocks, labels, stats.gradient_inputs(), chunk_target, like)
+        walked.append(stats)
+        del blocks  # a chunk's logits go before the next chunk's are formed
     return walked
-
-
-def _walk_chunk(
-    walk: RowWalk,
-    source: LogitsSource,
-    begin: int,
-    end: int,
-    column_ranges: Sequence[ColumnRange],
-    stats: RowStats | None,
-    target: GradTarget | None,
-    like: Tensor,
-) -> RowStats:
-    """One chunk: its logits, its statistics (computed unless given), and with ``target`` its logit
-    gradients. The logits live only as long as this call."""
-    blocks = source.blocks(begin, end, column_ranges, like.dtype, walk.math.reads_stored_cache)
-    labels = walk.labels[begin:end]
-    if stats is None:
-        return chunk_row_stats(walk, blocks, labels, like, None if target is None else (target, begin, end))
-    if target is not None:
-        stage_grads(walk, blocks, labels, stats.gradient_inputs(), (target, begin, end), like)
-    return stats
 
 
 ChunkTarget = tuple[GradTarget, int, int]  # a gradient target and the batch rows [begin, end) of a chunk

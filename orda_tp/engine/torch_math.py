@@ -27,7 +27,7 @@ from ..divergences.expr import Expr
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
 from ..teachers.source import SparseLogits
-from ..terms import RAW_STUDENT
+from ..terms import RAW_STUDENT, RAW_TEACHER
 from .logits import LogitGrads, TeacherBlock
 from .row_formulas import RowProgram
 from .stats import GradRows
@@ -158,12 +158,13 @@ class TorchBlockMath:
         caps: tuple[float | None, float | None] = (None, None),
     ) -> PartitionRecord:
         """Round-1 record of a block (:func:`orda_tp.records.block_partition_record`), with the
-        row sums of ``column_sums`` over the student logits (``caps`` unused: the blocks arrive
-        capped)."""
+        row sums of ``column_sums`` over the student (and teacher) logits (``caps`` unused: the
+        blocks arrive capped)."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         sums = None
         if column_sums:
-            terms = evaluate(column_sums, {str(RAW_STUDENT.value): student}, {}, shape=str(RAW_STUDENT.value))
+            raw = {str(RAW_STUDENT.value): student, str(RAW_TEACHER.value): teacher}
+            terms = evaluate(column_sums, raw, {}, shape=str(RAW_STUDENT.value))
             sums = torch.stack([term.sum(1) for term in terms], dim=1)
         return block_partition_record(student, teacher, labels, col_start, families, sums)
 

@@ -117,7 +117,7 @@ class TritonBlockMath:
         count = len(families)
         if count == 0:  # no family: no student term and no teacher term, so no column sums or t_y
             return block_partition_record(student, None, labels, col_start, families)
-        sums = variant_terms.student_column_sums(column_sums).function if column_sums else None
+        sums = variant_terms.record_column_sums(column_sums).function if column_sums else None
         chosen, launch, per_split = _tiles_and_grid("partition", rows, cols)
         width = 2 * count + 3 + len(column_sums)
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)

@@ -123,7 +123,7 @@ def partition_kernel(
     ``program_id(1)`` of ``out`` (splits, R, 2F + 3 + E). Family ``f`` reads ``t`` when
     ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
     loaded once per row, by the split that owns the label column. A side whose ``CAPPED`` flag is
-    set is soft-capped by its ``caps = (cap_s, cap_t)`` as it is read. ``COLUMN_SUMS(s)``: the
+    set is soft-capped by its ``caps = (cap_s, cap_t)`` as it is read. ``COLUMN_SUMS(s, t)``: the
     ``E = NUM_COLUMN_SUMS`` column terms, accumulated per tile element and reduced once."""
     WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3 + NUM_COLUMN_SUMS
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
@@ -146,7 +146,7 @@ def partition_kernel(
             updated += (online_lse_update(m, z, (t if READS_TEACHER[f] else s) * inv_temperatures[f]),)
         partials = updated
         if NUM_COLUMN_SUMS > 0:
-            sums = accumulated(sums, COLUMN_SUMS(s), ok, s, NUM_COLUMN_SUMS)
+            sums = accumulated(sums, COLUMN_SUMS(s, t), ok, s, NUM_COLUMN_SUMS)
     base = out_ptr + tl.program_id(1) * R * WIDTH + rows * WIDTH
     for f in tl.static_range(NUM_FAMILIES):
         m, z = partials[f]

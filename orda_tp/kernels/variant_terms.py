@@ -11,8 +11,9 @@ what differs between variants, and between the row steps of a call, reaches them
   (:meth:`~orda_tp.divergences.Divergence.student_grad_expr`), and ``<variant>_teacher_grad``:
   ``∂D/∂v`` for the variants that co-train the teacher; a row constant is read from the tuple
   ``rowc`` at its position in the names ``ROW_CONSTANTS``;
-- ``student_column_sums(s)``: the column terms over the raw student logit whose row sums round 1
-  collects for the student's row terms (:meth:`~orda_tp.terms.StudentTerm.column_sums`), as a tuple;
+- ``record_column_sums(s, t)``: the column terms over the raw student (and teacher) logits whose
+  row sums round 1 collects: the student's row terms' (:meth:`~orda_tp.terms.StudentTerm.column_sums`)
+  and the count of ``orda_tp.plan.UNSUPPORTED`` columns where the plan asks for it, as a tuple;
 - ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.engine.row_formulas``),
   over the tuples of its (R,) inputs and its runtime floats.
 
@@ -34,7 +35,7 @@ from ..divergences.expr import Expr
 from .cache import load_generated_module
 from .expr_compiler import FunctionSpec, function_source, wrapped
 
-__all__ = ["GeneratedFunction", "column_terms", "kl_grad", "row_step", "student_column_sums"]
+__all__ = ["GeneratedFunction", "column_terms", "kl_grad", "row_step", "record_column_sums"]
 
 COLUMNS = ("logp", "logq", "p", "q", "is_target")
 GRAD_PARAMETERS = (*COLUMNS, "rowc", "ROW_CONSTANTS: tl.constexpr")
@@ -83,13 +84,14 @@ def column_terms(divergence: Divergence, params: DivergenceParams) -> GeneratedF
 
 
 @cache
-def student_column_sums(exprs: tuple[Expr, ...]) -> GeneratedFunction:
-    """``student_column_sums``: the student terms' column terms over the raw logit ``s`` (the
-    plan's ``column_sums``, built once per set of terms, so the trees' identity is the key)."""
+def record_column_sums(exprs: tuple[Expr, ...]) -> GeneratedFunction:
+    """``record_column_sums``: round 1's column terms over the raw logits ``s`` and ``t`` (the
+    plan's ``column_sums``: the student terms', and ``UNSUPPORTED`` where the plan counts it;
+    built once per set of trees, so the trees' identity is the key)."""
     spec = FunctionSpec(
-        name="student_column_sums",
-        parameters=("s",),
-        doc="The student terms' column terms over the raw student logit s: term k is added into the row's sum k.",
+        name="record_column_sums",
+        parameters=("s", "t"),
+        doc="Round 1's column terms over the raw logits s and t: term k is added into the row's sum k.",
         outputs=tuple((f"term{k}", expr) for k, expr in enumerate(exprs)),
         read_row=_no_rows,
     )

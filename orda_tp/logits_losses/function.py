@@ -1,12 +1,17 @@
 """The autograd function of :class:`orda_tp.KDLoss`: ``Σ_valid T²·D(p, q) / N`` of given logits.
 
-Forward walks the row chunks once and keeps each chunk's finalized row statistics (a few values
-per row). Backward walks them again and writes ``∂loss/∂s`` straight into the gradient of the
-student's logits, chunk by chunk, scaled by the upstream gradient: the logit gradient *is* the
-input gradient here, so there is no GEMM, no staging buffer and no collective in backward (the
-statistics were merged across shards in forward; each rank's gradient is its columns' slice).
-Ignored rows get exactly 0, rows whose label no column owns NaN. The teacher's logits (stored,
-or formed block by block from a top-k cache) never receive a gradient.
+When the student's logits need a gradient, forward walks the row chunks once, forming each
+chunk's statistics and writing ``∂loss/∂s`` for a unit upstream gradient straight into the
+gradient of the student's logits (the logit gradient *is* the input gradient here: no GEMM, no
+staging buffer), the way the fused path's eager gradients are formed; where the variant allows
+(``LossPlan.kl_sums_in_gradient_pass``: ``forward``) that gradient pass also sums round 2, so a
+call reads the logits twice in all. Backward scales the gradient in place by the upstream
+gradient (nothing to do for exactly 1) and hands it over. A second backward through the same call
+(``retain_graph=True``) walks the chunks again from the statistics kept by forward (a few values
+per row), as a call without gradients would need. No collective in backward: the statistics were
+merged across shards in forward, and each rank's gradient is its columns' slice. Ignored rows get
+exactly 0, rows whose label no column owns NaN. The teacher's logits (stored, or formed block by
+block from a top-k cache) never receive a gradient.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..engine.fused_grads import scale_by_upstream
 from ..engine.logits import LogitGrads, PairedLogits, StoredLogits
 from ..engine.row_walk import GradTarget, walk_rows
 from ..engine.stats import RowStats
@@ -31,12 +37,18 @@ class _LogitsContext(FunctionCtx):
 
     needs_input_grad: tuple[bool, ...]
     problem: LogitsProblem
-    denominator: float | Tensor
+    unit_scale: Tensor
     walked: list[RowStats]
     teacher: TeacherBlocks
     dtype: torch.dtype
-    row_weights: Tensor | None
+    eager_grad: Tensor | None
     saved_tensors: tuple[Tensor]
+
+
+def _unit_scale(denominator: float | Tensor, row_weights: Tensor | None, dtype: torch.dtype, like: Tensor) -> Tensor:
+    """Each row's gradient factor for a unit upstream gradient: ``1/N``, times the row's weight."""
+    scale = (torch.ones((), dtype=dtype, device=like.device) / denominator).to(dtype)
+    return scale if row_weights is None else scale * row_weights.to(dtype)
 
 
 class _LogitsDistillation(torch.autograd.Function):
@@ -49,32 +61,36 @@ class _LogitsDistillation(torch.autograd.Function):
         teacher: TeacherBlocks,
         dtype: torch.dtype,
         row_weights: Tensor | None,
+        wants_grad: bool,
     ) -> Tensor:
-        walked = row_statistics(problem, PairedLogits(StoredLogits(student), teacher), dtype)
+        target, grad = None, None
+        if wants_grad:
+            grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
+            ctx.unit_scale = _unit_scale(denominator, row_weights, dtype, student)
+            target = GradTarget(LogitGrads(grad, None), 0, ctx.unit_scale)
+        walked = row_statistics(problem, PairedLogits(StoredLogits(student), teacher), dtype, target)
         per_row = torch.cat([stats.kl for stats in walked]) if walked else student.new_zeros(0, dtype=dtype)
         if row_weights is not None:
             per_row = per_row * row_weights.to(dtype)
         loss = torch.where(problem.walk.valid, per_row, 0.0).sum() / denominator
-        if ctx.needs_input_grad[2]:
-            ctx.problem, ctx.denominator, ctx.walked = problem, denominator, walked
-            ctx.teacher, ctx.dtype, ctx.row_weights = teacher, dtype, row_weights
+        if grad is not None:
+            ctx.problem, ctx.walked, ctx.teacher, ctx.dtype, ctx.eager_grad = problem, walked, teacher, dtype, grad
             ctx.save_for_backward(student)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx: _LogitsContext, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        (student,) = ctx.saved_tensors
-        problem, dtype = ctx.problem, ctx.dtype
-        scale = (grad_loss / ctx.denominator).to(dtype)
-        if ctx.row_weights is not None:  # a row's weight scales its gradient as its loss
-            scale = scale * ctx.row_weights.to(dtype)
-        grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
-        source = PairedLogits(StoredLogits(student), ctx.teacher)
-        target = GradTarget(LogitGrads(grad, None), 0, scale)  # the walk writes the student's gradient in place
-        with torch.autocast(student.device.type, enabled=False):
-            walk_rows(problem.walk, source, problem.chunks(), dtype, ctx.walked, target)
-        return None, None, grad, None, None, None
+        grad, ctx.eager_grad = ctx.eager_grad, None
+        if grad is None:  # a repeated backward: the gradient walked again from the saved statistics
+            (student,) = ctx.saved_tensors
+            grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
+            source = PairedLogits(StoredLogits(student), ctx.teacher)
+            target = GradTarget(LogitGrads(grad, None), 0, ctx.unit_scale)
+            with torch.autocast(student.device.type, enabled=False):
+                walk_rows(ctx.problem.walk, source, ctx.problem.chunks(), ctx.dtype, ctx.walked, target)
+        scale_by_upstream([grad], grad_loss.to(ctx.dtype))
+        return None, None, grad, None, None, None, None
 
 
 def logits_distillation(
@@ -89,4 +105,5 @@ def logits_distillation(
     local columns) student logits and the teacher's blocks (``StoredLogits`` of its logits, or a
     top-k cache's), ``w_i`` the rows' ``row_weights`` (1 when None); differentiable with respect
     to ``student`` only."""
-    return _LogitsDistillation.apply(problem, denominator, student, teacher, dtype, row_weights)
+    wants_grad = torch.is_grad_enabled() and student.requires_grad  # apply hides grad mode from forward
+    return _LogitsDistillation.apply(problem, denominator, student, teacher, dtype, row_weights, wants_grad)

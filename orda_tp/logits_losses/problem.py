@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..engine.block_math import select_backend
 from ..engine.logits import LogitsSource
-from ..engine.row_walk import RowRange, RowWalk, row_layout, row_ranges, walk_rows
+from ..engine.row_walk import GradTarget, RowRange, RowWalk, row_layout, row_ranges, walk_rows
 from ..engine.stats import RowStats
 from ..options import LogitsOptions
 from ..parallel.layout import VocabLayout
@@ -80,10 +80,13 @@ def build_problem(
     return LogitsProblem(RowWalk(plan, labels, valid, exchange, layout, math), chunk_rows)
 
 
-def row_statistics(problem: LogitsProblem, source: LogitsSource, dtype: torch.dtype) -> list[RowStats]:
-    """Each chunk's finalized row statistics, in row order, and the end of the call's exchange
-    (a chunk's blocks live only while its statistics are formed)."""
-    walked = walk_rows(problem.walk, source, problem.chunks(), dtype)
+def row_statistics(
+    problem: LogitsProblem, source: LogitsSource, dtype: torch.dtype, target: GradTarget | None = None
+) -> list[RowStats]:
+    """Each chunk's finalized row statistics, in row order, with ``target`` the logit gradients
+    written in the same walk, and the end of the call's exchange (a chunk's blocks live only while
+    it is walked)."""
+    walked = walk_rows(problem.walk, source, problem.chunks(), dtype, None, target)
     if problem.walk.exchange is not None:
         problem.walk.exchange.finish(torch.empty(0, dtype=dtype, device=problem.walk.labels.device))
     return walked
