@@ -28,5 +28,12 @@ def test_every_kernel_of_representative_calls_compiles_for_sm90() -> None:
     assert result.returncode == 0, report
     compiled = [line for line in result.stdout.splitlines() if line.startswith("compiled")]
     kernels = {line.split(": ")[-1] for line in compiled}
-    assert kernels == {"partition_kernel", "merge_kernel", "rows_kernel", "sums_kernel", "grads_kernel", "scale_kernel"}, report
+    assert kernels == {
+        "partition_kernel",
+        "merge_kernel",
+        "rows_kernel",
+        "sums_kernel",
+        "grads_kernel",
+        "scale_kernel",
+    }, report
     assert len(compiled) >= 20, report
