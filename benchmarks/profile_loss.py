@@ -6,7 +6,8 @@ Prints the wall time of a warm call, the number of kernel launches, the profiled
 split into the host's time before its first kernel, the device timeline (first kernel to last, with
 its idle gaps) and the time after its last kernel, and the top operations by self CUDA time and by
 self CPU time (torch.profiler), for the tied-frozen-teacher KD task of the benchmarks (bf16,
-student CE + forward KL, 1 label in 7 ignored).
+student CE + forward KL, 1 label in 7 ignored), or with ``--kd-loss`` for ``KDLoss`` on (BT, V)
+bf16 logits of std 2 (forward KL, T = 1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,11 +40,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ce", action="store_true", help="student CE alone (no KL term)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls (the median is printed)")
     parser.add_argument("--rows", type=int, default=10, help="rows of each table")
+    parser.add_argument(
+        "--kd-loss", action="store_true", help="KDLoss on (BT, V) bf16 logits of std 2 instead (forward KL, T = 1)"
+    )
     return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
+def fused_step(args: argparse.Namespace) -> Callable[[], None]:
+    """One forward and backward of the benchmarks' KD (or CE) task on bf16 hidden states and head."""
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     scale = args.hidden**-0.5
@@ -73,6 +78,28 @@ def main() -> None:
         )
         torch.autograd.grad(out.loss, [hidden, weight])
 
+    return step
+
+
+def kd_loss_step(args: argparse.Namespace) -> Callable[[], None]:
+    """One forward and backward of ``KDLoss`` (forward KL, T = 1) on (BT, V) bf16 logits of std 2."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    student = (2 * torch.randn(args.bt, args.vocab, device=device, generator=generator)).bfloat16().requires_grad_()
+    teacher = (2 * torch.randn(args.bt, args.vocab, device=device, generator=generator)).bfloat16()
+    labels = torch.randint(0, args.vocab, (args.bt,), device=device, generator=generator)
+    labels[::7] = -100
+    kd_loss = orda_tp.KDLoss(backend=args.backend)
+
+    def step() -> None:
+        torch.autograd.grad(kd_loss(student, teacher, labels), [student])
+
+    return step
+
+
+def main() -> None:
+    args = parse_args()
+    step = kd_loss_step(args) if args.kd_loss else fused_step(args)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
@@ -87,10 +114,11 @@ def main() -> None:
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-    grads = (hidden.numel() + weight.numel()) * hidden.element_size() / 2**20
+    grads = (args.bt * args.vocab if args.kd_loss else (args.bt + args.vocab) * args.hidden) * 2 / 2**20
+    task = "KDLoss" if args.kd_loss else "CE" if args.ce else "KD"
     print(
-        f"BT={args.bt} H={args.hidden} V={args.vocab} {'CE' if args.ce else 'KD'} profile={args.profile}: "
-        f"median {sorted(times)[len(times) // 2]:.1f} ms of {args.repeats} (min {min(times):.1f}); "
+        f"BT={args.bt} H={args.hidden} V={args.vocab} {task} profile={args.profile}: "
+        f"median {sorted(times)[len(times) // 2]:.2f} ms of {args.repeats} (min {min(times):.2f}); "
         f"peak above inputs {peak:.0f} MiB, less the returned gradients {peak - grads:.0f} MiB"
     )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -110,7 +138,8 @@ def print_timeline(events: list, rows: int) -> None:
     the time kernels ran and the idle gaps between them (the largest ``rows``, with the kernels on
     either side and when they occur)."""
     kernels = sorted(
-        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != CALL),
+        key=lambda e: e.time_range.start,
     )
     if not kernels:
         return

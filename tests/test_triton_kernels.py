@@ -179,11 +179,14 @@ def test_triton_backend_on_two_gloo_ranks() -> None:
 
 @pytest.mark.parametrize("factor", [0.375, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_in_place_scaling_kernel(dtype: torch.dtype, factor: float) -> None:
-    """``x *= scale`` in place; a scale of 1 (which the kernel skips) leaves ``x`` bitwise as it was."""
+def test_in_place_scaling_kernel(dtype: torch.dtype, factor: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x *= scale`` in place, two programs striding over four blocks; a scale of 1 (which the
+    kernel skips) leaves ``x`` bitwise as it was."""
+    from orda_tp.kernels import ops
     from orda_tp.kernels.ops import SCALE_BLOCK, scale_in_place
 
-    values = torch.randn(SCALE_BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    monkeypatch.setattr(ops, "SCALE_PROGRAMS", 2)
+    values = torch.randn(3 * SCALE_BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
     matrix = torch.randn(5, 7, generator=torch.Generator().manual_seed(1)).to(dtype)
     values[3], matrix[1, 2] = float("nan"), float("-inf")
     expected = [(t.float() * factor).to(dtype) for t in (values, matrix)]

@@ -45,6 +45,7 @@ __all__ = ["TritonBlockMath", "scale_in_place"]
 MERGE_BLOCK_R = 128
 ROWS_BLOCK_R = 128
 SCALE_BLOCK = 4096
+SCALE_PROGRAMS = 1056  # 8 per SM of an H200 (132 SMs): each strides over the blocks (scale.py)
 # Triton decides at decoration (import) time whether its kernels run under the CPU interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -256,4 +257,5 @@ def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:
     for tensor in tensors:
         count = tensor.numel()
         if count:
-            _launch(scale_kernel, (triton.cdiv(count, SCALE_BLOCK),))(tensor, factor, count, BLOCK=SCALE_BLOCK)
+            programs = min(triton.cdiv(count, SCALE_BLOCK), SCALE_PROGRAMS)
+            _launch(scale_kernel, (programs,))(tensor, factor, count, BLOCK=SCALE_BLOCK)
