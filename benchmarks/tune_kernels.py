@@ -2,11 +2,14 @@
 ``orda_tp/kernels/tiles.py`` were chosen.
 
     python3 benchmarks/tune_kernels.py [--rows 256,1024] [--cols 64128,128256,256000]
+    python3 benchmarks/tune_kernels.py --dtype bf16 --rows 8192 --cols 128256,256000 --kinds partition
 
-For each kernel (round-1 partition, round-2 sums and logit gradients of forward KL + CE, fp32
-logits, bf16 gradients) and each (rows, columns) shape, every candidate's median time over 20
-launches (``triton.testing.do_bench``) and the bandwidth it reaches (bytes read and written /
-time); the best candidate of each kernel and column bucket is printed last.
+For each kernel (round-1 partition, round-2 sums and logit gradients of forward KL + CE; fp32
+logits as the fused path forms them, or with ``--dtype bf16`` bf16 logits as ``KDLoss`` is given
+them, whose tiles go to ``HALF_PRECISION_TILES``; bf16 gradients) and each (rows, columns) shape,
+every candidate's median time over 20 launches (``triton.testing.do_bench``) and the bandwidth it
+reaches (bytes read and written / time); the best candidate of each kernel and column bucket is
+printed last.
 """
 
 from __future__ import annotations
@@ -31,7 +34,18 @@ from orda_tp.plan import LossPlan  # noqa: E402
 
 CANDIDATES = [
     tiles.Tiles(block_r=r, block_c=c, num_warps=w, programs=p)
-    for r, c in ((1, 2048), (2, 1024), (4, 1024), (4, 512), (8, 512), (8, 256), (16, 256), (16, 128))
+    for r, c in (
+        (1, 4096),
+        (1, 2048),
+        (2, 2048),
+        (2, 1024),
+        (4, 1024),
+        (4, 512),
+        (8, 512),
+        (8, 256),
+        (16, 256),
+        (16, 128),
+    )
     for w in (4, 8)
     for p in (264, 528, 1056)
 ]
@@ -41,19 +55,22 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="256,1024")
     parser.add_argument("--cols", default="64128,128256,256000")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the logits' dtype")
+    parser.add_argument("--kinds", default="partition,sums,grads", help="the kernels to tune")
+    parser.add_argument("--programs", default="264,528,1056", help="candidate program targets")
     return parser.parse_args()
 
 
-def launches(rows: int, cols: int) -> dict[str, tuple[object, float]]:
+def launches(rows: int, cols: int, dtype: torch.dtype) -> dict[str, tuple[object, float]]:
     """Each kernel's launch (a closure) and the bytes it moves: student CE + forward KL (T = 1),
-    a frozen teacher, as the benchmark's KD call launches them."""
+    a frozen teacher, as the benchmark's KD call launches them, on ``dtype`` logits."""
     generator = torch.Generator(device="cuda").manual_seed(0)
-    student = torch.randn(rows, cols, device="cuda", generator=generator) * 2
-    teacher = torch.randn(rows, cols, device="cuda", generator=generator) * 2
+    student = (torch.randn(rows, cols, device="cuda", generator=generator) * 2).to(dtype)
+    teacher = (torch.randn(rows, cols, device="cuda", generator=generator) * 2).to(dtype)
     labels = torch.randint(0, cols, (rows,), device="cuda", generator=generator)
     plan = LossPlan.build(LossOptions(kl_weight=1.0, teacher_ce_weight=0.0), TiedTeacher(student[:, :1]), cols)
-    lse_s = torch.logsumexp(student, 1)
-    lse_t = torch.logsumexp(teacher, 1)
+    lse_s = torch.logsumexp(student.float(), 1)
+    lse_t = torch.logsumexp(teacher.float(), 1)
     grad = torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16)
     ones = torch.ones(rows, device="cuda")
     # The grad step's row constants of student CE + forward KL, in the order the kernel reads them.
@@ -61,7 +78,7 @@ def launches(rows: int, cols: int) -> dict[str, tuple[object, float]]:
     packed = torch.stack([ones, lse_s, lse_s, lse_t, ones], dim=1).contiguous()
     row_constants = GradRows(packed, names, ones, lse_s, None, None, lse_s, lse_t, ones, {})
     math = TritonBlockMath()
-    logits_bytes = 2 * rows * cols * 4
+    logits_bytes = 2 * rows * cols * student.element_size()
     return {
         "partition": (lambda: math.partition(student, teacher, labels, 0, plan.families), logits_bytes),
         "sums": (lambda: math.kl_sums(plan, student, teacher, labels, 0, lse_s, lse_t), logits_bytes),
@@ -74,13 +91,19 @@ def launches(rows: int, cols: int) -> dict[str, tuple[object, float]]:
 
 def main() -> None:
     args = parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    table = tiles.HALF_PRECISION_TILES if dtype == torch.bfloat16 else tiles.CUDA_TILES
+    programs = {int(p) for p in args.programs.split(",")}
+    candidates = [candidate for candidate in CANDIDATES if candidate.programs in programs]
     best: dict[tuple[str, bool], list[tuple[float, tiles.Tiles]]] = defaultdict(list)
     for rows in (int(r) for r in args.rows.split(",")):
         for cols in (int(c) for c in args.cols.split(",")):
-            for kind, (launch, moved) in launches(rows, cols).items():
+            for kind, (launch, moved) in launches(rows, cols, dtype).items():
+                if kind not in args.kinds.split(","):
+                    continue
                 results = []
-                for candidate in CANDIDATES:
-                    tiles.CUDA_TILES[(kind, cols >= 1 << 15)] = candidate
+                for candidate in candidates:
+                    table[(kind, cols >= 1 << 15)] = candidate
                     try:
                         ms = triton.testing.do_bench(launch, warmup=5, rep=20, return_mode="median")
                     except Exception as error:  # noqa: BLE001  (a tile too large for this kernel)

@@ -57,11 +57,15 @@ def _launch(kernel: KernelInterface[Any], launch_grid: tuple[int, ...]) -> Calla
     return launcher
 
 
-def _tiles_and_grid(kind: str, rows: int, cols: int) -> tuple[tiles.Tiles, tuple[int, int], int]:
-    """Kernel ``kind``'s tiles for a block of ``cols`` columns (the table of :mod:`.tiles`, read at
-    every launch), its launch grid (row tiles × column splits) and the columns of one split (a
-    multiple of ``BLOCK_C``)."""
-    chosen = tiles.INTERPRETED if INTERPRETED else tiles.CUDA_TILES[(kind, cols >= 1 << 15)]
+def _tiles_and_grid(kind: str, block: Tensor) -> tuple[tiles.Tiles, tuple[int, int], int]:
+    """Kernel ``kind``'s tiles for a (rows, cols) ``block`` of student logits (the tables of
+    :mod:`.tiles`, read at every launch: by column bucket, and for logits stored in 2 bytes), its
+    launch grid (row tiles × column splits) and the columns of one split (a multiple of
+    ``BLOCK_C``)."""
+    rows, cols = block.shape
+    key = (kind, cols >= 1 << 15)
+    half = tiles.HALF_PRECISION_TILES.get(key) if block.element_size() == 2 else None
+    chosen = tiles.INTERPRETED if INTERPRETED else half or tiles.CUDA_TILES[key]
     row_tiles = triton.cdiv(max(rows, 1), chosen.block_r)
     wanted_splits = max(1, min(triton.cdiv(cols, chosen.block_c), triton.cdiv(chosen.programs, row_tiles)))
     per_split = triton.cdiv(triton.cdiv(max(cols, 1), wanted_splits), chosen.block_c) * chosen.block_c
@@ -119,7 +123,7 @@ class TritonBlockMath:
         if count == 0:  # no family: no student term and no teacher term, so no column sums or t_y
             return block_partition_record(student, None, labels, col_start, families)
         sums = variant_terms.record_column_sums(column_sums).function if column_sums else None
-        chosen, launch, per_split = _tiles_and_grid("partition", rows, cols)
+        chosen, launch, per_split = _tiles_and_grid("partition", student)
         width = 2 * count + 3 + len(column_sums)
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
@@ -163,7 +167,7 @@ class TritonBlockMath:
         assert divergence is not None
         rows, cols = student.shape
         terms = variant_terms.column_terms(divergence, plan.params)
-        chosen, launch, per_split = _tiles_and_grid("sums", rows, cols)
+        chosen, launch, per_split = _tiles_and_grid("sums", student)
         out = torch.empty(launch[1], rows, terms.outputs, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap))
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
@@ -222,7 +226,7 @@ class TritonBlockMath:
         terms = variant_terms.column_terms(divergence, plan.params) if kl_sums and divergence else None
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         out_t = out.student if out.teacher is None else out.teacher
-        chosen, launch, per_split = _tiles_and_grid("grads", n_rows, cols)
+        chosen, launch, per_split = _tiles_and_grid("grads", student)
         num_sums = 0 if terms is None else terms.outputs
         sums = torch.empty(launch[1], n_rows, num_sums, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap if teacher is not None else None))

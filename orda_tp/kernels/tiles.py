@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CUDA_TILES", "INTERPRETED", "Tiles"]
+__all__ = ["CUDA_TILES", "HALF_PRECISION_TILES", "INTERPRETED", "Tiles"]
 
 
 @dataclass(frozen=True)
@@ -37,3 +37,8 @@ CUDA_TILES: dict[tuple[str, bool], Tiles] = {
     ("sums", False): Tiles(block_r=1, block_c=2048, num_warps=4, programs=1056),
     ("grads", False): Tiles(block_r=8, block_c=256, num_warps=8, programs=528),
 }
+
+#: Entries that replace CUDA_TILES' where the student's logits are stored in 2 bytes (bf16/fp16
+#: logits given to ``KDLoss``): half the bytes per element, so more work per byte. Measured on an
+#: H200 with ``benchmarks/tune_kernels.py --dtype bf16`` (8192 rows, the whole batch in one chunk).
+HALF_PRECISION_TILES: dict[tuple[str, bool], Tiles] = {}
