@@ -30,7 +30,7 @@ from orda_tp.engine.stats import GradRows  # noqa: E402
 from orda_tp.kernels import tiles  # noqa: E402
 from orda_tp.kernels.ops import TritonBlockMath  # noqa: E402
 from orda_tp.options import LossOptions  # noqa: E402
-from orda_tp.plan import LossPlan  # noqa: E402
+from orda_tp.plan import UNSUPPORTED, LossPlan  # noqa: E402
 
 CANDIDATES = [
     tiles.Tiles(block_r=r, block_c=c, num_warps=w, programs=p)
@@ -73,17 +73,23 @@ def launches(rows: int, cols: int, dtype: torch.dtype) -> dict[str, tuple[object
     lse_t = torch.logsumexp(teacher.float(), 1)
     grad = torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16)
     ones = torch.ones(rows, device="cuda")
-    # The grad step's row constants of student CE + forward KL, in the order the kernel reads them.
-    names = ("scale", "lse_s", "lse_u", "lse_v", "keep")
-    packed = torch.stack([ones, lse_s, lse_s, lse_t, ones], dim=1).contiguous()
-    row_constants = GradRows(packed, names, ones, lse_s, None, None, lse_s, lse_t, ones, {})
+    # The grad step's row constants of student CE + forward KL, in the order the kernel reads them
+    # (the CE's coefficients c_p = c_y = 1, c_u = 0).
+    values = {"scale": ones, "lse_s": lse_s, "c_p": ones, "c_y": ones, "c_u": 0 * ones}
+    values.update(lse_u=lse_s, lse_v=lse_t, keep=ones)
+    assert plan.grad_row_names == tuple(values)
+    packed = torch.stack(list(values.values()), dim=1).contiguous()
+    row_constants = GradRows(packed, plan.grad_row_names, lse_t=None, c_ce_t=None, consts={}, **values)
     math = TritonBlockMath()
+    out, with_sums = LogitGrads(grad, None), plan.kl_sums_in_gradient_pass  # forward KL: round 2 in the gradients
+    # Given bf16 logits (KDLoss) may hold -inf: round 1 also counts the student's unsupported columns.
+    column_sums = plan.column_sums + ((UNSUPPORTED,) if dtype == torch.bfloat16 else ())
     logits_bytes = 2 * rows * cols * student.element_size()
     return {
-        "partition": (lambda: math.partition(student, teacher, labels, 0, plan.families), logits_bytes),
+        "partition": (lambda: math.partition(student, teacher, labels, 0, plan.families, column_sums), logits_bytes),
         "sums": (lambda: math.kl_sums(plan, student, teacher, labels, 0, lse_s, lse_t), logits_bytes),
         "grads": (
-            lambda: math.stage_logit_grads(plan, row_constants, student, teacher, labels, 0, LogitGrads(grad, None)),
+            lambda: math.stage_logit_grads(plan, row_constants, student, teacher, labels, 0, out, with_sums),
             logits_bytes + rows * cols * 2,
         ),
     }
