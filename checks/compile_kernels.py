@@ -114,9 +114,10 @@ def calls() -> dict[str, Callable[[], object]]:
         cache = orda_tp.PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values)
         return orda_tp.distillation_loss(student, weight, labels, cache, kl_divergence="skew_js", **common)
 
-    def kd_loss() -> object:
-        logits = (student @ weight.T).detach().to(torch.bfloat16).requires_grad_()
-        loss = orda_tp.KDLoss(backend="triton")(logits, (teacher_hidden @ teacher_weight.T).bfloat16(), labels)
+    def kd_loss() -> object:  # 2**15 columns: the wide blocks, whose bf16 tiles are HALF_PRECISION_TILES'
+        wide = torch.randn(rows, 1 << 15, generator=generator)
+        logits = wide.to(torch.bfloat16).requires_grad_()
+        loss = orda_tp.KDLoss(backend="triton")(logits, (wide + 0.5).bfloat16(), labels)
         loss.backward()
         return loss
 
