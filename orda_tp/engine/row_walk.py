@@ -15,8 +15,9 @@ logits-level losses (logits the caller holds). Per chunk of rows ``[begin, end)`
 3. when asked (a :class:`GradTarget`), the grad step forms the chunk's gradient row constants
    and the block math writes each block's logit gradients into the target: a staging buffer for
    the fused path's gradient GEMMs, the logits' gradient itself for the logits path. Where the
-   variant's gradient reads nothing of round 2 (``LossPlan.kl_sums_in_gradient_pass``: ``forward``
-   on a head's logits), that gradient pass also sums round 2, in place of a pass of its own.
+   variant's gradient reads nothing of round 2 (``LossPlan.kl_sums_in_gradient_pass``: ``forward``,
+   and ``mutual`` with a head teacher), that gradient pass also sums round 2, in place of a pass of
+   its own.
 
 Each row step is one program of :mod:`.row_formulas` (one launch on the Triton backend), whose
 result is unpacked here, once, into the named fields of :mod:`.stats`. A chunk's logits live only
@@ -267,17 +268,17 @@ def _kl_round(
     labels: Tensor,
     partition: dict[str, Tensor],
     like: Tensor,
-    block_sums: Tensor | None = None,
+    local_sums: Tensor | None = None,
 ) -> tuple[Tensor, KLRowStats]:
     """Round 2 and the finish step, from the partition step's outputs ``partition``: the rows' KL
     component ``T_s²·max(D, 0)`` and the KL term's statistics. Round 2's sums merge by addition,
-    block after block; ``block_sums``: this device's, when the gradient pass summed them."""
+    block after block; ``local_sums``: this device's, when the gradient pass summed them."""
     plan, math = walk.plan, walk.math
     divergence = plan.divergence
     assert divergence is not None
     lse_u, lse_v = partition["lse_u"], partition["lse_v"]
     vocab_start = walk.layout.vocab_start
-    sums = block_sums
+    sums = local_sums
     if sums is None:
         partial_sums = [
             math.kl_sums(plan, block.student, block.teacher, labels, vocab_start + block.start, lse_u, lse_v)

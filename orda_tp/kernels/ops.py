@@ -101,7 +101,6 @@ class TritonBlockMath:
 
     reads_stored_cache = True
     applies_softcap = True
-    sums_kl_with_gradients = True
 
     def block_columns(self, configured: int, local_columns: int) -> int:
         return max(local_columns, 1)
