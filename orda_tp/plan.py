@@ -18,7 +18,7 @@ from .records import LogitFamily
 from .teachers import TeacherSource
 from .terms import RAW_STUDENT, RAW_TEACHER, STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 
-__all__ = ["HEAD_TEACHERS", "UNSUPPORTED", "LossPlan", "StepKey", "check_sparse_teacher"]
+__all__ = ["UNSUPPORTED", "LossPlan", "StepKey", "check_sparse_teacher"]
 
 
 def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
@@ -104,10 +104,6 @@ class StepKey:
     unsupported_sum: int | None = None
 
 
-#: Teacher kinds whose logits are a head's products, finite for finite inputs: no teacher column is
-#: −inf, so a variant that is +inf without teacher support stays finite.
-HEAD_TEACHERS = frozenset({"tied", "separate", "precomputed_hidden"})
-
 #: A column where the student's logit is −inf and the teacher's is not: ``p = 0 < q`` there, so a
 #: KL weighted by ``q`` (``forward``) is +inf on its row. Counted by round 1 where a variant sums
 #: round 2 in the gradient pass on given logits (``LossPlan.kl_sums_in_gradient_pass``), so that
@@ -136,8 +132,9 @@ class LossPlan:
     ``student_logits_finite``: the student's logits are a head's products (finite for finite
     inputs), not given values that may hold ``−inf``. ``kl_sums_in_gradient_pass``: round 2 may be
     summed by the gradient pass (:mod:`.engine.row_walk`): the variant's gradients read no constant
-    of round 2, and it is finite without teacher support or the teacher's logits are a head's
-    (:data:`HEAD_TEACHERS`), so ``D`` is ``+inf`` only on a row with an :data:`UNSUPPORTED` column,
+    of round 2, and it is finite without teacher support or the teacher is trainable (a tied or
+    separate head, whose logits have no −inf column), so ``D`` is ``+inf`` only on a row with an
+    :data:`UNSUPPORTED` column,
     which round 1 counts where the student's logits may hold ``−inf``: the row's ``keep`` is known
     after round 1 (today ``forward``, and ``mutual`` with a tied or separate teacher).
     """
@@ -193,8 +190,7 @@ class LossPlan:
         families = tuple(dict.fromkeys(wanted))
         formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
         in_gradient_pass = bool(formulas and not formulas.row_names) and (
-            self.teacher_kind in HEAD_TEACHERS
-            or not (self.divergence and self.divergence.infinite_without_support(self.params))
+            self.teacher_trainable or not (self.divergence and self.divergence.infinite_without_support(self.params))
         )
         counts_unsupported = in_gradient_pass and not self.student_logits_finite
         column_sums = column_sums_of(self.student_terms) + ((UNSUPPORTED,) if counts_unsupported else ())

@@ -227,7 +227,9 @@ class TritonBlockMath:
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", student)
         num_sums = 0 if terms is None else terms.outputs
-        sums = torch.empty(launch[1], n_rows, num_sums, dtype=torch.float32, device=student.device)
+        sums = rows.packed  # without sums, a stand-in for the unused pointer: no allocation per launch
+        if terms is not None:
+            sums = torch.empty(launch[1], n_rows, num_sums, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap if teacher is not None else None))
         _launch(grads_kernel, launch)(
             student, other, labels, rows.packed, out.student, out_t, sums, n_rows, cols, student.stride(0),

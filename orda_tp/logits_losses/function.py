@@ -51,6 +51,12 @@ def _unit_scale(denominator: float | Tensor, row_weights: Tensor | None, dtype: 
     return scale if row_weights is None else scale * row_weights.to(dtype)
 
 
+def _gradient_target(student: Tensor, unit_scale: Tensor) -> GradTarget:
+    """A new gradient of the student's logits, as the walk's target for ``unit_scale`` per row."""
+    grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
+    return GradTarget(LogitGrads(grad, None), 0, unit_scale)
+
+
 class _LogitsDistillation(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -63,18 +69,18 @@ class _LogitsDistillation(torch.autograd.Function):
         row_weights: Tensor | None,
         wants_grad: bool,
     ) -> Tensor:
-        target, grad = None, None
+        target = None
         if wants_grad:
-            grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
             ctx.unit_scale = _unit_scale(denominator, row_weights, dtype, student)
-            target = GradTarget(LogitGrads(grad, None), 0, ctx.unit_scale)
+            target = _gradient_target(student, ctx.unit_scale)
         walked = row_statistics(problem, PairedLogits(StoredLogits(student), teacher), dtype, target)
         per_row = torch.cat([stats.kl for stats in walked]) if walked else student.new_zeros(0, dtype=dtype)
         if row_weights is not None:
             per_row = per_row * row_weights.to(dtype)
         loss = torch.where(problem.walk.valid, per_row, 0.0).sum() / denominator
-        if grad is not None:
-            ctx.problem, ctx.walked, ctx.teacher, ctx.dtype, ctx.eager_grad = problem, walked, teacher, dtype, grad
+        if target is not None:
+            ctx.problem, ctx.walked, ctx.teacher, ctx.dtype = problem, walked, teacher, dtype
+            ctx.eager_grad = target.grads.student
             ctx.save_for_backward(student)
         return loss
 
@@ -84,9 +90,8 @@ class _LogitsDistillation(torch.autograd.Function):
         grad, ctx.eager_grad = ctx.eager_grad, None
         if grad is None:  # a repeated backward: the gradient walked again from the saved statistics
             (student,) = ctx.saved_tensors
-            grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
-            source = PairedLogits(StoredLogits(student), ctx.teacher)
-            target = GradTarget(LogitGrads(grad, None), 0, ctx.unit_scale)
+            source, target = PairedLogits(StoredLogits(student), ctx.teacher), _gradient_target(student, ctx.unit_scale)
+            grad = target.grads.student
             with torch.autocast(student.device.type, enabled=False):
                 walk_rows(ctx.problem.walk, source, ctx.problem.chunks(), ctx.dtype, ctx.walked, target)
         scale_by_upstream([grad], grad_loss.to(ctx.dtype))
