@@ -163,6 +163,7 @@ TORCH_TL = types.SimpleNamespace(exp=torch.exp, log=torch.log, abs=torch.abs, wh
 NAMESPACE = {
     "triton": types.SimpleNamespace(jit=lambda function: function),
     "tl": TORCH_TL,
+    "exp": torch.exp,
     "expm1": torch.expm1,
     "logaddexp": torch.logaddexp,
     "position": lambda names, name: names.index(name),

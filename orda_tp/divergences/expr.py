@@ -26,6 +26,7 @@ __all__ = [
     "P",
     "Q",
     "absolute",
+    "column_names",
     "equal",
     "exp",
     "expm1",
@@ -147,6 +148,17 @@ def where(condition: Expr, a: Expr | float, b: Expr | float) -> Expr:
 
 def row_names(exprs: Sequence[Expr]) -> list[str]:
     """The row constants the expressions read, in first-use order."""
+    return _leaf_values(exprs, "row")
+
+
+def column_names(exprs: Sequence[Expr]) -> list[str]:
+    """The column symbols the expressions read (``logp``, …, or a raw side ``s``, ``t``), in
+    first-use order."""
+    return _leaf_values(exprs, "column")
+
+
+def _leaf_values(exprs: Sequence[Expr], op: str) -> list[str]:
+    """The values of the ``op`` leaves of the expressions, each once, in first-use order."""
     names: list[str] = []
     seen: set[int] = set()
 
@@ -154,7 +166,7 @@ def row_names(exprs: Sequence[Expr]) -> list[str]:
         if id(node) in seen:
             return
         seen.add(id(node))
-        if node.op == "row" and node.value not in names:
+        if node.op == op and node.value not in names:
             names.append(str(node.value))
         for arg in node.args:
             visit(arg)

@@ -18,6 +18,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from .elementwise import LOG2E, divided, exp
+
 __all__ = [
     "count",
     "empty_tuple",
@@ -70,12 +72,13 @@ def local_labels(labels_ptr: tl.tensor, rows: tl.tensor, row_ok: tl.tensor, col_
 
 @triton.jit
 def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
-    """``cap·tanh(x/cap)`` in fp32 (``tanh|y| = (1 − e^{−2|y|})/(1 + e^{−2|y|})``, the sign put
-    back): one ``exp`` and one division per element, ``1/cap`` formed once per tile."""
-    inverse = 1.0 / cap
-    decay: tl.tensor = tl.exp(-2.0 * inverse * tl.abs(x))
-    magnitude = cap * (1.0 - decay) / (1.0 + decay)
-    return tl.where(x < 0.0, -magnitude, magnitude)
+    """``cap·tanh(x/cap)`` in fp32, as ``cap·(1 − d)/(1 + d)`` with ``d = e^{−2y}``, ``y = x/cap``
+    clamped at −9 (where ``tanh y`` rounds to −1, so ``d ≤ e^18`` stays finite; NaN stays NaN): one ``exp`` and
+    one reciprocal per element (:func:`.elementwise.divided`, its divisor in [1, e^18]); the
+    factors of ``x`` and the clamp are formed once per tile."""
+    floor = -9.0 * cap
+    decay = tl.math.exp2(tl.maximum(x, floor, propagate_nan=tl.PropagateNan.ALL) * (-2.0 * LOG2E / cap))
+    return divided(cap - cap * decay, 1.0 + decay)
 
 
 NO_ID = tl.constexpr(1 << 62)  # an id past every column: where a row's sorted ids end
@@ -212,7 +215,7 @@ def normalized(
     inv_ts, inv_tt = inv_temperatures
     logp = s * inv_ts - lse_u
     logq = t * inv_tt - lse_v
-    return logp, logq, tl.exp(logp), tl.exp(logq)
+    return logp, logq, exp(logp), exp(logq)
 
 
 @triton.jit

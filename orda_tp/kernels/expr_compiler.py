@@ -14,7 +14,7 @@
   ``is_target``); a row constant ``row("name")`` is read once, at the top, into ``row_name``;
   constants are literals (``float("inf")`` for the non-finite ones).
 
-``expm1`` and ``logaddexp`` are the functions of :mod:`.elementwise`.
+``exp``, ``expm1`` and ``logaddexp`` are the functions of :mod:`.elementwise`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ BINARY = {
     "div": ("/", MUL, "over"),
 }
 CALLS = {
-    "exp": "tl.exp",
+    "exp": "exp",
     "log": "tl.log",
     "abs": "tl.abs",
     "where": "tl.where",
@@ -56,7 +56,7 @@ CALLS = {
 OP_WORDS = {"add": "sum", "sub": "diff", "mul": "prod", "div": "ratio", "neg": "neg", "where": "select"}
 OP_WORDS.update({op: "cond" for op in ("eq", "gt", "lt", "and", "or")})
 OP_WORDS.update({op: op for op in ("exp", "log", "abs", "expm1", "logaddexp")})
-HELPERS = frozenset({"expm1", "logaddexp"})
+HELPERS = frozenset({"exp", "expm1", "logaddexp"})
 RESERVED = frozenset({"tl", "triton", "float", "position", *HELPERS, *keyword.kwlist})
 LEAVES = ("const", "column", "row")
 INLINE_LIMIT = 88  # the inline operands of a longer expression get variables

@@ -41,6 +41,7 @@ from .block_io import (
     store_sums,
     zero_sums,
 )
+from .elementwise import exp
 
 __all__ = ["grads_kernel"]
 
@@ -48,7 +49,7 @@ __all__ = ["grads_kernel"]
 @triton.jit
 def softmax_minus_onehot(x: tl.tensor, lse: tl.tensor, is_target: tl.tensor) -> tl.tensor:
     """The CE gradient ``softmax(x) − onehot_y``, from the row's ``LSE(x)``."""
-    return tl.exp(x - lse) - tl.where(is_target, 1.0, 0.0)
+    return exp(x - lse) - tl.where(is_target, 1.0, 0.0)
 
 
 @triton.jit
@@ -77,7 +78,7 @@ def student_grads(
     scale = rowc[position(ROW_CONSTANTS, "scale")]
     ds = tl.zeros_like(s)
     if STUDENT_TERMS:
-        softmax: tl.tensor = tl.exp(s - rowc[position(ROW_CONSTANTS, "lse_s")])
+        softmax: tl.tensor = exp(s - rowc[position(ROW_CONSTANTS, "lse_s")])
         ds += rowc[position(ROW_CONSTANTS, "c_p")] * softmax - rowc[position(ROW_CONSTANTS, "c_u")]
         ds -= tl.where(is_target, rowc[position(ROW_CONSTANTS, "c_y")], 0.0)
     if STUDENT_KL:

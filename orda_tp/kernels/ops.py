@@ -26,7 +26,7 @@ import triton
 from torch import Tensor
 from triton.runtime.jit import KernelInterface
 
-from ..divergences.expr import Expr
+from ..divergences.expr import Expr, column_names
 from ..engine.logits import LogitGrads, TeacherBlock
 from ..engine.row_formulas import RowProgram
 from ..engine.stats import GradRows
@@ -136,6 +136,7 @@ class TritonBlockMath:
             NUM_COLUMN_SUMS=len(column_sums),
             HAS_T=teacher is not None,
             SPARSE=is_sparse,
+            TEACHER_LISTED=is_sparse and "t" not in column_names(column_sums),
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,

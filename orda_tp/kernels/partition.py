@@ -19,8 +19,10 @@ import triton
 import triton.language as tl
 
 from .block_io import (
+    SPARSE_STEP,
     accumulated,
     empty_tuple,
+    listed_step,
     load_tile,
     local_labels,
     program_tile,
@@ -30,8 +32,19 @@ from .block_io import (
     sparse_start,
     zero_sums,
 )
+from .elementwise import exp
 
-__all__ = ["label_logits", "merge_kernel", "nothing_seen", "online_lse_update", "partition_kernel"]
+__all__ = [
+    "label_logits",
+    "listed_partition",
+    "merge_kernel",
+    "nothing_seen",
+    "online_lse_update",
+    "partition_kernel",
+    "store_record",
+    "tile_update",
+    "with_listed_teacher",
+]
 
 
 @triton.jit
@@ -40,9 +53,40 @@ def online_lse_update(m: tl.tensor, z: tl.tensor, x: tl.tensor) -> tuple[tl.tens
     ``m' = max(m, max x)``, ``z' = z·e^{m−m'} + Σ e^{x−m'}`` (shifted by 0 while ``m'`` is −inf)."""
     new = tl.maximum(m, tl.max(x, axis=1))
     shift = tl.where(new == float("-inf"), 0.0, new)
-    z = tl.where(m == float("-inf"), 0.0, z * tl.exp(m - shift))
-    z += tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    z = tl.where(m == float("-inf"), 0.0, z * exp(m - shift))
+    z += tl.sum(exp(x - shift[:, None]), axis=1)
     return new, z
+
+
+@triton.jit
+def listed_partition(
+    fill_ptr: tl.tensor,
+    sparse: tl.tuple,
+    rows: tl.tensor,
+    row_ok: tl.tensor,
+    first: tl.tensor,
+    end: tl.tensor,
+    inv_temperature: tl.tensor,
+) -> tuple[tl.tensor, tl.tensor]:
+    """``(m, z)`` of ``x = t/T`` over global columns ``first … end − 1`` of a sparse block, from
+    its rows alone: the listed values inside the range, and ``n`` unlisted columns at the fill
+    ``τ`` (``z += n·e^{τ/T − m}``), so no tile of the teacher is formed."""
+    m = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
+    z = tl.zeros(rows.shape, dtype=tl.float32)
+    listed = tl.zeros(rows.shape, dtype=tl.int32)
+    ids_ptr, values_ptr, stride, k = sparse
+    for m0 in tl.range(0, k, SPARSE_STEP):
+        ids, values = listed_step(sparse, rows, row_ok, m0)
+        inside = (ids >= first) & (ids < end)
+        listed += tl.sum(inside.to(tl.int32), axis=1)
+        m, z = online_lse_update(m, z, tl.where(inside, values * inv_temperature, float("-inf")))
+    fill = tl.load(fill_ptr + rows, mask=row_ok, other=float("-inf")).to(tl.float32) * inv_temperature
+    unlisted = tl.where(row_ok & (fill > float("-inf")), end - first - listed, 0).to(tl.float32)
+    top = tl.where(unlisted > 0.0, tl.maximum(m, fill), m)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    z = tl.where(m == float("-inf"), 0.0, z * exp(m - shift))
+    z += tl.where(unlisted > 0.0, unlisted * exp(fill - shift), 0.0)
+    return top, z
 
 
 @triton.jit
@@ -94,6 +138,75 @@ def nothing_seen(
     return partials, zero_sums(NUM_COLUMN_SUMS, BLOCK_R, BLOCK_C)
 
 
+@triton.jit
+def with_listed_teacher(
+    partials: tl.tuple,
+    fill_ptr: tl.tensor,
+    sparse: tl.tuple,
+    rows: tl.tensor,
+    row_ok: tl.tensor,
+    first: tl.tensor,
+    end: tl.tensor,
+    inv_temperatures: tl.tuple,
+    READS_TEACHER: tl.constexpr,
+    NUM_FAMILIES: tl.constexpr,
+) -> tl.tuple:
+    """``partials`` with each teacher family's ``(m, z)`` over global columns ``first … end − 1``
+    taken from a sparse block's rows (:func:`listed_partition`); the student's families as given."""
+    families = empty_tuple()
+    for f in tl.static_range(NUM_FAMILIES):
+        if READS_TEACHER[f]:
+            families += (listed_partition(fill_ptr, sparse, rows, row_ok, first, end, inv_temperatures[f]),)
+        else:
+            families += (partials[f],)
+    return families
+
+
+@triton.jit
+def tile_update(
+    partials: tl.tuple,
+    s: tl.tensor,
+    t: tl.tensor,
+    inv_temperatures: tl.tuple,
+    READS_TEACHER: tl.constexpr,
+    TEACHER_LISTED: tl.constexpr,
+    NUM_FAMILIES: tl.constexpr,
+) -> tl.tuple:
+    """Each family's ``(m, z)`` updated with a tile (:func:`online_lse_update` on ``s/T`` or
+    ``t/T``); the teacher's families are left alone where ``TEACHER_LISTED`` formed them already."""
+    updated = empty_tuple()
+    for f in tl.static_range(NUM_FAMILIES):
+        m, z = partials[f]
+        if READS_TEACHER[f] and TEACHER_LISTED:
+            updated += ((m, z),)
+        else:
+            updated += (online_lse_update(m, z, (t if READS_TEACHER[f] else s) * inv_temperatures[f]),)
+    return updated
+
+
+@triton.jit
+def store_record(
+    base: tl.tensor,
+    partials: tl.tuple,
+    label_columns: tl.tuple,
+    sums: tl.tuple,
+    row_ok: tl.tensor,
+    NUM_FAMILIES: tl.constexpr,
+    NUM_COLUMN_SUMS: tl.constexpr,
+) -> None:
+    """A record's columns at ``base`` (one row per pointer): each family's ``m`` then its ``z``,
+    the three ``label_columns`` (``s_y``, ``t_y``, ``hits``), then each column sum reduced over
+    its tile."""
+    for f in tl.static_range(NUM_FAMILIES):
+        m, z = partials[f]
+        tl.store(base + f, m, mask=row_ok)
+        tl.store(base + NUM_FAMILIES + f, z, mask=row_ok)
+    for j in tl.static_range(3):
+        tl.store(base + 2 * NUM_FAMILIES + j, label_columns[j], mask=row_ok)
+    for k in tl.static_range(NUM_COLUMN_SUMS):
+        tl.store(base + 2 * NUM_FAMILIES + 3 + k, tl.sum(sums[k], axis=1), mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["R", "col_start"])
 def partition_kernel(
     s_ptr: tl.tensor,
@@ -115,6 +228,7 @@ def partition_kernel(
     NUM_COLUMN_SUMS: tl.constexpr,
     HAS_T: tl.constexpr,
     SPARSE: tl.constexpr,
+    TEACHER_LISTED: tl.constexpr,
     CAPPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -124,8 +238,13 @@ def partition_kernel(
     ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
     loaded once per row, by the split that owns the label column. A side whose ``CAPPED`` flag is
     set is soft-capped by its ``caps = (cap_s, cap_t)`` as it is read. ``COLUMN_SUMS(s, t)``: the
-    ``E = NUM_COLUMN_SUMS`` column terms, accumulated per tile element and reduced once."""
+    ``E = NUM_COLUMN_SUMS`` column terms, accumulated per tile element and reduced once. With
+    ``TEACHER_LISTED`` (a sparse teacher whose tiles no column sum reads) the teacher's families
+    come from its listed values and fill (:func:`listed_partition`) and the tiles hold the
+    student alone."""
     WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3 + NUM_COLUMN_SUMS
+    TILE_T: tl.constexpr = HAS_T and not TEACHER_LISTED
+    TILE_SPARSE: tl.constexpr = SPARSE and TILE_T
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     label = local_labels(labels_ptr, rows, row_ok, col_start)
     owned = row_ok & (label >= c_begin) & (label < c_end)
@@ -134,29 +253,24 @@ def partition_kernel(
         HAS_T, SPARSE, CAPPED, BLOCK_R,
     )  # fmt: skip
     partials, sums = nothing_seen(NUM_FAMILIES, NUM_COLUMN_SUMS, BLOCK_R, BLOCK_C)
-    ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, SPARSE)
+    if TEACHER_LISTED:
+        partials = with_listed_teacher(
+            partials, t_ptr, sparse, rows, row_ok, col_start + c_begin, col_start + c_end, inv_temperatures,
+            READS_TEACHER, NUM_FAMILIES,
+        )  # fmt: skip
+    ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, TILE_SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t, ahead = load_tile(
             s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, caps,
-            sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
+            sparse, ahead, TILE_T, TILE_SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
-        updated = empty_tuple()
-        for f in tl.static_range(NUM_FAMILIES):
-            m, z = partials[f]
-            updated += (online_lse_update(m, z, (t if READS_TEACHER[f] else s) * inv_temperatures[f]),)
-        partials = updated
+        partials = tile_update(partials, s, t, inv_temperatures, READS_TEACHER, TEACHER_LISTED, NUM_FAMILIES)
         if NUM_COLUMN_SUMS > 0:
             sums = accumulated(sums, COLUMN_SUMS(s, t), ok, s, NUM_COLUMN_SUMS)
     base = out_ptr + tl.program_id(1) * R * WIDTH + rows * WIDTH
-    for f in tl.static_range(NUM_FAMILIES):
-        m, z = partials[f]
-        tl.store(base + f, m, mask=row_ok)
-        tl.store(base + NUM_FAMILIES + f, z, mask=row_ok)
-    tl.store(base + 2 * NUM_FAMILIES, target_s, mask=row_ok)
-    tl.store(base + 2 * NUM_FAMILIES + 1, target_t, mask=row_ok)
-    tl.store(base + 2 * NUM_FAMILIES + 2, tl.where(owned, 1.0, 0.0), mask=row_ok)
-    for k in tl.static_range(NUM_COLUMN_SUMS):
-        tl.store(base + 2 * NUM_FAMILIES + 3 + k, tl.sum(sums[k], axis=1), mask=row_ok)
+    store_record(
+        base, partials, (target_s, target_t, tl.where(owned, 1.0, 0.0)), sums, row_ok, NUM_FAMILIES, NUM_COLUMN_SUMS
+    )
 
 
 @triton.jit(do_not_specialize=["R", "S"])
@@ -182,7 +296,7 @@ def merge_kernel(
         for split in tl.range(S):
             m = tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + f, mask=row_ok, other=0.0)
             z = tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + NUM_FAMILIES + f, mask=row_ok, other=0.0)
-            total += tl.where(m == float("-inf"), 0.0, z * tl.exp(m - top))
+            total += tl.where(m == float("-inf"), 0.0, z * exp(m - top))
         tl.store(out_ptr + rows * WIDTH + f, top, mask=row_ok)
         tl.store(out_ptr + rows * WIDTH + NUM_FAMILIES + f, total, mask=row_ok)
     for k in tl.static_range(2 * NUM_FAMILIES, WIDTH):
