@@ -280,3 +280,23 @@ def test_row_kernel_gives_the_torch_row_formulas() -> None:
     actual = TritonBlockMath().rows(program, values, {"t": 1.5}, like)
     expected = evaluate_rows(exprs, {**values, "t": torch.full((300,), 1.5)}, like)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=0.0, equal_nan=True)  # log: an ulp apart
+
+
+def test_compiled_tiles_follow_the_block_dtype_and_a_sparse_teacher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA device a launch reads kernels.tiles: HALF_PRECISION_TILES for student logits in 2
+    bytes, else SPARSE_TEACHER_TILES for a top-k cache's rows, else CUDA_TILES; its grid covers
+    every row and column with splits a whole number of tiles wide."""
+    from orda_tp.kernels import ops, tiles
+
+    monkeypatch.setattr(ops, "INTERPRETED", False)
+    wide, narrow = torch.empty(300, 1 << 15), torch.empty(300, 1000)
+    assert ops._tiles_and_grid("grads", wide)[0] == tiles.CUDA_TILES[("grads", True)]
+    assert ops._tiles_and_grid("grads", wide, sparse=True)[0] == tiles.SPARSE_TEACHER_TILES[("grads", True)]
+    assert ops._tiles_and_grid("grads", wide.bfloat16(), sparse=True)[0] == tiles.HALF_PRECISION_TILES[("grads", True)]
+    assert ops._tiles_and_grid("grads", narrow, sparse=True)[0] == tiles.CUDA_TILES[("grads", False)]
+    assert ops._tiles_and_grid("partition", wide, sparse=True)[0] == tiles.CUDA_TILES[("partition", True)]
+    for block in (wide, narrow):
+        chosen, (row_tiles, splits), per_split = ops._tiles_and_grid("grads", block, sparse=True)
+        rows, cols = block.shape
+        assert (row_tiles - 1) * chosen.block_r < rows <= row_tiles * chosen.block_r
+        assert per_split % chosen.block_c == 0 and (splits - 1) * per_split < cols <= splits * per_split

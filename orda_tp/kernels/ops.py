@@ -57,15 +57,16 @@ def _launch(kernel: KernelInterface[Any], launch_grid: tuple[int, ...]) -> Calla
     return launcher
 
 
-def _tiles_and_grid(kind: str, block: Tensor) -> tuple[tiles.Tiles, tuple[int, int], int]:
+def _tiles_and_grid(kind: str, block: Tensor, sparse: bool = False) -> tuple[tiles.Tiles, tuple[int, int], int]:
     """Kernel ``kind``'s tiles for a (rows, cols) ``block`` of student logits (the tables of
-    :mod:`.tiles`, read at every launch: by column bucket, and for logits stored in 2 bytes), its
-    launch grid (row tiles × column splits) and the columns of one split (a multiple of
-    ``BLOCK_C``)."""
+    :mod:`.tiles`, read at every launch: by column bucket, for logits stored in 2 bytes, and for a
+    ``sparse`` teacher block), its launch grid (row tiles × column splits) and the columns of one
+    split (a multiple of ``BLOCK_C``)."""
     rows, cols = block.shape
     key = (kind, cols >= 1 << 15)
     half = tiles.HALF_PRECISION_TILES.get(key) if block.element_size() == 2 else None
-    chosen = tiles.INTERPRETED if INTERPRETED else half or tiles.CUDA_TILES[key]
+    listed = tiles.SPARSE_TEACHER_TILES.get(key) if sparse else None
+    chosen = tiles.INTERPRETED if INTERPRETED else half or listed or tiles.CUDA_TILES[key]
     row_tiles = triton.cdiv(max(rows, 1), chosen.block_r)
     wanted_splits = max(1, min(triton.cdiv(cols, chosen.block_c), triton.cdiv(chosen.programs, row_tiles)))
     per_split = triton.cdiv(triton.cdiv(max(cols, 1), wanted_splits), chosen.block_c) * chosen.block_c
@@ -226,7 +227,7 @@ class TritonBlockMath:
         terms = variant_terms.column_terms(divergence, plan.params) if kl_sums and divergence else None
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         out_t = out.student if out.teacher is None else out.teacher
-        chosen, launch, per_split = _tiles_and_grid("grads", student)
+        chosen, launch, per_split = _tiles_and_grid("grads", student, is_sparse)
         num_sums = 0 if terms is None else terms.outputs
         sums = rows.packed  # without sums, a stand-in for the unused pointer: no allocation per launch
         if terms is not None:
