@@ -26,7 +26,14 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..teachers.source import TeacherBlocks
 from ..terms import COMPONENTS, STUDENT_TERMS
-from .fused_grads import GemmPolicy, GradientBuffers, GradNeeds, allocate_buffers, run_gradient_gemms, scale_by_upstream
+from .fused_grads import (
+    GemmPolicy,
+    GradientBuffers,
+    GradNeeds,
+    allocate_buffers,
+    run_gradient_gemms,
+    scale_by_upstream,
+)
 from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
 from .row_walk import GradTarget, RecordExchange, RowWalk, row_layout, row_ranges, walk_rows
 from .stats import RowStats
@@ -109,11 +116,11 @@ def _walk_groups(
             walked += walk_rows(walk, source, chunks, statistics, group_saved)
             continue
         assert upstream_scale is not None
-        shape = (group_end - group_begin, columns)
-        staged = LogitGrads(
-            torch.empty(shape, dtype=staging_dtype, device=device),
-            torch.empty(shape, dtype=staging_dtype, device=device) if plan.teacher_receives_grad else None,
-        )
+        # The teacher's rows follow the student's in one buffer, so a tied head's dW takes both in one GEMM.
+        sides, group_rows = (2 if plan.teacher_receives_grad else 1), group_end - group_begin
+        stacked = torch.empty(sides * group_rows, columns, dtype=staging_dtype, device=device)
+        teacher = stacked[group_rows:] if sides == 2 else None
+        staged = LogitGrads(stacked[:group_rows], teacher, stacked if sides == 2 else None)
         walked += walk_rows(
             walk, source, chunks, statistics, group_saved, GradTarget(staged, group_begin, upstream_scale)
         )

@@ -86,10 +86,12 @@ class LogitsBlock:
 @dataclass(frozen=True)
 class LogitGrads:
     """Logit gradients (or views of them, one block's): ``student``, and ``teacher`` when the
-    teacher is trained (else None)."""
+    teacher is trained (else None); ``stacked``, where set, is one (2·rows, columns) tensor whose
+    halves are ``student`` and ``teacher`` (a fused call's row group)."""
 
     student: Tensor
     teacher: Tensor | None
+    stacked: Tensor | None = None
 
 
 class SideLogits(Protocol):
