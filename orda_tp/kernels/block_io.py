@@ -77,7 +77,7 @@ def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
     one reciprocal per element (:func:`.elementwise.divided`, its divisor in [1, e^18]); the
     factors of ``x`` and the clamp are formed once per tile."""
     floor = -9.0 * cap
-    decay = tl.math.exp2(tl.maximum(x, floor, propagate_nan=tl.PropagateNan.ALL) * (-2.0 * LOG2E / cap))
+    decay: tl.tensor = tl.math.exp2(tl.maximum(x, floor, propagate_nan=tl.PropagateNan.ALL) * (-2.0 * LOG2E / cap))
     return divided(cap - cap * decay, 1.0 + decay)
 
 

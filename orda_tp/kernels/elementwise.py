@@ -28,7 +28,7 @@ def exp(x: tl.tensor) -> tl.tensor:
     and at least 1 or 2^−126 apart from such terms, and an exponential that underflows was already 0
     below e^−103. The interpreter computes ``tl.exp``, as torch does."""
     if COMPILED:
-        power = tl.math.exp2(x * LOG2E)
+        power: tl.tensor = tl.math.exp2(x * LOG2E)
     else:
         power = tl.exp(x)
     return power

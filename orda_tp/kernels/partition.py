@@ -243,7 +243,7 @@ def partition_kernel(
     come from its listed values and fill (:func:`listed_partition`) and the tiles hold the
     student alone."""
     WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3 + NUM_COLUMN_SUMS
-    TILE_T: tl.constexpr = HAS_T and not TEACHER_LISTED
+    TILE_T: tl.constexpr = tl.constexpr(HAS_T and not TEACHER_LISTED)
     TILE_SPARSE: tl.constexpr = SPARSE and TILE_T
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     label = local_labels(labels_ptr, rows, row_ok, col_start)
