@@ -119,7 +119,8 @@ def _walk_groups(
         # The teacher's rows follow the student's in one buffer, so a tied head's dW takes both in one GEMM.
         sides, group_rows = (2 if plan.teacher_receives_grad else 1), group_end - group_begin
         stacked = torch.empty(sides * group_rows, columns, dtype=staging_dtype, device=device)
-        staged = LogitGrads(stacked[:group_rows], *((stacked[group_rows:], stacked) if sides == 2 else (None, None)))
+        teacher, both = (stacked[group_rows:], stacked) if sides == 2 else (None, None)
+        staged = LogitGrads(stacked[:group_rows], teacher, both)
         walked += walk_rows(
             walk, source, chunks, statistics, group_saved, GradTarget(staged, group_begin, upstream_scale)
         )
@@ -127,7 +128,7 @@ def _walk_groups(
         if exchange is not None:
             hidden_grads = [g for g in (buffers.student_hidden, buffers.teacher_hidden) if g is not None]
             exchange.start_row_gradient_sum(hidden_grads, group_begin, group_end)
-        del staged, stacked  # the group's staged gradients go before the next group's are allocated
+        del staged, stacked, teacher, both  # the group's staging goes before the next group's is allocated
     return walked
 
 

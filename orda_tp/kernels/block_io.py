@@ -73,9 +73,9 @@ def local_labels(labels_ptr: tl.tensor, rows: tl.tensor, row_ok: tl.tensor, col_
 @triton.jit
 def softcap(x: tl.tensor, cap: tl.tensor) -> tl.tensor:
     """``cap·tanh(x/cap)`` in fp32, as ``cap·(1 − d)/(1 + d)`` with ``d = e^{−2y}``, ``y = x/cap``
-    clamped at −9 (where ``tanh y`` rounds to −1, so ``d ≤ e^18`` stays finite; NaN stays NaN): one ``exp`` and
-    one reciprocal per element (:func:`.elementwise.divided`, its divisor in [1, e^18]); the
-    factors of ``x`` and the clamp are formed once per tile."""
+    clamped at −9 (``tanh y`` rounds to −1 there, and ``d ≤ e^18`` stays finite; NaN stays NaN):
+    one ``exp2`` and one reciprocal per element (:func:`.elementwise.divided`, its divisor in
+    [1, e^18]), seven instructions in all; the clamp and the factor of ``x`` are formed once."""
     floor = -9.0 * cap
     decay: tl.tensor = tl.math.exp2(tl.maximum(x, floor, propagate_nan=tl.PropagateNan.ALL) * (-2.0 * LOG2E / cap))
     return divided(cap - cap * decay, 1.0 + decay)
