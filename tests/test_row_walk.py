@@ -174,27 +174,38 @@ def test_host_checks_off_a_non_finite_cache_makes_its_row_nan() -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_ignored_rows_with_non_finite_hidden_states_get_no_gradient(backend: str) -> None:
+@pytest.mark.parametrize("variant", ["forward", "mutual"])
+def test_ignored_rows_with_non_finite_hidden_states_get_no_gradient(backend: str, variant: str) -> None:
+    """Ignored rows' hidden states are never read into a gradient: with ``mutual`` the tied head's
+    weight gradient takes both sides in one GEMM ([dS_s; dS_t]ᵀ·[h_s; h_t]) and the teacher's
+    hidden states are trained too."""
     dtype = torch.float64 if backend == "torch" else torch.float32
     p = make_problem(rows=12, ignored_every=4, dtype=dtype)  # rows 0, 4, 8 ignored
     hidden = p.student_hidden.detach().clone()
     hidden[4] = float("nan")
     teacher_hidden = p.teacher_hidden.detach().clone()
     teacher_hidden[8] = float("inf")
+    trains_teacher = variant == "mutual"
     hidden.requires_grad_()
-    out = orda_tp.distillation_loss(
-        hidden, p.weight, p.labels, TiedTeacher(teacher_hidden), kl_weight=1.0, backend=backend
-    )
-    g_hidden, g_weight = torch.autograd.grad(out.loss, [hidden, p.weight])
+    teacher_hidden.requires_grad_(trains_teacher)
+    keyword = {"kl_weight": 1.0, "kl_divergence": variant, "backend": backend}
+    out = orda_tp.distillation_loss(hidden, p.weight, p.labels, TiedTeacher(teacher_hidden), **keyword)
+    inputs = [hidden, p.weight] + ([teacher_hidden] if trains_teacher else [])
+    g_hidden, g_weight, *g_teacher = torch.autograd.grad(out.loss, inputs)
     keep = p.labels != -100
+    kept_teacher = teacher_hidden.detach()[keep].requires_grad_(trains_teacher)
     clean = orda_tp.distillation_loss(
-        hidden.detach()[keep].requires_grad_(), p.weight, p.labels[keep], TiedTeacher(teacher_hidden[keep]),
-        kl_weight=1.0, backend=backend,
-    )  # fmt: skip
-    expected_weight = torch.autograd.grad(clean.loss, [p.weight])[0]
+        hidden.detach()[keep].requires_grad_(), p.weight, p.labels[keep], TiedTeacher(kept_teacher), **keyword
+    )
+    expected_weight, *expected_teacher = torch.autograd.grad(
+        clean.loss, [p.weight] + ([kept_teacher] if trains_teacher else [])
+    )
     assert torch.isfinite(out.loss) and relative_error(out.loss, clean.loss) <= 1e-6
     assert torch.all(g_hidden[~keep] == 0) and torch.isfinite(g_hidden).all()
     assert relative_error(g_weight, expected_weight) <= 1e-6
+    for got, wanted in zip(g_teacher, expected_teacher):
+        assert torch.all(got[~keep] == 0) and torch.isfinite(got).all()
+        assert relative_error(got[keep], wanted) <= 1e-6
 
 
 @pytest.mark.usefixtures("small_groups")
