@@ -134,9 +134,9 @@ class LossPlan:
     summed by the gradient pass (:mod:`.engine.row_walk`): the variant's gradients read no constant
     of round 2, and it is finite without teacher support or the teacher is trainable (a tied or
     separate head, whose logits have no −inf column), so ``D`` is ``+inf`` only on a row with an
-    :data:`UNSUPPORTED` column,
-    which round 1 counts where the student's logits may hold ``−inf``: the row's ``keep`` is known
-    after round 1 (today ``forward``, and ``mutual`` with a tied or separate teacher).
+    :data:`UNSUPPORTED` column, which round 1 counts where the student's logits may hold ``−inf``:
+    the row's ``keep`` is known after round 1 (today ``forward``, and ``mutual`` with a tied or
+    separate teacher).
     """
 
     student_terms: tuple[StudentTerm, ...]

@@ -4,8 +4,8 @@ GEMMs on a row group's staged logit gradients.
 A group's staged ``dS`` (rows × real local columns) feeds ``dh[rows] += dS·W`` and
 ``dW += dSᵀ·h[rows]`` (and the same for the teacher's tensors): two GEMMs per side and group, but
 one ``dW += [dS_s; dS_t]ᵀ·[h_s; h_t]`` for a tied head that both sides train (one pass over ``dW``
-instead of two, and the two contributions summed in the GEMM's fp32 accumulator) where the row
-group's staging holds the teacher's rows after the student's (``LogitGrads.stacked``).
+instead of two, and the two contributions summed in the GEMM's fp32 accumulator): the row group's
+staging holds the teacher's rows after the student's (``LogitGrads.stacked``).
 
 Logit gradients are staged in :meth:`GemmPolicy.staging_dtype`: bf16 as they are for bf16
 operands on CUDA (the kernels write them once, in bf16); otherwise in the statistics dtype. fp16
@@ -146,25 +146,26 @@ def run_gradient_gemms(
     """Add the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``,
     side by side: ``dh[rows] += dS·W`` and ``dW += dSᵀ·h[rows]``. ``valid`` marks the group's rows
     that are not ignored (the others' hidden rows are not read, so a non-finite ignored row stays
-    out); a tied teacher's weight gradient adds to the student head's, in the student's GEMM where
-    the two sides are ``stacked``."""
+    out); a tied teacher's weight gradient adds to the student head's in one GEMM over both sides'
+    rows, the staging's ``stacked`` (``buffers.teacher_weight`` is None then: the head is the
+    student's)."""
     tied = staged.teacher is not None and head.teacher_hidden is not None and head.teacher_weight is None
-    one_weight_gemm = tied and staged.stacked is not None and buffers.weight is not None
     sides = [(staged.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight)]
     if staged.teacher is not None and head.teacher_hidden is not None:
         teacher_weight = head.weight if head.teacher_weight is None else head.teacher_weight
-        weight_grad = buffers.weight if head.teacher_weight is None else buffers.teacher_weight
-        sides.append((staged.teacher, head.teacher_hidden, teacher_weight, buffers.teacher_hidden, weight_grad))
+        sides.append(
+            (staged.teacher, head.teacher_hidden, teacher_weight, buffers.teacher_hidden, buffers.teacher_weight)
+        )
     end, columns = begin + staged.student.shape[0], staged.student.shape[1]
     with full_precision_reductions():
         for logit_grads, hidden, weight, hidden_grad, weight_grad in sides:
             if hidden_grad is not None:
                 gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns])
-            if weight_grad is not None and not one_weight_gemm:
+            if weight_grad is not None and not tied:
                 rows = torch.where(valid[:, None], hidden.detach()[begin:end], 0.0)
                 gemms.accumulate(weight_grad[:columns], logit_grads.T, rows)
-        if one_weight_gemm:
-            assert buffers.weight is not None and staged.stacked is not None and head.teacher_hidden is not None
+        if tied and buffers.weight is not None:  # one GEMM over both sides' rows
+            assert staged.stacked is not None and head.teacher_hidden is not None
             both = torch.cat([head.student_hidden.detach()[begin:end], head.teacher_hidden.detach()[begin:end]])
             rows = torch.where(valid.repeat(2)[:, None], both, 0.0)
             gemms.accumulate(buffers.weight[:columns], staged.stacked.T, rows)

@@ -184,9 +184,9 @@ def load_tile(
     """``(cols, ok, s, t, ahead)`` of the tile at columns ``c0 … c0 + BLOCK_C − 1``: ``ok`` marks
     the entries inside the rows and the split, ``s`` and ``t`` are fp32 and −inf outside ``ok``
     (``t`` is −inf everywhere without a teacher); a side whose ``CAPPED`` flag is set (student,
-    teacher) is soft-capped by its ``caps = (cap_s, cap_t)`` as it is loaded. With ``SPARSE`` the teacher
-    is a sparse block (``t_ptr`` its fill, ``sparse`` its ids and values, :func:`sparse_tile`,
-    which advances ``ahead``; block column 0 is global column ``col_start``)."""
+    teacher) is soft-capped by its ``caps = (cap_s, cap_t)`` as it is loaded. With ``SPARSE`` the
+    teacher is a sparse block (``t_ptr`` its fill, ``sparse`` its ids and values,
+    :func:`sparse_tile`, which advances ``ahead``; block column 0 is global column ``col_start``)."""
     cap_s, cap_t = caps
     cols = c0 + tl.arange(0, BLOCK_C)
     ok = row_ok[:, None] & (cols[None, :] < c_end)

@@ -182,8 +182,8 @@ class KDLoss(nn.Module):
       columns' slice.
     - ``chunk_size``: rows (tokens) per chunk; 0 (default): the library chooses. The Triton kernels
       read both sides' logits in place (a top-k teacher's ids and values too), so the whole batch
-      is one chunk; the torch backend converts each
-      block and takes as many rows as fit that workspace (``KernelConfig``). Every path,
+      is one chunk; the torch backend converts each block and takes as many rows as fit that
+      workspace (``KernelConfig``). Every path,
       tensor-parallel included, walks rows in chunks and never holds more than one chunk's fp32
       logits.
     - ``kl_divergence``, ``kl_alpha``, ``kl_beta``, ``entropy_gate``: any of the 15 variants, as

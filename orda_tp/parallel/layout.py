@@ -266,10 +266,10 @@ def resolve_layout(
     (``KernelConfig.host_checks``; None: on a group of host tensors, not on an NCCL group, so that
     every rank decides alike): one all-gather carries all of it and its values are read on the
     host, so both value checks raise a ValueError on every rank. Without, nothing of the device is
-    read: the claims (host values)
-    go through :func:`~.collectives.host_group`, the checksums and fingerprints through a device
-    all-gather, compared on the device into ``VocabLayout.inconsistent``, which makes the call's
-    statistics NaN on every rank (``ShardExchange``).
+    read: the claims (host values) go through :func:`~.collectives.host_group`, the checksums and
+    fingerprints through a device all-gather, compared on the device into
+    ``VocabLayout.inconsistent``, which makes the call's statistics NaN on every rank
+    (``ShardExchange``).
     """
     world = dist.get_world_size(group)
     device = labels.device if labels is not None else torch.device("cpu")
