@@ -141,6 +141,18 @@ def separate_problem(problem: Problem) -> Problem:
     )
 
 
+class NanFilledEmpty:
+    """The ``torch`` module, except that ``empty`` returns NaN-filled tensors: patched over a
+    module's ``torch``, it shows that the module writes every element it allocates before any read."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size: object, **kwargs: object) -> Tensor:
+        return torch.empty(*size, **kwargs).fill_(torch.nan)  # type: ignore[call-overload]
+
+
 def relative_error(actual: Tensor, expected: Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ (absolute when expected is 0), in fp64."""
     actual, expected = actual.detach().double(), expected.detach().double()

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 import orda_tp
-from orda_tp import PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from orda_tp import ChunkSize, KernelConfig, PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from orda_tp.engine import fused_grads
+
+from .cases import NanFilledEmpty
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -288,3 +291,32 @@ def test_the_default_path_is_captured_in_a_cuda_graph_and_replayed() -> None:
     eager = step()
     for replayed, expected in zip(captured, eager):
         assert torch.equal(replayed, expected)
+
+
+@pytest.mark.parametrize("accumulation", ["auto", "fp32"])
+@pytest.mark.parametrize("variant", ["forward", "mutual"])
+def test_gradient_gemms_write_buffers_that_come_filled_with_nan(
+    monkeypatch: pytest.MonkeyPatch, variant: str, accumulation: str
+) -> None:
+    """cuBLAS's β = 0 GEMMs (a hidden gradient's rows, a head gradient's first row group; bf16
+    ``addmm_`` and fp32-output ``addmm``) do not read their output: buffers that come filled with
+    NaN give the zeroed buffers' gradients bitwise, over three row groups and a padded vocabulary."""
+    t = make_inputs(torch.bfloat16)
+    teacher_hidden = t["teacher_hidden"].detach().clone().requires_grad_(variant == "mutual")
+    config = KernelConfig(chunk_size=ChunkSize.nrows(40), grad_weight_accumulation=accumulation)
+    labels = t["labels"].clamp(max=VOCAB - 11)
+    inputs = [t["hidden"], t["weight"]] + ([teacher_hidden] if variant == "mutual" else [])
+
+    def grads() -> list[torch.Tensor]:
+        out = orda_tp.distillation_loss(
+            t["hidden"], t["weight"], labels, TiedTeacher(teacher_hidden), kl_weight=1.0, kl_divergence=variant,
+            vocab_size=VOCAB - 10, config=config,
+        )  # fmt: skip
+        return list(torch.autograd.grad(out.loss, inputs))
+
+    zeroed = grads()
+    monkeypatch.setattr(fused_grads, "torch", NanFilledEmpty())
+    unwritten = grads()
+    assert torch.all(zeroed[1][VOCAB - 10 :] == 0)
+    for got, expected in zip(unwritten, zeroed):
+        assert torch.isfinite(got).all() and torch.equal(got, expected)

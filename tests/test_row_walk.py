@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
 
 import orda_tp
 from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
-from orda_tp.engine import fused
+from orda_tp.engine import fused, fused_grads
 from orda_tp.engine.block_math import select_backend
 from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
 from orda_tp.engine.row_walk import GradTarget, RowLayout, RowWalk, row_ranges, walk_rows
@@ -21,6 +22,7 @@ from orda_tp.parallel.layout import VocabLayout
 from .cases import (
     COTRAINED,
     TEACHER_MODES,
+    NanFilledEmpty,
     call_kwargs,
     loss_and_grads,
     make_problem,
@@ -206,6 +208,48 @@ def test_ignored_rows_with_non_finite_hidden_states_get_no_gradient(backend: str
     for got, wanted in zip(g_teacher, expected_teacher):
         assert torch.all(got[~keep] == 0) and torch.isfinite(got).all()
         assert relative_error(got[keep], wanted) <= 1e-6
+
+
+@pytest.mark.usefixtures("small_groups")
+@pytest.mark.parametrize("rows", [23, 0])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(("variant", "mode"), [("forward", "tied"), ("mutual", "tied"), ("mutual", "separate")])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradient_buffers_come_unwritten_and_every_element_is_written(
+    monkeypatch: pytest.MonkeyPatch, backend: str, variant: str, mode: str, reduction: str, rows: int
+) -> None:
+    """The gradient GEMMs write the buffers without reading them first (β = 0 for the hidden rows
+    and the head's first row group): buffers that come filled with NaN give the gradients of zeroed
+    ones bit for bit, over several row groups, a padded vocabulary (``vocab_size`` < the head's rows,
+    whose padding rows no GEMM writes), a call with no rows, and the deferred backward of "none"."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    base = problem_for(mode, stable_seed("unwritten", variant, mode), dtype)
+    take = slice(0, rows)
+    p = replace(
+        base,
+        student_hidden=base.student_hidden.detach()[take].requires_grad_(),
+        teacher_hidden=base.teacher_hidden.detach()[take].requires_grad_(),
+        labels=base.labels[take].clamp(max=180),
+        teacher_logits=base.teacher_logits[take],
+    )
+    kwargs = {**call_kwargs(variant, mode, reduction), "backend": backend, "vocab_size": 190}
+    upstream = None
+    if reduction == "none":
+        upstream = torch.rand(rows, dtype=dtype, generator=torch.Generator().manual_seed(3))
+
+    def grads() -> list[torch.Tensor | None]:
+        return loss_and_grads(p, mode, upstream, **kwargs)[1]
+
+    zeroed = grads()
+    monkeypatch.setattr(fused_grads, "torch", NanFilledEmpty())
+    unwritten = grads()
+    assert any(grad is not None for grad in zeroed)
+    for index, (got, expected) in enumerate(zip(unwritten, zeroed)):
+        assert (got is None) == (expected is None), index
+        if got is not None:
+            assert torch.equal(got, expected), index
+    weight_grad = zeroed[1]
+    assert weight_grad is not None and torch.all(weight_grad[190:] == 0)
 
 
 @pytest.mark.usefixtures("small_groups")

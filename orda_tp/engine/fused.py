@@ -188,7 +188,8 @@ class _ChunkedDistillation(torch.autograd.Function):
         buffers = None
         if eager:
             sharded, accumulation = walk.exchange is not None, walk.plan.config.grad_weight_accumulation
-            buffers = allocate_buffers(head, needs, sharded, statistics, accumulation)
+            columns = walk.layout.real_local_columns
+            buffers = allocate_buffers(head, needs, sharded, statistics, accumulation, columns)
         walked = _walk_groups(problem, head, statistics, buffers=buffers, upstream=unit if eager else None)
         if walk.exchange is not None:
             walk.exchange.finish(unit)
@@ -227,7 +228,8 @@ class _ChunkedDistillation(torch.autograd.Function):
                     head = _full_rows(exchange, inputs)
                 statistics = statistics_dtype(*inputs)
                 sharded, accumulation = exchange is not None, problem.walk.plan.config.grad_weight_accumulation
-                buffers = allocate_buffers(head, ctx.needs, sharded, statistics, accumulation)
+                columns = problem.walk.layout.real_local_columns
+                buffers = allocate_buffers(head, ctx.needs, sharded, statistics, accumulation, columns)
                 _walk_groups(problem, head, statistics, ctx.saved_stats, buffers, grad_loss.to(statistics))
             if exchange is not None:
                 hidden = [g for g in (buffers.student_hidden, buffers.teacher_hidden) if g is not None]

@@ -66,10 +66,23 @@ class GradientBuffers(NamedTuple):
 
 
 def allocate_buffers(
-    head: HeadTensors, needs: GradNeeds, sharded: bool, statistics: torch.dtype, accumulation: str
+    head: HeadTensors,
+    needs: GradNeeds,
+    sharded: bool,
+    statistics: torch.dtype,
+    accumulation: str,
+    written_columns: int,
 ) -> GradientBuffers:
-    """Zeroed gradient buffers of the inputs that need one (see :class:`GradientBuffers`)."""
+    """Gradient buffers of the inputs that need one (see :class:`GradientBuffers`), left for the
+    row walk to write.
+
+    The walk's gradient GEMMs write what they cover without reading it first (β = 0,
+    :func:`run_gradient_gemms`): every row of a hidden gradient (each row group writes its own
+    rows), and a head gradient's first ``written_columns`` rows (the real local columns, written
+    by the first row group). Only what no GEMM writes is zeroed here: a padded shard's rows past
+    ``written_columns``, and everything when the call has no rows."""
     buffers: list[Tensor | None] = []
+    walked = head.student_hidden.shape[0] > 0
     for tensor, need, is_weight in zip(head[:4], needs, (False, True, False, True)):
         if not need or tensor is None:
             buffers.append(None)
@@ -78,8 +91,12 @@ def allocate_buffers(
             own = accumulation == "compute" or (accumulation == "auto" and tensor.dtype == torch.bfloat16)
         else:
             own = not sharded
-        dtype = tensor.dtype if own else statistics
-        buffers.append(torch.zeros(tensor.shape, dtype=dtype, device=tensor.device))
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype if own else statistics, device=tensor.device)
+        if not walked:
+            buffer.zero_()
+        elif is_weight:
+            buffer[written_columns:].zero_()
+        buffers.append(buffer)
     return GradientBuffers(*buffers)
 
 
@@ -113,38 +130,45 @@ class GemmPolicy:
             return torch.bfloat16
         return statistics
 
-    def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor) -> None:
-        """``target += staged · operand`` with ``staged`` in :meth:`staging_dtype`.
+    def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor, beta: float = 1.0) -> None:
+        """``target = beta·target + staged · operand`` with ``staged`` in :meth:`staging_dtype` and
+        ``beta`` 1 (add) or 0 (overwrite: ``target`` is not read, so it may hold anything, NaN
+        included).
 
         bf16 on CUDA: one GEMM that adds into ``target`` in its epilogue (fp32 or bf16 target,
         fp32 accumulation inside the GEMM). fp16 with a scale: the staged fp32 gradient is scaled
         into fp16 for the tensor cores and the product unscaled. Otherwise in ``staged``'s dtype."""
         if staged.dtype == torch.bfloat16:
             if target.dtype == torch.bfloat16:
-                target.addmm_(staged, operand)
+                target.addmm_(staged, operand, beta=beta)
                 return
             if _ADDMM_OUT_DTYPE[0] and target.dtype == torch.float32 and target.is_contiguous():
                 try:
-                    torch.addmm(target, staged, operand, out_dtype=torch.float32, out=target)
+                    torch.addmm(target, staged, operand, beta=beta, out_dtype=torch.float32, out=target)
                     return
                 except TypeError:  # a torch without addmm(out_dtype=...)
                     _ADDMM_OUT_DTYPE[0] = False
-            target += torch.mm(staged, operand, torch.float32).to(target.dtype)
-            return
-        if operand.is_cuda and operand.dtype == torch.float16 and self.scale is not None:
+            product = torch.mm(staged, operand, torch.float32)
+        elif operand.is_cuda and operand.dtype == torch.float16 and self.scale is not None:
             # Lowered on the device where scale·max|gradient| would leave fp16's range.
             factor = torch.clamp(FP16_HEADROOM / staged.abs().amax(), max=self.scale)
             scaled = (staged * factor).to(torch.float16)
-            target += (torch.mm(scaled, operand, torch.float32) / factor).to(target.dtype)
-            return
-        target += (staged @ operand.to(staged.dtype)).to(target.dtype)
+            product = torch.mm(scaled, operand, torch.float32) / factor
+        else:
+            product = staged @ operand.to(staged.dtype)
+        if beta == 0:
+            target.copy_(product)
+        else:
+            target += product.to(target.dtype)
 
 
 def run_gradient_gemms(
     head: HeadTensors, staged: LogitGrads, begin: int, valid: Tensor, buffers: GradientBuffers, gemms: GemmPolicy
 ) -> None:
-    """Add the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``,
-    side by side: ``dh[rows] += dS·W`` and ``dW += dSᵀ·h[rows]``. ``valid`` marks the group's rows
+    """Write the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``,
+    side by side: ``dh[rows] = dS·W`` (each group owns its rows) and ``dW += dSᵀ·h[rows]``, which
+    the first group (``begin == 0``) writes instead of adding to (β = 0: the buffers come unwritten
+    from :func:`allocate_buffers`, no zero-fill and no read of zeros). ``valid`` marks the group's rows
     that are not ignored (the others' hidden rows are not read, so a non-finite ignored row stays
     out); a tied teacher's weight gradient adds to the student head's in one GEMM over both sides'
     rows, the staging's ``stacked`` (``buffers.teacher_weight`` is None then: the head is the
@@ -157,18 +181,19 @@ def run_gradient_gemms(
             (staged.teacher, head.teacher_hidden, teacher_weight, buffers.teacher_hidden, buffers.teacher_weight)
         )
     end, columns = begin + staged.student.shape[0], staged.student.shape[1]
+    weight_beta = 0.0 if begin == 0 else 1.0
     with full_precision_reductions():
         for logit_grads, hidden, weight, hidden_grad, weight_grad in sides:
             if hidden_grad is not None:
-                gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns])
+                gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns], beta=0.0)
             if weight_grad is not None and not tied:
                 rows = torch.where(valid[:, None], hidden.detach()[begin:end], 0.0)
-                gemms.accumulate(weight_grad[:columns], logit_grads.T, rows)
+                gemms.accumulate(weight_grad[:columns], logit_grads.T, rows, beta=weight_beta)
         if tied and buffers.weight is not None:  # one GEMM over both sides' rows
             assert staged.stacked is not None and head.teacher_hidden is not None
             both = torch.cat([head.student_hidden.detach()[begin:end], head.teacher_hidden.detach()[begin:end]])
             rows = torch.where(valid.repeat(2)[:, None], both, 0.0)
-            gemms.accumulate(buffers.weight[:columns], staged.stacked.T, rows)
+            gemms.accumulate(buffers.weight[:columns], staged.stacked.T, rows, beta=weight_beta)
 
 
 def scale_by_upstream(grads: Sequence[Tensor], upstream: Tensor) -> None:
