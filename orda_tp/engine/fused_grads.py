@@ -130,7 +130,7 @@ class GemmPolicy:
             return torch.bfloat16
         return statistics
 
-    def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor, beta: float = 1.0) -> None:
+    def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor, beta: float) -> None:
         """``target = beta·target + staged · operand`` with ``staged`` in :meth:`staging_dtype` and
         ``beta`` 1 (add) or 0 (overwrite: ``target`` is not read, so it may hold anything, NaN
         included).
