@@ -13,7 +13,10 @@ Implementations: orda_tp (backend="triton", the default profile and profile="fas
 the CPU); naive torch (full fp32 logits); and, where importable, orda-kernel (autotune off), Liger-Kernel
 (fused linear CE; its chunked JSD loss with beta = 0, i.e. forward KL, plus CE, the teacher's hidden
 states through the same head) and cut-cross-entropy (CE). Each loss is compared with the naive one
-(relative difference ≤ 1e-2 in bf16, 1e-4 in fp32: "sanity").
+(relative difference ≤ 1e-2 in bf16, 1e-4 in fp32: "sanity"), and each KD and CE row's gradients
+``dh``, ``dW`` with exact ones computed in fp32 over chunks of rows (``reference_grads``; relative
+error ‖g − g_ref‖ / ‖g_ref‖, the worse of the two: orda_tp's must stay within 1e-2 in bf16, 1e-4 in
+fp32; the others' are reported, since a peer may trade exactness for speed).
 Median of 10 timed calls after 3 warm-ups (CUDA events), spread = max − min; on the CPU 2 after 1.
 peak = max allocated during one call above what was allocated before it; workspace = peak less the
 returned gradients. Floor = GEMMs × 2·BT·H·V at 788 TFLOP/s (KD 4 GEMMs, CE and a precomputed
@@ -51,7 +54,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from importlib import metadata
 from itertools import groupby
 from pathlib import Path
@@ -92,6 +95,9 @@ TASKS = ("KD", "CE")
 TASK_GEMMS = {"KD": 4, "CE": 3}
 GEMM_ONLY = "GEMM-only (cuBLAS)"  # the row of a task's unavoidable GEMMs alone
 SANITY_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}  # relative difference from the naive loss
+# orda_tp's gradients against the fp32 reference: ‖g − g_ref‖ / ‖g_ref‖ of dh and of dW (the worse one)
+GRAD_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+REFERENCE_ROWS = 1024  # rows per chunk of the fp32 reference gradients
 # The naive loss's peak per logit (bf16 inputs, fp32 logits), measured at the first shape: KD 28056 MiB
 # and CE 12024 MiB for 8192 × 128256 logits. Naive rows estimated above NAIVE_LIMIT_GIB are not run.
 NAIVE_BYTES_PER_LOGIT = {"KD": 28.0, "CE": 12.0}
@@ -320,6 +326,35 @@ def naive_step(inputs: BenchInputs, task: str) -> Step:
     return loss_step(
         inputs, lambda: naive_loss(inputs.hidden, inputs.weight, inputs.labels, inputs.teacher_hidden, task != "CE")
     )
+
+
+def reference_grads(inputs: BenchInputs, task: str) -> tuple[Tensor, Tensor]:
+    """The task's exact gradients ``(dh, dW)`` in fp32, from fp32 logits over chunks of rows (fp32
+    GEMMs at torch's default precision, no TF32): ``∂/∂s = (softmax(s) − onehot(y)) + (softmax(s) −
+    softmax(t))`` for KD (CE + forward KL at T = 1; the CE term alone for CE), ÷ the non-ignored rows,
+    0 on ignored rows."""
+    hidden, weight, labels = inputs.hidden.detach(), inputs.weight.detach().float(), inputs.labels
+    valid = labels != IGNORE_INDEX
+    count = valid.sum().clamp(min=1)
+    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device)
+    for begin in range(0, hidden.shape[0], REFERENCE_ROWS):
+        rows = slice(begin, begin + REFERENCE_ROWS)
+        rows_hidden = hidden[rows].float()
+        grad = (rows_hidden @ weight.T).softmax(-1)
+        if task == "KD":
+            grad = 2 * grad - (inputs.teacher_hidden[rows].float() @ weight.T).softmax(-1)
+        kept = valid[rows]
+        grad[kept.nonzero()[:, 0], labels[rows][kept]] -= 1.0
+        grad *= (kept / count)[:, None]
+        grad_hidden[rows] = grad @ weight
+        grad_weight += grad.T @ rows_hidden
+    return grad_hidden, grad_weight
+
+
+def grad_error(grads: tuple[Tensor, ...], reference: tuple[Tensor, Tensor]) -> float:
+    """The worse of ‖g − g_ref‖ / ‖g_ref‖ over ``dh`` and ``dW``, in fp32."""
+    return max(float((g.float() - r).norm() / r.norm()) for g, r in zip(grads, reference))
 
 
 # ------------------------------------------------------------------------------------------------ implementations
@@ -557,6 +592,8 @@ class RowSpec:
     target: Target | None = None
     labels: dict[str, str] = field(default_factory=dict)
     skip: str | None = None
+    ours: bool = False  # orda_tp's row: its gradients must match the reference
+    checks_grads: bool = False  # its gradients are compared with the fp32 reference (KD and CE rows of a shape)
 
 
 BENCH_HEADER = (
@@ -583,6 +620,7 @@ def spec_row(spec: RowSpec) -> dict[str, Any]:
         "gemms": spec.gemms,
         "floor_ms": shape.floor_ms(spec.gemms),
         "target": spec.target,
+        "ours": spec.ours,
         **spec.labels,
     }
 
@@ -597,8 +635,11 @@ def _target_note(timing: Timing, target: Target | None) -> tuple[str, bool | Non
     return f"{text}: {'meets' if met else 'misses'}", met
 
 
-def run_spec(bench: Bench, spec: RowSpec, inputs: BenchInputs | None) -> dict[str, Any]:
-    """Measure one row and print it; without inputs (the time budget was spent first) it is not run."""
+def run_spec(
+    bench: Bench, spec: RowSpec, inputs: BenchInputs | None, reference: Callable[[str], tuple[Tensor, Tensor]]
+) -> dict[str, Any]:
+    """Measure one row and print it; without inputs (the time budget was spent first) it is not run.
+    A row that ``checks_grads`` then runs once more, its gradients against ``reference(case)``."""
     row = spec_row(spec)
     label = f"{spec.shape.name} {spec.case} {spec.impl}"
     if spec.skip is not None:
@@ -615,6 +656,13 @@ def run_spec(bench: Bench, spec: RowSpec, inputs: BenchInputs | None) -> dict[st
             row.update(status="ok", ms=timing.ms, spread_ms=timing.spread_ms, x_floor=x_floor)
             row.update(peak_mib=timing.peak_mib, workspace_mib=timing.workspace_mib, loss=timing.loss)
             row.update(target_met=met, note=note)
+            if spec.checks_grads:
+                checked, error = guarded(
+                    bench.reporter, f"{label} gradients",
+                    lambda: grad_error(spec.step(inputs)()[1], reference(spec.case)),
+                )  # fmt: skip
+                row.update(grad_err=error if checked else math.nan)
+                recover_device()
         elif timing.startswith("OutOfMemoryError"):
             row.update(status="OOM", message=timing)
         else:
@@ -648,7 +696,9 @@ def run_specs(bench: Bench, specs: Iterable[RowSpec]) -> None:
             if not ok:
                 bench.reporter.fail(f"bench inputs {shape.name}: {inputs}")
                 continue
-        rows = [run_spec(bench, spec, inputs) for spec in group]
+        reference = cache(partial(reference_grads, inputs))  # per task, on first use
+        rows = [run_spec(bench, spec, inputs, reference) for spec in group]
+        del reference
         check_sanity(bench, rows)
         del inputs
         recover_device()
@@ -656,10 +706,21 @@ def run_specs(bench: Bench, specs: Iterable[RowSpec]) -> None:
 
 
 def check_sanity(bench: Bench, rows: list[dict[str, Any]]) -> None:
-    """Each KD and CE loss against the naive one of the same shape (whose GEMM rounds logits to bf16)."""
-    tolerance = SANITY_TOLERANCE[bench.dtype]
+    """Each KD and CE loss against the naive one of the same shape (whose GEMM rounds logits to bf16),
+    and the gradients against the fp32 reference: orda_tp's beyond GRAD_TOLERANCE fail the run, the
+    others' are reported (a peer may trade exactness for speed)."""
+    tolerance, grad_tolerance = SANITY_TOLERANCE[bench.dtype], GRAD_TOLERANCE[bench.dtype]
     naive = {r["case"]: r["loss"] for r in rows if r["impl"] == NAIVE.name and r["status"] == "ok"}
     for row in rows:
+        if "grad_err" in row:
+            error = row["grad_err"]
+            row["grad_sanity"] = "ok" if error <= grad_tolerance else "FAIL" if row["ours"] else "over"
+            bench.reporter.line(
+                f"   gradients {row['shape']} {row['case']}: {row['impl']} rel error {error:.1e} against the fp32 "
+                f"reference (limit {grad_tolerance:g} for orda_tp) {row['grad_sanity']}"
+            )
+            if row["grad_sanity"] == "FAIL":
+                bench.reporter.fail(f"bench gradients {row['shape']} {row['case']} {row['impl']}: error {error:.2e}")
         if row["impl"] in (NAIVE.name, GEMM_ONLY) or row["status"] != "ok" or row["case"] not in naive:
             continue
         expected = naive[row["case"]]
@@ -699,6 +760,8 @@ def task_specs(
             step=partial(impl.step, task=task),
             target=target if impl.ours else None,
             skip=naive_skip(shape, task, device) if impl is NAIVE else None,
+            ours=impl.ours,
+            checks_grads=section == "main",
         )
         for impl in impls
         if task in impl.tasks
@@ -932,7 +995,9 @@ def _ms_cell(row: dict[str, Any]) -> str:
 
 
 def _sanity_cell(row: dict[str, Any]) -> str:
-    return f"{row['sanity']} ({row['sanity_rel']:.0e})" if "sanity" in row else "-"
+    """The loss against naive, ``ok (rel)``; then the gradients' error against the fp32 reference."""
+    loss = f"{row['sanity']} ({row['sanity_rel']:.0e})" if "sanity" in row else "-"
+    return loss if "grad_err" not in row else f"{loss}; grads {row['grad_err']:.1e}"
 
 
 def _table(header: list[str], lines: Iterable[list[str]]) -> list[str]:

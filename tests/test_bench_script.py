@@ -35,6 +35,9 @@ def test_small_cpu_bench_rows_and_tables(tmp_path: Path) -> None:
                 assert row["status"] == "ok" and math.isfinite(row["ms"]) and row["ms"] > 0, row
             assert abs(orda["loss"] - naive["loss"]) <= 1e-4 * abs(naive["loss"]), (orda, naive)
             assert orda["sanity"] == "ok", orda
+            # autograd through the naive loss and the script's hand-written fp32 reference agree
+            for row in (naive, orda):
+                assert row["grad_err"] <= 1e-5 and row["grad_sanity"] == "ok", row
     tables = (tmp_path / "bench_tables.md").read_text()
     for shape in SMALL_SHAPES:
         assert f"### {shape}" in tables, tables
