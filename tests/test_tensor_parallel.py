@@ -60,7 +60,8 @@ def test_explicit_vocab_range_out_of_rank_order() -> None:
 def test_vocab_padding_across_ranks() -> None:
     """vocab_size below the head's rows with padding on two ranks (one of them only padding),
     in torch.chunk order and in a permuted explicit partition; against the call on the real
-    columns and against the padded single-device head with vocab_size."""
+    columns and against the padded single-device head with vocab_size; with gradient buffers that
+    come filled with NaN, so that a padding row the walk leaves unzeroed fails."""
     run_and_check(4, tp_workers.padded_worker)
 
 

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 import orda_tp
 from orda_tp import KL_VARIANTS, ChunkSize, KernelConfig
 from orda_tp.config import CHUNKS_PER_GROUP
+from orda_tp.engine import fused_grads
 
 from . import cases
 from .cases import (
@@ -422,8 +423,10 @@ def padded_case(
 def padded_worker(rank: int, world: int) -> list[str]:
     """Padding that spans two ranks: 208 = 4 × 52 head rows, vocab_size=150 (rank 2 holds columns
     150..155 of padding, rank 3 only padding); and a permuted explicit partition whose padding
-    (170..207) lies on ranks 3 and 0."""
+    (170..207) lies on ranks 3 and 0. The gradient buffers come filled with NaN (``NanFilledEmpty``):
+    what the gradient GEMMs leave unwritten, a shard's padding rows, must still be zeroed."""
     assert world == 4
+    fused_grads.torch = cases.NanFilledEmpty()  # type: ignore[assignment]  # this worker process only
     default = chunk_ranges(208, world)[rank]
     permuted = permuted_partition((0, 60, 120, 180, 208), (1, 2, 3, 0), rank)
     chunked = partial(padded_case, columns=default, total=208, vocab_size=150)
