@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from orda_tp.engine.stats import GradRows  # noqa: E402
 from orda_tp.kernels import tiles  # noqa: E402
 from orda_tp.kernels.ops import TritonBlockMath  # noqa: E402
 from orda_tp.options import LossOptions  # noqa: E402
-from orda_tp.plan import UNSUPPORTED, LossPlan  # noqa: E402
+from orda_tp.plan import LossPlan  # noqa: E402
 
 CANDIDATES = [
     tiles.Tiles(block_r=r, block_c=c, num_warps=w, programs=p)
@@ -69,6 +70,8 @@ def launches(rows: int, cols: int, dtype: torch.dtype) -> dict[str, tuple[object
     teacher = (torch.randn(rows, cols, device="cuda", generator=generator) * 2).to(dtype)
     labels = torch.randint(0, cols, (rows,), device="cuda", generator=generator)
     plan = LossPlan.build(LossOptions(kl_weight=1.0, teacher_ce_weight=0.0), TiedTeacher(student[:, :1]), cols)
+    if dtype == torch.bfloat16:  # given logits (KDLoss) may hold -inf: round 1 counts the unsupported columns
+        plan = replace(plan, student_logits_finite=False)
     lse_s = torch.logsumexp(student.float(), 1)
     lse_t = torch.logsumexp(teacher.float(), 1)
     grad = torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16)
@@ -82,11 +85,12 @@ def launches(rows: int, cols: int, dtype: torch.dtype) -> dict[str, tuple[object
     row_constants = GradRows(packed, plan.grad_row_names, lse_t=None, c_ce_t=None, consts={}, **values)
     math = TritonBlockMath()
     out, with_sums = LogitGrads(grad, None), plan.kl_sums_in_gradient_pass  # forward KL: round 2 in the gradients
-    # Given bf16 logits (KDLoss) may hold -inf: round 1 also counts the student's unsupported columns.
-    column_sums = plan.column_sums + ((UNSUPPORTED,) if dtype == torch.bfloat16 else ())
     logits_bytes = 2 * rows * cols * student.element_size()
     return {
-        "partition": (lambda: math.partition(student, teacher, labels, 0, plan.families, column_sums), logits_bytes),
+        "partition": (
+            lambda: math.partition(student, teacher, labels, 0, plan.families, plan.column_sums),
+            logits_bytes,
+        ),
         "sums": (lambda: math.kl_sums(plan, student, teacher, labels, 0, lse_s, lse_t), logits_bytes),
         "grads": (
             lambda: math.stage_logit_grads(plan, row_constants, student, teacher, labels, 0, out, with_sums),
