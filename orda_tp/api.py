@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -34,10 +35,17 @@ from .engine.logits import statistics_dtype
 from .engine.reference import reference_loss
 from .engine.row_walk import RowWalk
 from .kernels import is_available
-from .options import GradScalerLike, LossOptions
+from .options import GradScalerLike, LossOptions, setting_text
 from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import VocabLayout
-from .parallel.local_shards import LocalInputs, can_fail_locally, local_error, shard_inputs
+from .parallel.local_shards import (
+    LocalInputs,
+    call_group,
+    can_fail_locally,
+    fail_on_every_rank,
+    local_error,
+    shard_inputs,
+)
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
@@ -92,21 +100,32 @@ def _denominator(
     return float(num_valid_tokens)
 
 
+def _teacher_type_error(teacher: object) -> TypeError:
+    return TypeError(
+        "teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher (or a TeacherHead), "
+        f"got {type(teacher).__name__}"
+    )
+
+
 @contextmanager
-def _readable_teacher(teacher: object, reduction: str) -> Iterator[TeacherSource]:
+def _readable_teacher(teacher: TeacherHead, reduction: str) -> Iterator[TeacherSource]:
     """A :class:`TeacherHead` as the :class:`SeparateTeacher` of its module's weight, gathered for
     the call if FSDP2 shards it (kept past the call when a "none" reduction's backward recomputes
     the logits)."""
-    if not isinstance(teacher, TeacherHead):
-        raise TypeError(
-            "teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher (or a TeacherHead), "
-            f"got {type(teacher).__name__}"
-        )
     grad_on = torch.is_grad_enabled()
     receives_grad = grad_on and head_weight(teacher.head).requires_grad
     read_after_call = grad_on and reduction == "none"
     with unsharded_head_weight(teacher.head, receives_grad, read_after_call) as weight:
         yield SeparateTeacher(teacher.hidden, weight)
+
+
+def checked_options(weight: object, tp_group: dist.ProcessGroup | None, **keywords: Any) -> LossOptions:
+    """The :class:`LossOptions` of a call's keywords; on a tensor-parallel call (``tp_group``, or
+    a DTensor ``weight``) a keyword that fails its check on some rank raises on every rank."""
+    try:
+        return LossOptions(**keywords, tp_group=tp_group)
+    except (ValueError, TypeError) as error:
+        fail_on_every_rank(error, call_group(weight, tp_group))
 
 
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
@@ -126,16 +145,34 @@ def _run(
     rank raises it), its plan, and the selected backend run with autocast off (statistics are
     fp32/fp64 whatever autocast would pick for the GEMMs)."""
     if not isinstance(teacher, TeacherSource):
+        if not isinstance(teacher, TeacherHead):
+            fail_on_every_rank(_teacher_type_error(teacher), call_group(weight, options.tp_group))
         with _readable_teacher(teacher, options.reduction) as source:
             return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
     tensors = [student_hidden, weight, labels, *(tensor for _, tensor in teacher.named_tensors())]
     sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
+    row_weights: Tensor | None = None
     if sharded:
 
-        def precheck(local: LocalInputs) -> None:
-            _denominator(num_valid_tokens, options.reduction, None, local.student_hidden.device)
+        def precheck(local: LocalInputs) -> list[tuple[str, Tensor]]:
+            nonlocal row_weights
+            device = local.student_hidden.device
+            _denominator(num_valid_tokens, options.reduction, None, device)
+            if token_weights is None:
+                return []
+            host_checks = runs_host_checks(options.kernel_config.host_checks, device)
+            row_weights = check_token_weights(token_weights, local.labels, host_checks)
+            return [("token_weights", row_weights)]
 
-        local, layout = shard_inputs(options, student_hidden, weight, labels, teacher, precheck)
+        call_text = "\n".join(
+            [
+                options.settings_text(),
+                teacher.settings_text(),
+                f"token_weights={'<given>' if token_weights is not None else None}",
+                f"num_valid_tokens={setting_text(num_valid_tokens)}",
+            ]
+        )
+        local, layout = shard_inputs(options, student_hidden, weight, labels, teacher, precheck, call_text)
     else:
         if options.vocab_range is not None:
             raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
@@ -146,6 +183,9 @@ def _run(
         columns = weight.shape[0]
         vocab_size = columns if options.vocab_size is None else options.vocab_size
         layout = VocabLayout(0, columns, columns, vocab_size, columns, columns, vocab_size)
+        if token_weights is not None:
+            host_checks = runs_host_checks(options.kernel_config.host_checks, student_hidden.device)
+            row_weights = check_token_weights(token_weights, labels, host_checks)
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     config, device = plan.config, local.student_hidden.device
     host_checks = runs_host_checks(config.host_checks, device)
@@ -161,8 +201,6 @@ def _run(
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
     valid = local.labels != options.ignore_index
     denominator = _denominator(num_valid_tokens, options.reduction, valid, device)
-    # The same on every rank of a group, like the labels: every rank raises alike.
-    row_weights = None if token_weights is None else check_token_weights(token_weights, local.labels, host_checks)
     inputs = (local.student_hidden, local.weight, *local.teacher.head_inputs())
     teacher_blocks = local.teacher.block_source(layout.vocab_start, layout.vocab_size)
     block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))
@@ -240,7 +278,9 @@ def distillation_loss(
     (RL-style per-token weighting); the normalizer of "mean" stays the valid-row count or
     ``num_valid_tokens``: ``loss = Σ_valid w_i·loss_i / N``.
     """
-    options = LossOptions(
+    options = checked_options(
+        weight,
+        tp_group,
         student_ce_weight=student_ce_weight,
         teacher_ce_weight=teacher_ce_weight,
         kl_weight=kl_weight,
@@ -261,7 +301,6 @@ def distillation_loss(
         config=config,
         gradient_materialization_scale=gradient_materialization_scale,
         grad_scaler=grad_scaler,
-        tp_group=tp_group,
         vocab_range=vocab_range,
         vocab_size=vocab_size,
         sequence_parallel=sequence_parallel,
@@ -293,7 +332,10 @@ class DistillationLoss(nn.Module):
         """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
         ``grad_scaler`` given here (orda-kernel's ``forward`` arguments) replace the constructor's
         for this call."""
-        options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
+        try:
+            options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
+        except (ValueError, TypeError) as error:
+            fail_on_every_rank(error, call_group(weight, self.options.tp_group))
         return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
 
     def extra_repr(self) -> str:

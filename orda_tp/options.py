@@ -35,6 +35,7 @@ __all__ = [
     "LossOptions",
     "resolve_config",
     "resolve_divergence",
+    "setting_text",
 ]
 
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -241,6 +242,17 @@ class LossOptions:
             return self
         return replace(self, gradient_materialization_scale=scale, grad_scaler=scaler)
 
+    def settings_text(self) -> str:
+        """``name=value`` lines of the keywords that every rank of a tensor-parallel call must
+        give alike (a tensor or GradScaler by its presence); the parallel keywords are compared
+        by the handshake itself (``tp_group``, and ``vocab_range``, which differs per rank)."""
+        lines = []
+        for spec in fields(self):
+            if spec.init and spec.name not in (*PARALLEL_KEYWORDS, "config"):
+                lines.append(f"{spec.name}={setting_text(getattr(self, spec.name))}")
+        lines.append(f"config={self.kernel_config!r}")
+        return "\n".join(lines)
+
     @property
     def gradient_scale(self) -> float | Tensor | None:
         """The scale at which fp16 logit gradients are materialized for the gradient GEMMs: the
@@ -254,6 +266,15 @@ class LossOptions:
         if isinstance(scale, Tensor):
             return scale.reshape(())
         return float(scaler.get_scale())  # not yet initialized: its init scale
+
+
+def setting_text(value: object) -> str:
+    """A keyword's value as :meth:`LossOptions.settings_text` compares it across ranks."""
+    if isinstance(value, Tensor):
+        return "<tensor>"  # never read: that would synchronize with the device
+    if value is not None and _is_grad_scaler(value):
+        return "<grad_scaler>"
+    return repr(value)
 
 
 KEYWORD_DEFAULTS: dict[str, object] = {spec.name: spec.default for spec in fields(LossOptions) if spec.init}
@@ -318,6 +339,19 @@ class LogitsOptions:
     backend: str
     tp_group: object
     config: KernelConfig
+
+    def settings_text(self) -> str:
+        """``name=value`` lines of what every rank of a tensor-parallel call must give alike."""
+        values = {
+            "temperature": self.temperature,
+            "kl_divergence": self.divergence.name,
+            "params": self.params,
+            "ignore_index": self.ignore_index,
+            "chunk_rows": self.chunk_rows,
+            "backend": self.backend,
+            "config": self.config,
+        }
+        return "\n".join(f"{name}={value!r}" for name, value in values.items())
 
     @staticmethod
     def resolve(

@@ -103,7 +103,7 @@ def test_dtensor_weight_on_2d_mesh() -> None:
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_collectives_per_call(world_size: int) -> None:
-    """Per call: one fixed-size handshake, at most one collective per statistics round (two per
+    """Per call: the handshake's two fixed-size gathers, at most one collective per statistics round (two per
     row chunk), the hidden gradients' sums (one all-reduce per hidden gradient and row group, each
     started as soon as its rows are complete; one reduce-scatter under sequence parallelism, which
     also gathers the rows once); every call alike (nothing is cached across calls); a no-grad call
@@ -117,7 +117,7 @@ def test_collectives_per_call(world_size: int) -> None:
             first, second, third, no_grad = calls
             gather = 1 if info["sequence_parallel"] else 0
             gradient_sums = 1 if info["sequence_parallel"] else info["row_groups"] * info["hidden_grads"]
-            bound = 1 + 2 * info["row_chunks"] + gradient_sums + gather
+            bound = 2 + 2 * info["row_chunks"] + gradient_sums + gather
             kinds = dict(Counter(info["calls"][1]))
             detail = (
                 f"rank {rank} {name}: {first}/{second}/{third}/{no_grad} collectives in the first/second/"
@@ -136,12 +136,12 @@ def test_collectives_per_call(world_size: int) -> None:
 
 def test_host_reads_of_a_call() -> None:
     """With host checks off (a CUDA call's default), a call reads on the host only the ranks'
-    claims, host values gathered over a host group (2 ranks × 9 values; the labels' checksums and
+    claims, host values gathered over a host group (2 ranks × 10 values; the labels' checksums and
     the heads' fingerprints stay on the device). A teacher read through a head has no local value
     check, so its first record exchange carries no error columns; a cached teacher's exchange
     carries them, and they are read once more (2 ranks × 3)."""
     reports = run_distributed(2, tp_workers.host_reads_worker, timeout=MATRIX_TIMEOUT_S)
-    claims, errors = ("tolist", (2, 9)), ("tolist", (2, 3))
+    claims, errors = ("tolist", (2, 10)), ("tolist", (2, 3))
     for report in reports:
         assert report == {"tied": [claims], "separate": [claims], "precomputed": [claims, errors]}, report
 

@@ -28,9 +28,10 @@ from ..checks import (
 from ..config import KernelConfig
 from ..engine.logits import HeadLogits, PairedLogits, StoredLogits, statistics_dtype
 from ..engine.stats import RowStats
-from ..options import LogitsOptions
+from ..options import LogitsOptions, check_group
 from ..parallel.dtensor import MeshAxis
 from ..parallel.layout import VocabLayout
+from ..parallel.local_shards import fail_on_every_rank
 from ..plan import LossPlan
 from .logits_shards import (
     ShardShape,
@@ -38,6 +39,7 @@ from .logits_shards import (
     local_companion,
     local_head_weight,
     local_student,
+    logits_call_group,
     logits_group,
 )
 from .problem import build_problem, row_statistics
@@ -122,19 +124,22 @@ def flash_ce_kd_loss(
     columns (``Shard(-1)`` / ``Shard(0)``), ``teacher_hidden`` and ``labels`` every row; every rank
     returns the single-device scores. Forward only: no gradient is formed.
     """
-    options = LogitsOptions.resolve(
-        temperature=temperature,
-        kl_divergence="forward",
-        kl_alpha=None,
-        kl_beta=None,
-        entropy_gate=None,
-        ignore_index=ignore_index,
-        chunk_rows=0,
-        backend=backend,
-        tp_group=tp_group,
-        config=KernelConfig(vocab_block=check_count("chunk_size", chunk_size, 1)),
-    )
-    check_flag("upcast", upcast)
+    try:
+        options = LogitsOptions.resolve(
+            temperature=temperature,
+            kl_divergence="forward",
+            kl_alpha=None,
+            kl_beta=None,
+            entropy_gate=None,
+            ignore_index=ignore_index,
+            chunk_rows=0,
+            backend=backend,
+            tp_group=check_group(tp_group),
+            config=KernelConfig(vocab_block=check_count("chunk_size", chunk_size, 1)),
+        )
+        check_flag("upcast", upcast)
+    except (ValueError, TypeError) as error:
+        fail_on_every_rank(error, logits_call_group(student_logits, tp_group))
     group, axis = logits_group(student_logits, options.tp_group)
     local, shard, failure = None, None, None
     try:
@@ -143,7 +148,8 @@ def flash_ce_kd_loss(
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
-    layout = agree_vocabulary(group, shard, failure, options.config.host_checks)
+    call_text = f"{options.settings_text()}\nupcast={upcast!r}"
+    layout = agree_vocabulary(group, shard, failure, options.config.host_checks, (), call_text)
     assert local is not None and shard is not None
     return _scores(options, group, layout, shard.labels, *local, upcast)
 

@@ -27,7 +27,7 @@ from ..checks import (
 from ..config import KernelConfig
 from ..divergences import EntropyGate
 from ..engine.logits import StoredLogits, statistics_dtype
-from ..options import LogitsOptions
+from ..options import LogitsOptions, setting_text
 from ..plan import LossPlan, check_sparse_teacher
 from ..teachers import PrecomputedTeacher
 from ..teachers.source import TeacherBlocks
@@ -90,20 +90,36 @@ def _kd_loss(
 ) -> Tensor:
     group, axis = logits_group(student_logits, options.tp_group)
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
-    shard, given_denominator, failure = None, None, None
+    shard, given_denominator, failure, row_weights = None, None, None, None
+    replicated: list[tuple[str, Tensor]] = []
     try:
         # A top-k cache holds every row and no columns: the student's own shape stands in for it.
         local = local_logits(student_logits, student_logits if cache is not None else teacher_logits, labels, axis)
         local_student, local_teacher, local_labels = _check_logits(local.student, local.teacher, local.labels)
         if cache is not None:
             _check_topk_cache(cache, local_labels.numel(), options)
+            replicated += cache.replicated_tensors()
         given_denominator = _check_batch_labels(num_batch_labels, local_student.device)
+        if token_weights is not None:  # the labels' shape
+            if isinstance(token_weights, Tensor) and token_weights.shape == local_labels.shape:
+                token_weights = token_weights.reshape(-1)
+            host_checks = runs_host_checks(options.config.host_checks, local_labels.device)
+            row_weights = check_token_weights(token_weights, local_labels.reshape(-1), host_checks)
+            replicated.append(("token_weights", row_weights))
         shard = ShardShape(local_student, local_student.shape[-1], local_labels.reshape(-1), local.vocab_range)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
-    layout = agree_vocabulary(group, shard, failure, options.config.host_checks)
+    call_text = "\n".join(
+        [
+            options.settings_text(),
+            "teacher_logits=<tensor>" if cache is None else cache.settings_text(),
+            f"token_weights={'<given>' if token_weights is not None else None}",
+            f"num_batch_labels={setting_text(num_batch_labels)}",
+        ]
+    )
+    layout = agree_vocabulary(group, shard, failure, options.config.host_checks, replicated, call_text)
     assert shard is not None  # set last: this rank's checks passed
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
     flat_labels = shard.labels
@@ -122,16 +138,11 @@ def _kd_loss(
         teacher = StoredLogits(local_teacher.detach().reshape(-1, shard.columns))
         dtype = statistics_dtype(student, local_teacher)
     else:
-        if host_checks:  # the same cache on every rank, like the labels
+        if host_checks:  # the same cache on every rank (the handshake compared it), like the labels
             cache.check_cache_values(layout.vocab_size)
         blocks = cache.block_source(layout.vocab_start, layout.vocab_size)
         assert blocks is not None
         teacher, dtype = blocks, statistics_dtype(student, cache.topk_logprobs)
-    row_weights = None
-    if token_weights is not None:  # the labels' shape, the same on every rank like the labels
-        if isinstance(token_weights, Tensor) and token_weights.shape == local_labels.shape:
-            token_weights = token_weights.reshape(-1)
-        row_weights = check_token_weights(token_weights, flat_labels, host_checks)
     # A top-k cache forms nothing on the Triton kernels (they read its rows) and counts among the
     # two converted sides on torch: no side to add either way.
     problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)

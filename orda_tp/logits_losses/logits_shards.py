@@ -13,6 +13,7 @@ error on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from ..options import check_group
 from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, placement_text, shard_axis
-from ..parallel.layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
+from ..parallel.layout import HeadShard, ShardClaim, VocabLayout, failure_code, resolve_layout, text_digest
 from ..parallel.local_shards import same_ranks
 
 try:
@@ -40,6 +41,7 @@ __all__ = [
     "local_head_weight",
     "local_logits",
     "local_student",
+    "logits_call_group",
     "logits_group",
 ]
 
@@ -87,6 +89,18 @@ def logits_group(student_logits: object, tp_group: object) -> tuple[dist.Process
             "tp_group is not the process group of the mesh dimension along which student_logits is sharded"
         )
     return axis.group, axis
+
+
+def logits_call_group(student_logits: object, tp_group: object) -> dist.ProcessGroup | None:
+    """The group of a call whose keywords may not be valid yet: ``tp_group`` when it is a process
+    group, else that of DTensor ``student_logits`` sharded on the last dimension (None: one
+    device, or no group to tell the others through)."""
+    if isinstance(tp_group, dist.ProcessGroup):
+        return tp_group
+    try:
+        return logits_group(student_logits, None)[0]
+    except ValueError:  # a placement this loss cannot handle: the call raises it on every rank
+        return None
 
 
 @dataclass(frozen=True)
@@ -187,18 +201,26 @@ class ShardShape:
 
 
 def agree_vocabulary(
-    group: dist.ProcessGroup | None, shard: ShardShape | None, failure: Exception | None, host_checks: bool | None
+    group: dist.ProcessGroup | None,
+    shard: ShardShape | None,
+    failure: Exception | None,
+    host_checks: bool | None,
+    replicated: Sequence[tuple[str, Tensor]] = (),
+    call_text: str = "",
 ) -> VocabLayout:
     """The layout of the call: every column on one device, or agreed across ``group`` by the
-    fused path's handshake. ``failure``: this rank's own input-check failure (``shard`` is then
-    None); the handshake makes every rank raise it. ``host_checks``: ``KernelConfig.host_checks``
+    fused path's handshake. ``failure``: this rank's own input-check failure (``shard`` may then
+    be None); the handshake makes every rank raise it. ``replicated``: the tensors beside the
+    labels that every rank must hold alike; ``call_text``: the call's settings, ``name=value``
+    lines; ``host_checks``: ``KernelConfig.host_checks``
     (:func:`orda_tp.parallel.layout.resolve_layout`)."""
     if group is None:
         assert shard is not None
         columns = shard.columns
         return VocabLayout(0, columns, columns, columns, columns, columns, columns)
     if failure is not None or shard is None:
-        return resolve_layout(group, ShardClaim(failed=1), None, None, failure, host_checks)
+        assert failure is not None
+        return resolve_layout(group, ShardClaim(failed=failure_code(failure)), (), None, failure, host_checks)
     start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)
     rows = shard.labels.shape[0]
     claim = ShardClaim(
@@ -208,6 +230,8 @@ def agree_vocabulary(
         range_stop=stop,
         label_rows=rows,
         hidden_rows=rows,
+        call_digest=text_digest(call_text),
     )
     head = HeadShard("student_logits", shard.student, -1)
-    return resolve_layout(group, claim, shard.labels, head, None, host_checks)
+    tensors = [("labels", shard.labels), *replicated]
+    return resolve_layout(group, claim, tensors, head, None, host_checks, call_text)

@@ -8,6 +8,7 @@
   row group's hidden gradients as they complete: ``ShardExchange.start_row_gradient_sum``).
 - :func:`host_group`: the group that gathers host values (the handshake's claims) without a
   device, for a device (NCCL) group its gloo twin.
+- :func:`all_gather_texts`: every rank's string (an error's message), for the error paths.
 - :class:`BackendLoan`: how a collective's host tensors are handed to the process group, so
   that none is still held by its worker threads when the call returns (below).
 
@@ -44,6 +45,7 @@ from torch import Tensor
 __all__ = [
     "BackendLoan",
     "all_gather_rows",
+    "all_gather_texts",
     "carries_host_tensors",
     "gather_sequence_rows",
     "gloo_twin",
@@ -114,6 +116,20 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
     all_gather_single(loan.alias(gathered), loan.alias(local), group=group)
     loan.settle()
     return gathered.view(world, *local.shape)
+
+
+def all_gather_texts(text: str, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's ``text`` in rank order, over a group of host tensors (:func:`host_group`).
+
+    Two :func:`all_gather_rows` (the lengths, then the UTF-8 bytes padded to the longest), so that
+    the error paths hand the backend nothing it could still hold at exit, as the data path does
+    (``all_gather_object`` pickles into tensors it does not settle)."""
+    encoded = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+    lengths = all_gather_rows(torch.tensor([[encoded.numel()]], dtype=torch.int64), group).view(-1).tolist()
+    padded = torch.zeros(1, max(max(lengths), 1), dtype=torch.uint8)
+    padded[0, : encoded.numel()] = encoded
+    gathered = all_gather_rows(padded, group).view(len(lengths), -1)
+    return [bytes(row[:length].tolist()).decode("utf-8") for row, length in zip(gathered, lengths)]
 
 
 _GLOO_TWINS: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}

@@ -4,14 +4,17 @@ A :class:`VocabLayout` says which global columns ``[vocab_start, vocab_stop)`` t
 shard holds, how many columns all shards hold together (the padded vocabulary), and the real
 vocabulary size (columns at or past it are padding, masked on whichever rank holds them).
 
-Ranks agree on the layout through one small "handshake" all-gather of fixed size at the start of
-every call. It carries each rank's shard sizes, vocabulary range, row counts, a checksum of its
-labels, a fingerprint of its head shard and whether its own input checks failed. Everything is
-checked from the gathered values, so every rank raises the same error and none is left waiting in a
-collective, whatever changed on whichever rank since the last call. Without host checks (an NCCL
-group's default) nothing of the device is read: the host values travel over a host group and the
-checksum and fingerprint comparison stays on the device, where a mismatch makes the call's
-statistics NaN on every rank (:func:`resolve_layout`).
+Ranks agree on the layout through a "handshake" of two small all-gathers at the start of every
+call. The first carries host values: each rank's shard sizes, vocabulary range and row counts,
+whether its own input checks failed, and a digest of its call's settings (keywords, the teacher's
+kind). A failure on any rank, or settings that differ, raise the same error on every rank there,
+before any rank goes on. The second carries a checksum of each tensor that every rank must hold
+alike (the labels, token weights, a top-k cache) and a fingerprint of the head shard. Everything
+is checked from the gathered values, so every rank raises the same error and none is left
+waiting in a collective, whatever changed on whichever rank since the last call. Without host
+checks (an NCCL group's default) the second gather is not read on the host: the comparison stays
+on the device, where a mismatch makes the call's statistics NaN on every rank
+(:func:`resolve_layout`).
 
 The fingerprint catches a full (unsharded) head passed on every rank: vocabulary shards hold
 different rows, so shards whose sampled rows differ from each other yet agree bitwise across
@@ -20,15 +23,27 @@ every rank are copies of one tensor, not shards of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
 
 from ..checks import runs_host_checks
-from .collectives import all_gather_rows, host_group
+from .collectives import all_gather_rows, all_gather_texts, host_group
 
-__all__ = ["HeadShard", "ShardClaim", "VocabLayout", "resolve_layout", "shard_fingerprint"]
+__all__ = [
+    "FAILURE_TYPES",
+    "HeadShard",
+    "ShardClaim",
+    "VocabLayout",
+    "failure_code",
+    "replicated_checksum",
+    "resolve_layout",
+    "shard_fingerprint",
+    "text_digest",
+]
 
 
 @dataclass(frozen=True)
@@ -57,9 +72,28 @@ class VocabLayout:
     inconsistent: torch.Tensor | None = field(default=None, compare=False)
 
 
+#: ``ShardClaim.failed``: the error a rank's own checks raised, as 1 + its index here (0: none).
+FAILURE_TYPES: tuple[type[Exception], ...] = (ValueError, TypeError)
+
+
+def failure_code(problem: Exception | None) -> int:
+    """``ShardClaim.failed`` for this rank's own check failure ``problem`` (None: 0)."""
+    if problem is None:
+        return 0
+    return 2 if isinstance(problem, TypeError) and not isinstance(problem, ValueError) else 1
+
+
+def text_digest(text: str) -> int:
+    """A signed 64-bit digest of ``text``, the same in every process (``hash`` of a str is not)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+
+
 @dataclass(frozen=True)
 class ShardClaim:
-    """What one rank brings to the handshake (−1 where a field is not given)."""
+    """What one rank brings to the handshake (−1 where a field is not given): its shard's sizes
+    and range, its row counts, whether its own checks failed (:func:`failure_code`) and the
+    digest of its call's settings (:func:`text_digest` of the ``call_text`` of
+    :func:`resolve_layout`)."""
 
     local_columns: int = -1
     teacher_columns: int = -1
@@ -70,22 +104,10 @@ class ShardClaim:
     hidden_rows: int = -1
     sequence_parallel: int = 0
     failed: int = 0
+    call_digest: int = 0
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.tensor(
-            [
-                self.local_columns,
-                self.teacher_columns,
-                self.range_start,
-                self.range_stop,
-                self.vocab_size,
-                self.label_rows,
-                self.hidden_rows,
-                self.sequence_parallel,
-                self.failed,
-            ],
-            dtype=torch.int64,
-        )
+        return torch.tensor([getattr(self, spec.name) for spec in fields(self)], dtype=torch.int64)
 
 
 FINGERPRINT_SLICES = 64
@@ -110,10 +132,16 @@ def shard_fingerprint(shard: torch.Tensor, vocab_dim: int) -> torch.Tensor:
     return torch.cat([sums, differ])
 
 
-def labels_checksum(labels: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums that differ when two ranks' labels differ (computed on the labels' device)."""
-    positions = torch.arange(1, labels.numel() + 1, device=labels.device, dtype=torch.int64)
-    return torch.stack([labels.sum(), (labels * positions).sum()]).to(torch.int64)
+def replicated_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """Two int64 that differ when two ranks' copies of a tensor that must be the same on every
+    rank (labels, token weights, a top-k cache) differ: its plain and position-weighted sums,
+    exact for integers and as fp64 bit patterns for floats (computed on the tensor's device)."""
+    values = tensor.detach().reshape(-1)
+    dtype = torch.float64 if values.is_floating_point() else torch.int64
+    values = values.to(dtype)
+    positions = torch.arange(1, values.numel() + 1, device=values.device, dtype=dtype)
+    sums = torch.stack([values.sum(), (values * positions).sum()])
+    return sums.view(torch.int64) if dtype == torch.float64 else sums
 
 
 def _agreed_or_raise(values: list[int], what: str) -> int:
@@ -198,14 +226,39 @@ def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.Process
 
 
 def _raise_local_failures(claims: list[ShardClaim], problem: Exception | None, group: dist.ProcessGroup) -> None:
-    """If any rank's own input checks failed, every rank raises the same error naming them."""
+    """If any rank's own checks failed, every rank raises the same error naming them and their
+    messages: a TypeError where the first failing rank's was one, else a ValueError (on the
+    failing ranks chained to their own error)."""
     failed = [rank for rank, claim in enumerate(claims) if claim.failed]
     if not failed:
         return
-    messages: list[object] = [None] * len(claims)
-    dist.all_gather_object(messages, None if problem is None else f"{type(problem).__name__}: {problem}", group=group)
+    messages = all_gather_texts("" if problem is None else f"{type(problem).__name__}: {problem}", group)
     details = "; ".join(f"rank {rank}: {messages[rank]}" for rank in failed)
-    raise ValueError(f"invalid inputs on tp_group rank(s) {failed}: {details}")
+    error_type = FAILURE_TYPES[claims[failed[0]].failed - 1]
+    raise error_type(f"invalid inputs on tp_group rank(s) {failed}: {details}") from problem
+
+
+def _settings(text: str) -> dict[str, str]:
+    """``name=value`` lines of a call text, as a mapping."""
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def _raise_differing_calls(claims: list[ShardClaim], call_text: str, group: dist.ProcessGroup) -> None:
+    """If the ranks' call settings differ (their digests do), every rank raises the same error
+    naming the settings that differ and each rank's value: a keyword given differently on one rank
+    would make the ranks compute different losses, or walk different chunks and wait on each
+    other."""
+    if len({claim.call_digest for claim in claims}) == 1:
+        return
+    settings = [_settings(text) for text in all_gather_texts(call_text, group)]
+    names = list(dict.fromkeys(name for setting in settings for name in setting))
+    differing = [name for name in names if len({setting.get(name) for setting in settings}) > 1]
+    listing = "; ".join(
+        f"{name}: "
+        + ", ".join(f"rank {rank}: {setting.get(name, '(not given)')}" for rank, setting in enumerate(settings))
+        for name in differing
+    )
+    raise ValueError(f"a tensor-parallel call must be made with the same settings on every rank of tp_group: {listing}")
 
 
 @dataclass(frozen=True)
@@ -227,73 +280,84 @@ def _replicated_head_error(claims: list[ShardClaim], name: str) -> ValueError:
     )
 
 
-def _value_checks(labels: torch.Tensor | None, head: HeadShard | None, device: torch.device) -> torch.Tensor:
-    """This rank's labels checksum (2 values) and head fingerprint (3), int64 on ``device``."""
-    checksum = labels_checksum(labels) if labels is not None else torch.full((2,), -1, dtype=torch.int64)
+def _value_checks(
+    replicated: Sequence[tuple[str, torch.Tensor]], head: HeadShard | None, device: torch.device
+) -> torch.Tensor:
+    """This rank's checksums of its ``replicated`` tensors (2 values each) and its head's
+    fingerprint (3), int64 on ``device``."""
+    checksums = [replicated_checksum(tensor).to(device) for _, tensor in replicated]
     fingerprint = (
         shard_fingerprint(head.tensor, head.vocab_dim) if head is not None else torch.zeros(3, dtype=torch.int64)
     )
-    return torch.cat([checksum.to(device), fingerprint.to(device)])
+    return torch.cat([*checksums, fingerprint.to(device)])
 
 
 def _inconsistencies(
     claims: list[ShardClaim], checks: torch.Tensor, fingerprinted: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(labels differ, copies of one head)``, 0-d bools on ``checks``' device, from every rank's
-    labels checksum and head fingerprint ``checks`` (world, 5). Shards of equal size whose slices
-    differ within each shard but match bitwise across every rank are one tensor passed whole on
-    every rank, not its shards."""
-    labels_differ = (checks[:, :2] != checks[:1, :2]).any()
+    """``(which replicated tensors differ, copies of one head)``: a bool per replicated tensor and
+    a 0-d bool, on ``checks``' device, from every rank's checksums and head fingerprint ``checks``
+    (world, 2·R + 3). Shards of equal size whose slices differ within each shard but match
+    bitwise across every rank are one tensor passed whole on every rank, not its shards."""
+    checksums = checks[:, :-3].view(checks.shape[0], -1, 2)
+    differ = (checksums != checksums[:1]).any(dim=2).any(dim=0)
     same_size = len(claims) > 1 and len({claim.local_columns for claim in claims}) == 1
-    fingerprints = checks[:, 2:]
+    fingerprints = checks[:, -3:]
     copies = (fingerprints[:, 2] != 0).all() & (fingerprints == fingerprints[:1]).all()
-    return labels_differ, copies & (fingerprinted and same_size)
+    return differ, copies & (fingerprinted and same_size)
+
+
+def _differ_error(names: list[str]) -> ValueError:
+    listed = " and ".join(names)
+    verb = "differs" if len(names) == 1 else "differ"
+    return ValueError(
+        f"{listed} must be identical on every rank of tp_group (every rank holds the whole batch's rows); "
+        f"{listed} {verb} between ranks"
+    )
 
 
 def resolve_layout(
     group: dist.ProcessGroup,
     claim: ShardClaim,
-    labels: torch.Tensor | None,
+    replicated: Sequence[tuple[str, torch.Tensor]],
     head: HeadShard | None,
     problem: Exception | None,
     host_checks: bool | None = None,
+    call_text: str = "",
 ) -> VocabLayout:
-    """The layout agreed by every rank of ``group``.
+    """The layout agreed by every rank of ``group``, in two all-gathers.
 
-    ``problem`` is this rank's own input-check failure, if any: it travels as a flag, so every
-    rank raises. Labels must be identical on every rank; their checksums are compared. ``head``'s
-    fingerprints must not show the same full head on every rank. ``host_checks``
-    (``KernelConfig.host_checks``; None: on a group of host tensors, not on an NCCL group, so that
-    every rank decides alike): one all-gather carries all of it and its values are read on the
-    host, so both value checks raise a ValueError on every rank. Without, nothing of the device is
-    read: the claims (host values) go through :func:`~.collectives.host_group`, the checksums and
-    fingerprints through a device all-gather, compared on the device into
-    ``VocabLayout.inconsistent``, which makes the call's statistics NaN on every rank
+    First the claims, host values over :func:`~.collectives.host_group`: ``problem`` is this
+    rank's own check failure, if any (``claim.failed`` says so), and every rank raises it;
+    ``call_text`` (``name=value`` lines, digested in ``claim.call_digest``) are the call's
+    settings, and ranks whose settings differ all raise, naming them. Then, on ``group``'s
+    device, a checksum of each ``replicated`` tensor (named, e.g. the labels: they must be the
+    same on every rank) and ``head``'s fingerprint (the same full head on every rank is refused).
+    ``host_checks`` (``KernelConfig.host_checks``; None: on a group of host tensors, not on an
+    NCCL group, so that every rank decides alike): those are read on the host and raise a
+    ValueError on every rank. Without, nothing of the device is read: they are compared on the
+    device into ``VocabLayout.inconsistent``, which makes the call's statistics NaN on every rank
     (``ShardExchange``).
     """
     world = dist.get_world_size(group)
-    device = labels.device if labels is not None else torch.device("cpu")
+    host = host_group(group)
+    gathered = all_gather_rows(claim.as_tensor().view(1, -1), host).view(world, -1).tolist()
+    claims = [ShardClaim(*(int(v) for v in values)) for values in gathered]
+    _raise_local_failures(claims, problem, host)
+    _raise_differing_calls(claims, call_text, host)
+    layout = _layout_from_claims(claims, dist.get_rank(group), group)
     nccl = dist.get_backend(group) == dist.Backend.NCCL
+    device = replicated[0][1].device if replicated else torch.device("cpu")
     if nccl and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+    checks = all_gather_rows(_value_checks(replicated, head, device).view(1, -1), group).view(world, -1)
+    differ, copies = _inconsistencies(claims, checks, head is not None)
     if not runs_host_checks(host_checks, torch.device("cuda" if nccl else "cpu")):
-        host = host_group(group)
-        gathered = all_gather_rows(claim.as_tensor().view(1, -1), host).view(world, -1).tolist()
-        claims = [ShardClaim(*(int(v) for v in values)) for values in gathered]
-        _raise_local_failures(claims, problem, host)
-        layout = _layout_from_claims(claims, dist.get_rank(group), group)
-        checks = all_gather_rows(_value_checks(labels, head, device).view(1, -1), group).view(world, -1)
-        labels_differ, copies = _inconsistencies(claims, checks, head is not None)
-        return replace(layout, inconsistent=labels_differ | copies)
-    mine = torch.cat([claim.as_tensor().to(device), _value_checks(labels, head, device)])
-    rows = all_gather_rows(mine.view(1, -1), group).view(world, -1).tolist()
-    claims = [ShardClaim(*(int(v) for v in values[:-5])) for values in rows]
-    _raise_local_failures(claims, problem, group)
-    # The values are on the host now: the same rule on a host tensor of them.
-    labels_differ, copies = _inconsistencies(claims, torch.tensor(rows)[:, -5:], head is not None)
-    if labels_differ:
-        raise ValueError("labels must be identical on every rank of tp_group (they are global ids); they differ")
-    if copies:
+        return replace(layout, inconsistent=differ.any() | copies)
+    differing = [name for (name, _), flag in zip(replicated, differ.tolist()) if flag]
+    if differing:
+        raise _differ_error(differing)
+    if bool(copies):
         assert head is not None
         raise _replicated_head_error(claims, head.name)
-    return _layout_from_claims(claims, dist.get_rank(group), group)
+    return layout

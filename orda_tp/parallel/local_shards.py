@@ -9,8 +9,9 @@ one device (``orda_tp.api``) and the layout covers the whole head (minus padding
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch.distributed as dist
 from torch import Tensor
@@ -21,10 +22,19 @@ from ..plan import LossPlan
 from ..teachers import TeacherSource
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
 from .fsdp import check_not_fsdp_sharded
-from .layout import HeadShard, ShardClaim, VocabLayout, resolve_layout
+from .layout import HeadShard, ShardClaim, VocabLayout, failure_code, resolve_layout, text_digest
 from .shard_exchange import LocalError, LocalErrorCode
 
-__all__ = ["DTensorShards", "LocalInputs", "can_fail_locally", "local_error", "same_ranks", "shard_inputs"]
+__all__ = [
+    "DTensorShards",
+    "LocalInputs",
+    "call_group",
+    "can_fail_locally",
+    "fail_on_every_rank",
+    "local_error",
+    "same_ranks",
+    "shard_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -141,12 +151,16 @@ def _agree_layout(
     inputs: LocalInputs | None,
     options: LossOptions,
     problem: Exception | None,
+    replicated: Sequence[tuple[str, Tensor]],
+    call_text: str,
 ) -> VocabLayout:
-    """The layout of this call, agreed across ``group``: ``inputs`` is None and ``problem`` set
-    when this rank's own checks failed; the handshake then makes every rank raise."""
+    """The layout of this call, agreed across ``group``: ``problem`` is set when this rank's own
+    checks failed (``inputs`` may then be None); the handshake then makes every rank raise.
+    ``replicated``: the tensors beside the labels that every rank must hold alike."""
     host_checks, vocab_size = options.kernel_config.host_checks, options.vocab_size
-    if inputs is None:
-        return resolve_layout(group, ShardClaim(failed=1), None, None, problem, host_checks)
+    if problem is not None or inputs is None:
+        assert problem is not None
+        return resolve_layout(group, ShardClaim(failed=failure_code(problem)), (), None, problem, host_checks)
     start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
     teacher_columns = inputs.teacher.vocab_columns()
     claim = ShardClaim(
@@ -158,8 +172,22 @@ def _agree_layout(
         label_rows=inputs.labels.shape[0],
         hidden_rows=inputs.student_hidden.shape[0],
         sequence_parallel=int(inputs.sequence_parallel),
+        call_digest=text_digest(call_text),
     )
-    return resolve_layout(group, claim, inputs.labels, HeadShard("weight", inputs.weight, 0), problem, host_checks)
+    tensors = [("labels", inputs.labels), *replicated, *inputs.teacher.replicated_tensors()]
+    head = HeadShard("weight", inputs.weight, 0)
+    return resolve_layout(group, claim, tensors, head, None, host_checks, call_text)
+
+
+def fail_on_every_rank(problem: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+    """Raise ``problem``, a check failure found before a tensor-parallel call knew its tensors (a
+    keyword), on every rank of ``group`` (the call's group, or None on one device) at once: the
+    handshake carries the failure as the other ranks' checks do, so that no rank waits for this
+    one in a collective."""
+    if group is None:
+        raise problem
+    resolve_layout(group, ShardClaim(failed=failure_code(problem)), (), None, problem)
+    raise AssertionError("the handshake raises for a failed rank")  # pragma: no cover
 
 
 def _tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -171,24 +199,46 @@ def _tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.Proces
     return group
 
 
+def call_group(weight: object, tp_group: object) -> dist.ProcessGroup | None:
+    """The group of a call whose keywords may not be valid yet: ``tp_group`` when it is a process
+    group, else the mesh group of a DTensor ``weight`` sharded on dim 0 (None: one device, or no
+    group to tell the others through)."""
+    if isinstance(tp_group, dist.ProcessGroup):
+        return tp_group
+    try:
+        return _tp_group_of(weight, None)
+    except ValueError:  # a DTensor weight not sharded on dim 0: its own error is raised by the call
+        return None
+
+
 def shard_inputs(
     options: LossOptions,
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
     teacher: TeacherSource,
-    precheck: Callable[[LocalInputs], None],
+    precheck: Callable[[LocalInputs], Sequence[tuple[str, Tensor]]],
+    call_text: str,
 ) -> tuple[LocalInputs, VocabLayout]:
     """This rank's tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs) and the
-    layout the group agrees on. Every check that can fail on one rank only (types, shapes, devices,
-    ``precheck``: the caller's own) runs before the layout handshake, which makes every rank raise
-    the same error; none waits for a rank that raised."""
+    layout the group agrees on. Every check that reads only this rank's own arguments (types,
+    shapes, devices, the backend, the teacher descriptor, and ``precheck``: the caller's own,
+    which returns the further tensors that every rank must hold alike, e.g. token weights) runs
+    before the layout handshake, which makes every rank raise the same error; none waits for a
+    rank that raised. The handshake also proves that ``call_text`` (the call's settings) and the
+    tensors every rank must hold alike agree, so every check after it decides alike on every
+    rank."""
     # FSDP's data-parallel shards posing as vocabulary shards: every rank decides alike.
     for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
         check_not_fsdp_sharded(name, tensor)
     group = _tp_group_of(weight, options.tp_group)
     local, failure = None, None
+    replicated: Sequence[tuple[str, Tensor]] = ()
     try:
+        if options.backend == "reference":
+            raise ValueError(
+                "backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'"
+            )
         local = _localize(
             student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
         )
@@ -196,17 +246,14 @@ def shard_inputs(
         check_inputs(
             local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards
         )
-        if options.backend == "reference":
-            raise ValueError(
-                "backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'"
-            )
-        precheck(local)
+        teacher.check_shardable()
+        replicated = precheck(local)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
     assert group is not None  # a call without a group raised above (no DTensor weight, no tp_group)
-    layout = _agree_layout(group, local, options, failure)
+    layout = _agree_layout(group, local, options, failure, replicated, call_text)
     assert local is not None
     return local, layout
 
@@ -229,10 +276,8 @@ def local_error(
     cache where it is read (``host_checks`` run and the teacher's logits are read), and with
     ``check_finite_inputs`` a non-finite hidden state or weight.
 
-    A descriptor that cannot stand for one vocabulary shard raises at once: that is a property of
-    how the program built it, not of the shard's values, so every rank of the group built it alike
-    and raises here (after the handshake, before the first record exchange)."""
-    teacher.check_shardable()
+    A descriptor that cannot stand for one vocabulary shard raised before the handshake
+    (:func:`shard_inputs`)."""
     try:
         teacher.check_unmodified()
     except ValueError:

@@ -217,6 +217,11 @@ class PrecomputedTeacher(TeacherSource):
                 "logits=shard.to(dtype))), or call prepare_logits on a DTensor of the logits (its rows are whole)"
             )
 
+    def replicated_tensors(self) -> list[tuple[str, Tensor]]:
+        if self.topk_ids is None or self.topk_logprobs is None:
+            return []
+        return [("teacher.topk_ids", self.topk_ids), ("teacher.topk_logprobs", self.topk_logprobs)]
+
     def modified_tensor(self) -> tuple[str, int, int] | None:
         """``(name, recorded version, current version)`` of a tensor modified in place since
         construction, or None (a tensor without a version counter is trusted, not watched)."""

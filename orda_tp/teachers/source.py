@@ -4,7 +4,7 @@ head module (:class:`TeacherHead`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, fields, is_dataclass
 from typing import ClassVar, NamedTuple, Protocol
 
 import torch
@@ -168,6 +168,23 @@ class TeacherSource:
 
     def check_shardable(self) -> None:
         """Raise if the descriptor cannot be read as one vocabulary shard of a teacher."""
+
+    def replicated_tensors(self) -> list[tuple[str, Tensor]]:
+        """Its tensors that every rank of a tensor-parallel group holds whole and alike (a top-k
+        cache's, like the labels), with their names; the handshake compares their checksums."""
+        return []
+
+    def settings_text(self) -> str:
+        """``name=value`` lines of what the descriptor says beside its tensors' values (its class,
+        mode, tail, temperature; a tensor by its presence): the same on every rank of a
+        tensor-parallel call."""
+        lines = [f"teacher={type(self).__name__}"]
+        specs: tuple[Field[object], ...] = fields(self) if is_dataclass(self) else ()
+        for spec in specs:
+            if spec.init:
+                value = getattr(self, spec.name)
+                lines.append(f"teacher.{spec.name}={'<tensor>' if isinstance(value, Tensor) else repr(value)}")
+        return "\n".join(lines)
 
 
 def columns(tensor: Tensor, axis: int, vocab: int | None) -> int:
