@@ -190,7 +190,7 @@ def _run(
     config, device = plan.config, local.student_hidden.device
     host_checks = runs_host_checks(config.host_checks, device)
     if not config.assume_valid_labels and host_checks:
-        check_label_range(local.labels, layout.vocab_size, options.ignore_index)
+        check_label_range(local.labels, layout.vocab_size, options.ignore_index, one_device=local.group is None)
     exchange = None
     if local.group is not None:  # the value checks travel with the first record exchange
         error = local_error(plan, local, teacher, layout, host_checks)

@@ -175,6 +175,12 @@ def check_inputs(
     hidden = check_floating("student_hidden", student_hidden, dims=2)
     head = check_floating("weight", weight, dims=2)
     rows, width = hidden.shape
+    if head.shape[1] != width and head.shape[0] == width:
+        raise ValueError(
+            f"weight must have shape (vocab, {width}) (vocab × hidden, matching student_hidden's hidden size), got "
+            f"{tuple(head.shape)}: it looks transposed (hidden × vocab); pass the LM head's weight as nn.Linear "
+            "stores it (vocab rows), e.g. weight.T"
+        )
     check_shape("weight", head, (head.shape[0], width), "vocab × hidden, matching student_hidden's hidden size")
     label_rows = rows * row_shards
     meaning = "one label per row of student_hidden" + (f" on each of {row_shards} ranks" if row_shards > 1 else "")
@@ -239,14 +245,22 @@ def runs_host_checks(setting: bool | None, device: torch.device) -> bool:
     return device.type == "cpu" if setting is None else setting
 
 
-def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Every label is ``ignore_index`` or in ``[0, vocab_size)`` (synchronizes with the device)."""
+def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int, *, one_device: bool = False) -> None:
+    """Every label is ``ignore_index`` or in ``[0, vocab_size)`` (synchronizes with the device).
+    ``one_device``: a call without tensor parallelism, whose head may be a shard passed without
+    its ``tp_group`` (the message then says so)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
+        hint = ""
+        if one_device and bool((labels[bad] >= vocab_size).any()):
+            hint = (
+                f"; if weight is one rank's vocabulary shard of a larger head ({vocab_size} of its rows), pass "
+                "tp_group= (or the head as a DTensor sharded on dim 0) so that labels are read as global ids"
+            )
         raise ValueError(
             f"labels must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
-            f"labels[{row}] = {int(labels[row])} ({int(bad.sum())} such rows)"
+            f"labels[{row}] = {int(labels[row])} ({int(bad.sum())} such rows){hint}"
         )
 
 

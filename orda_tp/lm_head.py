@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .api import DistillationLoss, DistillationLossOutput, TeacherArgument
+from .parallel.local_shards import call_group, fail_on_every_rank
 from .teachers import SeparateTeacher
 
 __all__ = ["DistillationHead", "HeadOutput"]
@@ -70,8 +71,10 @@ class DistillationHead(nn.Linear):
       when no term reads it (``kl_weight=0`` and ``teacher_ce_weight`` 0 or None): the loss is then
       the student CE.
 
-    ``labels`` and ``teacher`` are keyword-only: tensor-parallel styles pass on the first
-    positional argument only.
+    ``labels`` may be passed by position or keyword; ``teacher`` and ``num_valid_tokens`` are
+    keyword-only. Tensor-parallel styles (``VocabParallel``) redistribute the first positional
+    argument only and pass the others on as they are. Under tensor parallelism a check of the
+    head's arguments that fails on some rank raises on every rank (through the loss's handshake).
     """
 
     def __init__(
@@ -98,6 +101,20 @@ class DistillationHead(nn.Linear):
         head.weight = linear.weight
         return head
 
+    def _check_rows(self, hidden: object, labels: object) -> None:
+        """``hidden`` (..., in_features) and one ``labels`` entry per position."""
+        if not isinstance(hidden, Tensor) or hidden.dim() < 1 or hidden.shape[-1] != self.in_features:
+            shape = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
+            raise ValueError(
+                f"hidden must have shape (..., {self.in_features}) (this DistillationHead's in_features), got {shape}"
+            )
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+            shape = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(
+                f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])} (one label per position), "
+                f"got {shape}"
+            )
+
     def _unread_teacher(self, rows: Tensor) -> SeparateTeacher:
         """A call without a teacher is the student CE alone, allowed when no term reads a teacher."""
         options = self.loss.options
@@ -113,26 +130,25 @@ class DistillationHead(nn.Linear):
     def forward(  # type: ignore[override]
         self,
         hidden: Tensor,
-        *,
         labels: Tensor | None = None,
+        *,
         teacher: TeacherArgument | None = None,
         num_valid_tokens: float | Tensor | None = None,
     ) -> Tensor | HeadOutput:
         if labels is None:
-            if teacher is not None or num_valid_tokens is not None:
-                raise ValueError(
+            if teacher is not None or num_valid_tokens is not None:  # meant as a loss call: the others' may be
+                error = ValueError(
                     "DistillationHead(hidden) returns logits; teacher= and num_valid_tokens= need labels=..."
                 )
+                fail_on_every_rank(error, call_group(self.weight, self.loss.options.tp_group))
             return F.linear(hidden, self.weight)
-        if not isinstance(labels, Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
-            shape = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
-            raise ValueError(
-                f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])} (one label per position), "
-                f"got {shape}"
-            )
-        rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
-        if teacher is None:
-            teacher = self._unread_teacher(rows)
+        try:
+            self._check_rows(hidden, labels)
+            rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
+            if teacher is None:
+                teacher = self._unread_teacher(rows)
+        except (ValueError, TypeError) as error:
+            fail_on_every_rank(error, call_group(self.weight, self.loss.options.tp_group))
         out = self.loss(rows, self.weight, labels.reshape(-1), teacher, num_valid_tokens=num_valid_tokens)
         if self.loss.options.reduction == "none":
             return HeadOutput(*(value.reshape(labels.shape) for value in out))

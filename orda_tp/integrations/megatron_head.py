@@ -16,6 +16,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from orda_tp import DistillationLoss, DistillationLossOutput, PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from orda_tp.parallel.layout import agree_checks
+from orda_tp.parallel.local_shards import fail_on_every_rank
 
 __all__ = [
     "DistillationModel",
@@ -149,7 +151,16 @@ class DistillationModel(HeadInputsModel):
                 )
             return super().forward(*args, **kwargs)
         setup = self.orda_distillation
-        check_teacher_choice(setup, teacher_logits, call.arguments.get("decoder_input"))
+        group = setup.loss.options.tp_group
+        problem = None
+        try:
+            check_teacher_choice(setup, teacher_logits, call.arguments.get("decoder_input"))
+        except (ValueError, TypeError) as error:
+            if group is None:
+                raise
+            problem = error
+        if group is not None:  # before the model's own collectives: every rank raises, or none
+            agree_checks(group, problem)
         student = self.head_inputs(*args, **kwargs)
         teacher = teacher_logits if setup.teacher is None else frozen_head_inputs(setup.teacher, args, kwargs)
         out = per_token_loss(setup, student, labels, call.arguments.get("loss_mask"), teacher)
@@ -263,23 +274,31 @@ def per_token_loss(
     V_padded/tp]`` (``PrecomputedTeacher``), or None when the loss needs no teacher (a tied
     placeholder the loss never reads: ``kl_weight == teacher_ce_weight == 0``).
     """
-    check_layouts(setup, student, labels, loss_mask, teacher)
     order = RowOrder(batch_major=isinstance(teacher, Tensor) and not setup.sequence_parallel)
-    if loss_mask is not None:
-        labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
-    hidden = order.hidden_rows(student.hidden)
-    descriptor: TiedTeacher | SeparateTeacher | PrecomputedTeacher
-    if isinstance(teacher, HeadInputs):
-        descriptor = SeparateTeacher(order.hidden_rows(teacher.hidden), teacher.weight)
-    elif isinstance(teacher, Tensor):
-        descriptor = PrecomputedTeacher(logits=order.position_rows(teacher))
-    elif teacher is None and not setup.needs_teacher:
-        descriptor = TiedTeacher(hidden.detach())
-    else:
-        raise TypeError(f"teacher must be HeadInputs, a logits tensor or None (no KL), got {type(teacher).__name__}")
+    try:  # a failure on some rank raises on every rank, through the loss's handshake
+        check_layouts(setup, student, labels, loss_mask, teacher)
+        if loss_mask is not None:
+            labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
+        hidden = order.hidden_rows(student.hidden)
+        descriptor = _teacher_descriptor(setup, order, hidden, teacher)
+    except (ValueError, TypeError) as error:
+        fail_on_every_rank(error, setup.loss.options.tp_group)
     out = setup.loss(hidden, student.weight, order.position_rows(labels), descriptor)
     batch, seq = labels.shape
     return DistillationLossOutput(*(order.positions(value, batch, seq) for value in out))
+
+
+def _teacher_descriptor(
+    setup: DistillationSetup, order: RowOrder, hidden: Tensor, teacher: object
+) -> TiedTeacher | SeparateTeacher | PrecomputedTeacher:
+    """The loss's teacher for ``teacher`` (see :func:`per_token_loss`), rows in ``order``."""
+    if isinstance(teacher, HeadInputs):
+        return SeparateTeacher(order.hidden_rows(teacher.hidden), teacher.weight)
+    if isinstance(teacher, Tensor):
+        return PrecomputedTeacher(logits=order.position_rows(teacher))
+    if teacher is None and not setup.needs_teacher:
+        return TiedTeacher(hidden.detach())
+    raise TypeError(f"teacher must be HeadInputs, a logits tensor or None (no KL), got {type(teacher).__name__}")
 
 
 # ---------------------------------------------------------------------------------- installation

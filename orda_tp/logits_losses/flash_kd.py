@@ -140,7 +140,10 @@ def flash_ce_kd_loss(
         check_flag("upcast", upcast)
     except (ValueError, TypeError) as error:
         fail_on_every_rank(error, logits_call_group(student_logits, tp_group))
-    group, axis = logits_group(student_logits, options.tp_group)
+    try:
+        group, axis = logits_group(student_logits, options.tp_group)
+    except (ValueError, TypeError) as error:
+        fail_on_every_rank(error, logits_call_group(student_logits, options.tp_group))
     local, shard, failure = None, None, None
     try:
         local, shard = _local_inputs(student_logits, teacher_hidden, teacher_lm_head_weight, labels, axis)

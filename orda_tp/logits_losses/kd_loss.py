@@ -28,11 +28,12 @@ from ..config import KernelConfig
 from ..divergences import EntropyGate
 from ..engine.logits import StoredLogits, statistics_dtype
 from ..options import LogitsOptions, setting_text
+from ..parallel.local_shards import fail_on_every_rank
 from ..plan import LossPlan, check_sparse_teacher
 from ..teachers import PrecomputedTeacher
 from ..teachers.source import TeacherBlocks
 from .function import logits_distillation
-from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_group
+from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_call_group, logits_group
 from .problem import build_problem
 
 __all__ = ["KDLoss"]
@@ -88,7 +89,10 @@ def _kd_loss(
     num_batch_labels: float | Tensor | None,
     token_weights: object = None,
 ) -> Tensor:
-    group, axis = logits_group(student_logits, options.tp_group)
+    try:
+        group, axis = logits_group(student_logits, options.tp_group)
+    except (ValueError, TypeError) as error:
+        fail_on_every_rank(error, logits_call_group(student_logits, options.tp_group))
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
     shard, given_denominator, failure, row_weights = None, None, None, None
     replicated: list[tuple[str, Tensor]] = []

@@ -99,8 +99,9 @@ def logits_call_group(student_logits: object, tp_group: object) -> dist.ProcessG
         return tp_group
     try:
         return logits_group(student_logits, None)[0]
-    except ValueError:  # a placement this loss cannot handle: the call raises it on every rank
-        return None
+    except ValueError:  # a placement this loss cannot handle: the group of its 1-D mesh, if any
+        mesh = student_logits.device_mesh if is_dtensor(student_logits) else None
+        return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,6 @@ def agree_vocabulary(
         range_start=start,
         range_stop=stop,
         label_rows=rows,
-        hidden_rows=rows,
         call_digest=text_digest(call_text),
     )
     head = HeadShard("student_logits", shard.student, -1)

@@ -38,6 +38,7 @@ __all__ = [
     "HeadShard",
     "ShardClaim",
     "VocabLayout",
+    "agree_checks",
     "failure_code",
     "replicated_checksum",
     "resolve_layout",
@@ -91,7 +92,7 @@ def text_digest(text: str) -> int:
 @dataclass(frozen=True)
 class ShardClaim:
     """What one rank brings to the handshake (−1 where a field is not given): its shard's sizes
-    and range, its row counts, whether its own checks failed (:func:`failure_code`) and the
+    and range, its label rows, whether its own checks failed (:func:`failure_code`) and the
     digest of its call's settings (:func:`text_digest` of the ``call_text`` of
     :func:`resolve_layout`)."""
 
@@ -101,7 +102,6 @@ class ShardClaim:
     range_stop: int = -1
     vocab_size: int = -1
     label_rows: int = -1
-    hidden_rows: int = -1
     sequence_parallel: int = 0
     failed: int = 0
     call_digest: int = 0
@@ -198,17 +198,9 @@ def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.Process
     vocab_size = total if vocab_size < 0 else vocab_size
     if not 1 <= vocab_size <= total:
         raise ValueError(f"vocab_size must lie in [1, {total}] (the columns of all shards), got {vocab_size}")
-    label_rows = _agreed_or_raise([c.label_rows for c in claims], "labels.shape[0] (labels are global)")
+    _agreed_or_raise([c.label_rows for c in claims], "labels.shape[0] (labels are global)")
+    # Each rank's own check made its hidden rows labels.shape[0] / world_size under it (check_inputs).
     sequence_parallel = bool(_agreed_or_raise([c.sequence_parallel for c in claims], "sequence_parallel"))
-    if sequence_parallel:
-        hidden_rows = _agreed_or_raise(
-            [c.hidden_rows for c in claims], "the rows of student_hidden under sequence_parallel"
-        )
-        if hidden_rows * len(claims) != label_rows:
-            raise ValueError(
-                f"under sequence_parallel each rank holds labels.shape[0] / world_size rows of student_hidden: "
-                f"expected {label_rows} / {len(claims)}, got {hidden_rows} rows on every rank"
-            )
     start, stop = ranges[rank]
     return VocabLayout(
         vocab_start=start,
@@ -236,6 +228,15 @@ def _raise_local_failures(claims: list[ShardClaim], problem: Exception | None, g
     details = "; ".join(f"rank {rank}: {messages[rank]}" for rank in failed)
     error_type = FAILURE_TYPES[claims[failed[0]].failed - 1]
     raise error_type(f"invalid inputs on tp_group rank(s) {failed}: {details}") from problem
+
+
+def agree_checks(group: dist.ProcessGroup, problem: Exception | None) -> None:
+    """Every rank of ``group`` raises if any rank's checks failed (``problem``: this rank's, or
+    None), in one all-gather of a flag per rank over the host group: for checks that must be
+    agreed before collectives other than the handshake run (a model's forward)."""
+    host = host_group(group)
+    flags = all_gather_rows(torch.tensor([[failure_code(problem)]], dtype=torch.int64), host).view(-1).tolist()
+    _raise_local_failures([ShardClaim(failed=int(flag)) for flag in flags], problem, host)
 
 
 def _settings(text: str) -> dict[str, str]:

@@ -111,8 +111,6 @@ def _localize(
                 f"{', '.join(wrapped)} {verb} but weight is not: pass the head weight as a DTensor "
                 "sharded on dim 0, or plain local tensors with tp_group"
             )
-        if sequence_parallel and group is None:
-            raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
         return LocalInputs(student_hidden, weight, labels, teacher, group, vocab_range, bool(sequence_parallel))
     axis = shard_axis(weight, "weight")
     if group is not None and not same_ranks(group, axis.group):
@@ -170,7 +168,6 @@ def _agree_layout(
         range_stop=stop,
         vocab_size=-1 if vocab_size is None else vocab_size,
         label_rows=inputs.labels.shape[0],
-        hidden_rows=inputs.student_hidden.shape[0],
         sequence_parallel=int(inputs.sequence_parallel),
         call_digest=text_digest(call_text),
     )
@@ -207,8 +204,9 @@ def call_group(weight: object, tp_group: object) -> dist.ProcessGroup | None:
         return tp_group
     try:
         return _tp_group_of(weight, None)
-    except ValueError:  # a DTensor weight not sharded on dim 0: its own error is raised by the call
-        return None
+    except ValueError:  # a DTensor weight not sharded on dim 0: the group of its 1-D mesh, if any
+        mesh = weight.device_mesh if is_dtensor(weight) else None
+        return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
 
 
 def shard_inputs(
@@ -228,13 +226,13 @@ def shard_inputs(
     rank that raised. The handshake also proves that ``call_text`` (the call's settings) and the
     tensors every rank must hold alike agree, so every check after it decides alike on every
     rank."""
-    # FSDP's data-parallel shards posing as vocabulary shards: every rank decides alike.
-    for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
-        check_not_fsdp_sharded(name, tensor)
-    group = _tp_group_of(weight, options.tp_group)
+    group = call_group(weight, options.tp_group)
     local, failure = None, None
     replicated: Sequence[tuple[str, Tensor]] = ()
     try:
+        # FSDP's data-parallel shards posing as vocabulary shards.
+        for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
+            check_not_fsdp_sharded(name, tensor)
         if options.backend == "reference":
             raise ValueError(
                 "backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'"
@@ -252,7 +250,7 @@ def shard_inputs(
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
-    assert group is not None  # a call without a group raised above (no DTensor weight, no tp_group)
+    assert group is not None  # a call without a group raised above (no DTensor weight on a 1-D mesh, no tp_group)
     layout = _agree_layout(group, local, options, failure, replicated, call_text)
     assert local is not None
     return local, layout
