@@ -11,7 +11,12 @@ and the labels by one position for next-token prediction, and asks the student's
 averaged over the non-ignored tokens of the whole accumulated batch (``num_items_in_batch``),
 without building the (tokens × vocab) logits.
 
-Both models are built from configs (nothing is downloaded). Run::
+Both models are built from configs (nothing is downloaded). It needs transformers and accelerate;
+the tested versions, from the clone (``torch==2.13.0``: pip then pulls no CUDA build on a CPU machine)::
+
+    pip install torch==2.13.0 -e . 'transformers==5.24.0' 'accelerate==1.15.0'
+
+Run::
 
     python examples/hf_trainer_distill.py             # CPU, a few seconds after the imports
 

@@ -9,7 +9,6 @@ the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) with the torch or
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .checks import (
+    check_denominator,
     check_inputs,
     check_label_range,
     check_token_weights,
@@ -35,7 +35,7 @@ from .engine.logits import statistics_dtype
 from .engine.reference import reference_loss
 from .engine.row_walk import RowWalk
 from .kernels import is_available
-from .options import GradScalerLike, LossOptions, setting_text
+from .options import GradScalerLike, LossOptions
 from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import VocabLayout
 from .parallel.local_shards import (
@@ -68,36 +68,6 @@ class DistillationLossOutput(NamedTuple):
     teacher_ce: Tensor
     kl: Tensor
     z_loss: Tensor
-
-
-def _denominator(
-    num_valid_tokens: object, reduction: str, valid: Tensor | None, device: torch.device
-) -> float | Tensor:
-    """N of "mean": ``num_valid_tokens`` when given, else the count of ``valid`` rows, a device
-    tensor (at least 1, so that an all-ignored batch gives 0 and no gradient). A tensor's value is
-    never read (that would synchronize with the device): it must be > 0."""
-    if num_valid_tokens is None:
-        return 1.0 if valid is None else valid.sum().clamp_min(1)
-    if reduction != "mean":
-        raise ValueError(f"num_valid_tokens is the denominator of reduction='mean'; got reduction={reduction!r}")
-    if isinstance(num_valid_tokens, Tensor):
-        if num_valid_tokens.numel() != 1 or num_valid_tokens.is_complex() or num_valid_tokens.dtype == torch.bool:
-            raise ValueError(
-                f"num_valid_tokens must be a real scalar tensor, got shape {tuple(num_valid_tokens.shape)} "
-                f"and dtype {num_valid_tokens.dtype}"
-            )
-        if num_valid_tokens.device != device:
-            raise ValueError(
-                f"num_valid_tokens must be on student_hidden's device {device}, got {num_valid_tokens.device}"
-            )
-        return num_valid_tokens.reshape(())
-    if isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, (int, float)):
-        raise TypeError(
-            f"num_valid_tokens must be a number, a scalar tensor or None, got {type(num_valid_tokens).__name__}"
-        )
-    if not math.isfinite(num_valid_tokens) or num_valid_tokens <= 0:
-        raise ValueError(f"num_valid_tokens must be finite and > 0, got {num_valid_tokens!r}")
-    return float(num_valid_tokens)
 
 
 def _teacher_type_error(teacher: object) -> TypeError:
@@ -150,29 +120,10 @@ def _run(
         with _readable_teacher(teacher, options.reduction) as source:
             return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
     tensors = [student_hidden, weight, labels, *(tensor for _, tensor in teacher.named_tensors())]
-    sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
-    row_weights: Tensor | None = None
-    if sharded:
-
-        def precheck(local: LocalInputs) -> list[tuple[str, Tensor]]:
-            nonlocal row_weights
-            device = local.student_hidden.device
-            _denominator(num_valid_tokens, options.reduction, None, device)
-            if token_weights is None:
-                return []
-            host_checks = runs_host_checks(options.kernel_config.host_checks, device)
-            row_weights = check_token_weights(token_weights, local.labels, host_checks)
-            return [("token_weights", row_weights)]
-
-        call_text = "\n".join(
-            [
-                options.settings_text(),
-                teacher.settings_text(),
-                f"token_weights={'<given>' if token_weights is not None else None}",
-                f"num_valid_tokens={setting_text(num_valid_tokens)}",
-            ]
+    if options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors):
+        local, layout, row_weights = shard_inputs(
+            options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights
         )
-        local, layout = shard_inputs(options, student_hidden, weight, labels, teacher, precheck, call_text)
     else:
         if options.vocab_range is not None:
             raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
@@ -183,9 +134,8 @@ def _run(
         columns = weight.shape[0]
         vocab_size = columns if options.vocab_size is None else options.vocab_size
         layout = VocabLayout(0, columns, columns, vocab_size, columns, columns, vocab_size)
-        if token_weights is not None:
-            host_checks = runs_host_checks(options.kernel_config.host_checks, student_hidden.device)
-            row_weights = check_token_weights(token_weights, labels, host_checks)
+        host_checks = runs_host_checks(options.kernel_config.host_checks, student_hidden.device)
+        row_weights = None if token_weights is None else check_token_weights(token_weights, labels, host_checks)
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     config, device = plan.config, local.student_hidden.device
     host_checks = runs_host_checks(config.host_checks, device)
@@ -200,7 +150,7 @@ def _run(
         read_cache, finite_inputs = host_checks and plan.needs_teacher_logits, config.check_finite_inputs
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
     valid = local.labels != options.ignore_index
-    denominator = _denominator(num_valid_tokens, options.reduction, valid, device)
+    denominator = check_denominator(num_valid_tokens, options.reduction, valid, device)
     inputs = (local.student_hidden, local.weight, *local.teacher.head_inputs())
     teacher_blocks = local.teacher.block_source(layout.vocab_start, layout.vocab_size)
     block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))

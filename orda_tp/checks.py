@@ -26,6 +26,7 @@ __all__ = [
     "caller_stacklevel",
     "check_choice",
     "check_count",
+    "check_denominator",
     "check_finite",
     "check_flag",
     "check_floating",
@@ -236,6 +237,36 @@ def check_token_weights(token_weights: object, labels: Tensor, host_checks: bool
     if host_checks:
         check_finite("token_weights", token_weights)
     return token_weights
+
+
+def check_denominator(
+    num_valid_tokens: object, reduction: str, valid: Tensor | None, device: torch.device
+) -> float | Tensor:
+    """N of "mean": ``num_valid_tokens`` when given, else the count of ``valid`` rows, a device
+    tensor (at least 1, so that an all-ignored batch gives 0 and no gradient). A tensor's value is
+    never read (that would synchronize with the device): it must be > 0."""
+    if num_valid_tokens is None:
+        return 1.0 if valid is None else valid.sum().clamp_min(1)
+    if reduction != "mean":
+        raise ValueError(f"num_valid_tokens is the denominator of reduction='mean'; got reduction={reduction!r}")
+    if isinstance(num_valid_tokens, Tensor):
+        if num_valid_tokens.numel() != 1 or num_valid_tokens.is_complex() or num_valid_tokens.dtype == torch.bool:
+            raise ValueError(
+                f"num_valid_tokens must be a real scalar tensor, got shape {tuple(num_valid_tokens.shape)} "
+                f"and dtype {num_valid_tokens.dtype}"
+            )
+        if num_valid_tokens.device != device:
+            raise ValueError(
+                f"num_valid_tokens must be on student_hidden's device {device}, got {num_valid_tokens.device}"
+            )
+        return num_valid_tokens.reshape(())
+    if isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, (int, float)):
+        raise TypeError(
+            f"num_valid_tokens must be a number, a scalar tensor or None, got {type(num_valid_tokens).__name__}"
+        )
+    if not math.isfinite(num_valid_tokens) or num_valid_tokens <= 0:
+        raise ValueError(f"num_valid_tokens must be finite and > 0, got {num_valid_tokens!r}")
+    return float(num_valid_tokens)
 
 
 def runs_host_checks(setting: bool | None, device: torch.device) -> bool:

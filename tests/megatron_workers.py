@@ -495,6 +495,7 @@ def _forward(model: GPTModel, batch: Batch | None = None, **kwargs: Any) -> Any:
 def _error_scenarios() -> dict[str, Callable[[], Any]]:
     batch = make_batch(64)
     cache = torch.randn(BATCH, SEQ, 32)
+    on_rank_1 = dist.get_rank() == 1  # a fault on one rank only: the other ranks' call is good
 
     def changed_megatron() -> Any:
         model = build_gpt(ModelSpec())
@@ -529,6 +530,12 @@ def _error_scenarios() -> dict[str, Callable[[], Any]]:
         ),
         "teacher_logits of the full vocabulary": lambda: _forward(
             _installed(kl_weight=1.0), teacher_logits=torch.randn(BATCH, SEQ, 64)
+        ),
+        "two teachers on rank 1 only": lambda: _forward(
+            _installed(build_gpt(ModelSpec(seed=3)), kl_weight=1.0), **({"teacher_logits": cache} if on_rank_1 else {})
+        ),
+        "labels [s, b] on rank 1 only": lambda: _forward(
+            _installed(), labels=batch.labels.T.contiguous() if on_rank_1 else batch.labels, loss_mask=None
         ),
         "labels [s, b]": lambda: _forward(_installed(), labels=batch.labels.T.contiguous(), loss_mask=None),
         "loss_mask of another shape": lambda: _forward(_installed(), loss_mask=batch.loss_mask[:, :-1]),

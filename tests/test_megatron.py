@@ -64,6 +64,8 @@ EXPECTED_ERRORS = {
     "teacher_logits without labels": ("ValueError", "need labels="),
     "teacher_logits [s, b, V/tp]": ("ValueError", "teacher_logits must be [b, s, V_padded/tp] = [3, 8]"),
     "teacher_logits of the full vocabulary": ("ValueError", "vocabulary shard on rank 0 has 64 columns but"),
+    "two teachers on rank 1 only": ("ValueError", "invalid inputs on tp_group rank(s) [1]: rank 1: ValueError: "),
+    "labels [s, b] on rank 1 only": ("ValueError", "invalid inputs on tp_group rank(s) [1]: rank 1: ValueError: "),
     "labels [s, b]": ("ValueError", "they must be [s, b, h] = [3, 8] + [h]"),
     "loss_mask of another shape": ("ValueError", "loss_mask must have labels' shape"),
     "megatron-core changed _postprocess": ("RuntimeError", "does not support this megatron-core version"),

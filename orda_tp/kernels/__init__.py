@@ -32,7 +32,7 @@ def interpreted() -> bool:
 def unavailable_reason(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str | None:
     """Why the Triton kernels cannot run for inputs on ``device`` with ``dtype``, or None."""
     if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install 'orda-tp[gpu]')"
+        return "triton is not installed (pip install triton, or pip install -e '.[gpu]' from the clone)"
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         return f"the Triton kernels take float16, bfloat16 or float32 inputs, not {dtype} (use backend='torch')"
     if device is None:

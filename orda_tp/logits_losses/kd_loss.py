@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,7 @@ from ..config import KernelConfig
 from ..divergences import EntropyGate
 from ..engine.logits import StoredLogits, statistics_dtype
 from ..options import LogitsOptions, setting_text
+from ..parallel.dtensor import MeshAxis
 from ..parallel.local_shards import fail_on_every_rank
 from ..plan import LossPlan, check_sparse_teacher
 from ..teachers import PrecomputedTeacher
@@ -78,6 +80,48 @@ def _check_logits(student: object, teacher: object, labels: object) -> tuple[Ten
     return student, teacher, labels
 
 
+class _CheckedCall(NamedTuple):
+    """This rank's checked arguments of a ``KDLoss`` call: its shard for the handshake, its
+    teacher logits (the student's for a top-k cache, which holds no columns), the given
+    denominator, the token weights (flat) and the tensors every rank must hold alike."""
+
+    shard: ShardShape
+    teacher: Tensor
+    denominator: float | Tensor | None
+    row_weights: Tensor | None
+    replicated: list[tuple[str, Tensor]]
+
+
+def _check_call(
+    options: LogitsOptions,
+    student_logits: object,
+    teacher_logits: object,
+    labels: object,
+    num_batch_labels: object,
+    token_weights: object,
+    axis: MeshAxis | None,
+) -> _CheckedCall:
+    """The checks of this rank's own arguments (no value read but where host checks run)."""
+    cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
+    replicated: list[tuple[str, Tensor]] = []
+    # A top-k cache holds every row and no columns: the student's own shape stands in for it.
+    local = local_logits(student_logits, student_logits if cache is not None else teacher_logits, labels, axis)
+    local_student, local_teacher, local_labels = _check_logits(local.student, local.teacher, local.labels)
+    if cache is not None:
+        _check_topk_cache(cache, local_labels.numel(), options)
+        replicated += cache.replicated_tensors()
+    denominator = _check_batch_labels(num_batch_labels, local_student.device)
+    row_weights = None
+    if token_weights is not None:  # the labels' shape
+        if isinstance(token_weights, Tensor) and token_weights.shape == local_labels.shape:
+            token_weights = token_weights.reshape(-1)
+        host_checks = runs_host_checks(options.config.host_checks, local_labels.device)
+        row_weights = check_token_weights(token_weights, local_labels.reshape(-1), host_checks)
+        replicated.append(("token_weights", row_weights))
+    shard = ShardShape(local_student, local_student.shape[-1], local_labels.reshape(-1), local.vocab_range)
+    return _CheckedCall(shard, local_teacher, denominator, row_weights, replicated)
+
+
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
 # exchanges and hand-written backward are not traceable.
 @torch.compiler.disable
@@ -94,23 +138,9 @@ def _kd_loss(
     except (ValueError, TypeError) as error:
         fail_on_every_rank(error, logits_call_group(student_logits, options.tp_group))
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
-    shard, given_denominator, failure, row_weights = None, None, None, None
-    replicated: list[tuple[str, Tensor]] = []
+    checked, failure = None, None
     try:
-        # A top-k cache holds every row and no columns: the student's own shape stands in for it.
-        local = local_logits(student_logits, student_logits if cache is not None else teacher_logits, labels, axis)
-        local_student, local_teacher, local_labels = _check_logits(local.student, local.teacher, local.labels)
-        if cache is not None:
-            _check_topk_cache(cache, local_labels.numel(), options)
-            replicated += cache.replicated_tensors()
-        given_denominator = _check_batch_labels(num_batch_labels, local_student.device)
-        if token_weights is not None:  # the labels' shape
-            if isinstance(token_weights, Tensor) and token_weights.shape == local_labels.shape:
-                token_weights = token_weights.reshape(-1)
-            host_checks = runs_host_checks(options.config.host_checks, local_labels.device)
-            row_weights = check_token_weights(token_weights, local_labels.reshape(-1), host_checks)
-            replicated.append(("token_weights", row_weights))
-        shard = ShardShape(local_student, local_student.shape[-1], local_labels.reshape(-1), local.vocab_range)
+        checked = _check_call(options, student_logits, teacher_logits, labels, num_batch_labels, token_weights, axis)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
@@ -123,8 +153,12 @@ def _kd_loss(
             f"num_batch_labels={setting_text(num_batch_labels)}",
         ]
     )
+    shard = None if checked is None else checked.shard
+    replicated = [] if checked is None else checked.replicated
     layout = agree_vocabulary(group, shard, failure, options.config.host_checks, replicated, call_text)
-    assert shard is not None  # set last: this rank's checks passed
+    assert checked is not None and shard is not None  # this rank's checks passed
+    local_student, local_teacher = shard.student, checked.teacher
+    given_denominator, row_weights = checked.denominator, checked.row_weights
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
     flat_labels = shard.labels
     valid = flat_labels != options.ignore_index

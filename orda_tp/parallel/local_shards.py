@@ -9,15 +9,15 @@ one device (``orda_tp.api``) and the layout covers the whole head (minus padding
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checks import check_inputs, first_non_finite
-from ..options import LossOptions
+from ..checks import check_denominator, check_inputs, check_token_weights, first_non_finite, runs_host_checks
+from ..options import LossOptions, setting_text
 from ..plan import LossPlan
 from ..teachers import TeacherSource
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
@@ -209,26 +209,36 @@ def call_group(weight: object, tp_group: object) -> dist.ProcessGroup | None:
         return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
 
 
+def _call_checks(
+    options: LossOptions, local: LocalInputs, num_valid_tokens: object, token_weights: object
+) -> Tensor | None:
+    """The per-call arguments of this rank: ``num_valid_tokens`` (its type and value) and the
+    checked ``token_weights`` (None when not given)."""
+    device = local.student_hidden.device
+    check_denominator(num_valid_tokens, options.reduction, None, device)
+    if token_weights is None:
+        return None
+    return check_token_weights(token_weights, local.labels, runs_host_checks(options.kernel_config.host_checks, device))
+
+
 def shard_inputs(
     options: LossOptions,
     student_hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
     teacher: TeacherSource,
-    precheck: Callable[[LocalInputs], Sequence[tuple[str, Tensor]]],
-    call_text: str,
-) -> tuple[LocalInputs, VocabLayout]:
-    """This rank's tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs) and the
-    layout the group agrees on. Every check that reads only this rank's own arguments (types,
-    shapes, devices, the backend, the teacher descriptor, and ``precheck``: the caller's own,
-    which returns the further tensors that every rank must hold alike, e.g. token weights) runs
-    before the layout handshake, which makes every rank raise the same error; none waits for a
-    rank that raised. The handshake also proves that ``call_text`` (the call's settings) and the
-    tensors every rank must hold alike agree, so every check after it decides alike on every
-    rank."""
+    num_valid_tokens: object,
+    token_weights: object,
+) -> tuple[LocalInputs, VocabLayout, Tensor | None]:
+    """This rank's tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs), the
+    layout the group agrees on and the checked ``token_weights``. Every check that reads only this
+    rank's own arguments (types, shapes, devices, the backend, the teacher descriptor,
+    ``num_valid_tokens``, ``token_weights``) runs before the layout handshake, which makes every
+    rank raise the same error; none waits for a rank that raised. The handshake also proves that
+    the call's settings (keywords, teacher descriptor) and the tensors every rank must hold alike
+    agree, so every check after it decides alike on every rank."""
     group = call_group(weight, options.tp_group)
-    local, failure = None, None
-    replicated: Sequence[tuple[str, Tensor]] = ()
+    local, failure, row_weights = None, None, None
     try:
         # FSDP's data-parallel shards posing as vocabulary shards.
         for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
@@ -245,15 +255,24 @@ def shard_inputs(
             local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards
         )
         teacher.check_shardable()
-        replicated = precheck(local)
+        row_weights = _call_checks(options, local, num_valid_tokens, token_weights)
     except (ValueError, TypeError) as error:
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
     assert group is not None  # a call without a group raised above (no DTensor weight on a 1-D mesh, no tp_group)
+    call_text = "\n".join(
+        [
+            options.settings_text(),
+            teacher.settings_text(),
+            f"token_weights={'<given>' if token_weights is not None else None}",
+            f"num_valid_tokens={setting_text(num_valid_tokens)}",
+        ]
+    )
+    replicated = [] if row_weights is None else [("token_weights", row_weights)]
     layout = _agree_layout(group, local, options, failure, replicated, call_text)
     assert local is not None
-    return local, layout
+    return local, layout, row_weights
 
 
 def can_fail_locally(plan: LossPlan, teacher: TeacherSource) -> bool:
