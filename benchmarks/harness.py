@@ -53,6 +53,12 @@ def add_common_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     parser.add_argument("--tp", action="store_true", help="tensor parallel (launch with torchrun)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--collective-timeout", type=float, default=180.0, help="seconds per collective (--tp)")
+    parser.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="--tp on CUDA with gloo ranks that all use cuda:0 (NCCL refuses two ranks on one device): "
+        "the real kernels and the tensor-parallel merge on a one-GPU machine",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or default_out, help="results directory")
 
 
@@ -185,14 +191,19 @@ class Runtime:
 
 
 def init_distributed(args: argparse.Namespace) -> Runtime:
-    """The process group of a torchrun launch: NCCL with one GPU per rank, or gloo on the CPU."""
+    """The process group of a torchrun launch: NCCL with one GPU per rank, gloo on the CPU, or
+    gloo with every rank on cuda:0 (``--shared-gpu``)."""
     if "RANK" not in os.environ:
         script = Path(sys.argv[0]).resolve()
         shown = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else script
         raise SystemExit(f"--tp runs under torchrun: torchrun --standalone --nproc-per-node 2 {shown} --tp")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = timedelta(seconds=args.collective_timeout)
-    if args.device == "cuda":
+    if args.device == "cuda" and args.shared_gpu:
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        dist.init_process_group("gloo", timeout=timeout)
+    elif args.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)

@@ -29,6 +29,8 @@ The exit status is 1 when any check failed.
 Commands (``--check-time-limit S``: start no new case after S seconds):
   python3 checks/gpu_check.py --check --out $OUT                                      # (a) on one GPU
   torchrun --standalone --nproc-per-node 2 checks/gpu_check.py --tp --check --out $OUT  # (b)
+  torchrun --standalone --nproc-per-node 2 checks/gpu_check.py --tp --check --shared-gpu --out $OUT  # (b), one GPU:
+      # gloo ranks that all use cuda:0 (NCCL refuses two ranks on one device)
   TRITON_INTERPRET=1 python checks/gpu_check.py --device cpu --small --variants forward,dkd   # CPU debug
 """
 
