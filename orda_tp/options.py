@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from typing import Literal, Protocol, TypeGuard
 
 import torch.distributed as dist
@@ -242,6 +243,7 @@ class LossOptions:
             return self
         return replace(self, gradient_materialization_scale=scale, grad_scaler=scaler)
 
+    @cached_property  # the options are frozen: built once per DistillationLoss, read by every call
     def settings_text(self) -> str:
         """``name=value`` lines of the keywords that every rank of a tensor-parallel call must
         give alike (a tensor or GradScaler by its presence); the parallel keywords are compared
@@ -340,6 +342,7 @@ class LogitsOptions:
     tp_group: object
     config: KernelConfig
 
+    @cached_property  # the options are frozen: built once per KDLoss, read by every call
     def settings_text(self) -> str:
         """``name=value`` lines of what every rank of a tensor-parallel call must give alike."""
         values = {

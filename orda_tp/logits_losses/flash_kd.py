@@ -151,7 +151,7 @@ def flash_ce_kd_loss(
         if group is None:
             raise
         failure = error  # every rank of the group raises it after the handshake
-    call_text = f"{options.settings_text()}\nupcast={upcast!r}"
+    call_text = f"{options.settings_text}\nupcast={upcast!r}"
     layout = agree_vocabulary(group, shard, failure, options.config.host_checks, (), call_text)
     assert local is not None and shard is not None
     return _scores(options, group, layout, shard.labels, *local, upcast)

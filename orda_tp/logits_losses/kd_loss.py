@@ -147,7 +147,7 @@ def _kd_loss(
         failure = error  # every rank of the group raises it after the handshake
     call_text = "\n".join(
         [
-            options.settings_text(),
+            options.settings_text,
             "teacher_logits=<tensor>" if cache is None else cache.settings_text(),
             f"token_weights={'<given>' if token_weights is not None else None}",
             f"num_batch_labels={setting_text(num_batch_labels)}",

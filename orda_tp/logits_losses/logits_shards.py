@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..options import check_group
-from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, placement_text, shard_axis
+from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, mesh_group, placement_text, shard_axis
 from ..parallel.layout import HeadShard, ShardClaim, VocabLayout, failure_code, resolve_layout, text_digest
 from ..parallel.local_shards import same_ranks
 
@@ -99,9 +99,8 @@ def logits_call_group(student_logits: object, tp_group: object) -> dist.ProcessG
         return tp_group
     try:
         return logits_group(student_logits, None)[0]
-    except ValueError:  # a placement this loss cannot handle: the group of its 1-D mesh, if any
-        mesh = student_logits.device_mesh if is_dtensor(student_logits) else None
-        return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+    except ValueError:  # a placement this loss cannot handle
+        return mesh_group(student_logits)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ try:
 except ImportError:  # torch without DTensor
     DTensor = None  # type: ignore[assignment, misc]  # the fallback binding; mypy reads the installed torch
 
-__all__ = ["MeshAxis", "chunk_range", "is_dtensor", "local_shard", "placement_text", "shard_axis"]
+__all__ = ["MeshAxis", "chunk_range", "is_dtensor", "local_shard", "mesh_group", "placement_text", "shard_axis"]
 
 
 def is_dtensor(value: object) -> TypeGuard[DTensor]:
@@ -94,3 +94,10 @@ def local_shard(tensor: DTensor, axis: MeshAxis, name: str, shard_dims: tuple[in
             f"{name} is row-sharded on two mesh dimensions, which this loss cannot handle: {placement_text(tensor)}"
         )
     return tensor.to_local(), sharded
+
+
+def mesh_group(tensor: object) -> dist.ProcessGroup | None:
+    """The process group of a DTensor's 1-D mesh (None for a plain tensor or another mesh): where
+    a call whose placements are refused tells the other ranks."""
+    mesh = tensor.device_mesh if is_dtensor(tensor) else None
+    return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None

@@ -20,7 +20,7 @@ from ..checks import check_denominator, check_inputs, check_token_weights, first
 from ..options import LossOptions, setting_text
 from ..plan import LossPlan
 from ..teachers import TeacherSource
-from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, shard_axis
+from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, mesh_group, shard_axis
 from .fsdp import check_not_fsdp_sharded
 from .layout import HeadShard, ShardClaim, VocabLayout, failure_code, resolve_layout, text_digest
 from .shard_exchange import LocalError, LocalErrorCode
@@ -204,9 +204,8 @@ def call_group(weight: object, tp_group: object) -> dist.ProcessGroup | None:
         return tp_group
     try:
         return _tp_group_of(weight, None)
-    except ValueError:  # a DTensor weight not sharded on dim 0: the group of its 1-D mesh, if any
-        mesh = weight.device_mesh if is_dtensor(weight) else None
-        return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+    except ValueError:  # a DTensor weight not sharded on dim 0
+        return mesh_group(weight)
 
 
 def _call_checks(
@@ -263,7 +262,7 @@ def shard_inputs(
     assert group is not None  # a call without a group raised above (no DTensor weight on a 1-D mesh, no tp_group)
     call_text = "\n".join(
         [
-            options.settings_text(),
+            options.settings_text,
             teacher.settings_text(),
             f"token_weights={'<given>' if token_weights is not None else None}",
             f"num_valid_tokens={setting_text(num_valid_tokens)}",
