@@ -49,6 +49,7 @@ from .parallel.local_shards import (
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
+from .workspace import default_workspace_mib
 
 __all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
@@ -133,7 +134,8 @@ def _run(
         local = LocalInputs(student_hidden, weight, labels, teacher, None, None, False)
         columns = weight.shape[0]
         vocab_size = columns if options.vocab_size is None else options.vocab_size
-        layout = VocabLayout(0, columns, columns, vocab_size, columns, columns, vocab_size)
+        workspace_mib = default_workspace_mib(student_hidden.device)
+        layout = VocabLayout(0, columns, columns, vocab_size, columns, columns, vocab_size, workspace_mib=workspace_mib)
         host_checks = runs_host_checks(options.kernel_config.host_checks, student_hidden.device)
         row_weights = None if token_weights is None else check_token_weights(token_weights, labels, host_checks)
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)

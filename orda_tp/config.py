@@ -53,10 +53,6 @@ def _is_count(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool) and int(value) > 0
 
 
-MIN_CHUNK_ROWS = 256
-DEFAULT_WORKSPACE_MIB = 448
-FAST_FACTOR = 4
-CHUNKS_PER_GROUP = 3
 GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
 MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
 
@@ -81,18 +77,20 @@ class KernelConfig:
     """Execution knobs of the chunked backends.
 
     - ``chunk_size``: rows per chunk (see :class:`ChunkSize`). A chunk keeps its fp32 logits
-      (student and teacher); when a gradient is formed, the logit gradients of 3 chunks are staged
-      for one pair of gradient GEMMs. Workspace per row and local vocabulary column: 8 + 3 × 2
-      bytes for bf16 inputs (fp32 staging: 4 bytes), e.g. 438 MiB for 256 rows at V = 128256.
-      Rows per chunk depend on the vocabulary and the dtypes, never on the number of rows of a
-      call (no re-tuning or recompiling for a new sequence length), unless ``num_chunks`` or
-      ``max_chunks`` asks for it.
+      (student and teacher); when a gradient is formed, the logit gradients of a group of chunks
+      are staged for one pair of gradient GEMMs. Workspace: ``C·(R·8 + G·2)`` bytes for ``R`` rows
+      per chunk, ``G`` per group and ``C`` local vocabulary columns (bf16 inputs, frozen teacher;
+      fp32 staging: 4 bytes), e.g. 1024/4096 rows in 1957 MiB at V = 128256. Rows depend on the
+      workspace, the vocabulary and the dtypes, never on a long batch's length (a batch shorter
+      than a chunk is one chunk), unless ``num_chunks`` or ``max_chunks`` asks for it.
     - ``vocab_block``: columns per statistics block of the torch backend; the records of the blocks
       are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
       columns themselves).
-    - ``workspace_mib``: ``None`` (default): as many rows (a multiple of 64) as fit 448 MiB, and
-      at least 256, below which launches cost more than memory saves (so 438 MiB at V = 128256,
-      875 MiB at V = 256000, 1024 rows at V = 32768); an int: a hard cap, in MiB.
+    - ``workspace_mib``: ``None`` (default): the workspace grows with the device
+      (:func:`orda_tp.workspace.default_workspace_mib`: on CUDA 2048, 1024 or 512 MiB, the largest
+      that is at most 1/16 of the free memory; elsewhere 448), and the layout is the measured
+      fastest that fits it (:data:`orda_tp.engine.row_layout.LAYOUT_COSTS`), at least 256 rows
+      per chunk; an int: the workspace in MiB, a hard cap, the fastest measured layout within it.
     - ``grad_weight_accumulation``: the dtype in which a head weight's gradient is summed over
       row groups: ``"fp32"`` (an fp32 buffer of the weight's size), ``"compute"`` (the weight's
       own dtype: no extra memory, one rounding per group), ``"auto"`` (``"compute"`` for bf16
@@ -122,7 +120,7 @@ class KernelConfig:
       ``kl_alpha``, ``kl_beta``, ``entropy_gate``: override the call's keyword of the same name
       (:func:`apply_loss_overrides`); their values are checked as the call's keywords are.
 
-    How the chunking fields become rows per chunk: ``orda_tp.engine.row_walk.row_layout``.
+    How the chunking fields become rows per chunk and per group: ``orda_tp.engine.row_layout``.
     """
 
     chunk_size: ChunkSize = field(default_factory=ChunkSize)

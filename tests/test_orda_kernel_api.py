@@ -47,7 +47,7 @@ from orda_tp import (
     distillation_loss,
 )
 from orda_tp.config import LOSS_OVERRIDES, apply_loss_overrides
-from orda_tp.engine.row_walk import row_layout
+from orda_tp.engine.row_layout import row_layout
 from orda_tp.options import resolve_config
 
 from .distributed import run_distributed
@@ -167,7 +167,7 @@ def test_num_chunks_and_max_chunks_set_the_rows_per_chunk() -> None:
     assert rows_per_chunk(KernelConfig(num_chunks=500), rows=100) == 1
     assert rows_per_chunk(KernelConfig(num_chunks=2, chunk_size=ChunkSize.fast()), rows=100) == 50
     default = rows_per_chunk(KernelConfig())
-    assert default == 320  # 448 MiB / (10**5 × 14 bytes), a multiple of 64: 4 chunks for 1000 rows
+    assert default == 256  # the measured layout 256/1024 fits 448 MiB at 10**5 columns: 4 chunks for 1000 rows
     assert rows_per_chunk(KernelConfig(max_chunks=2)) == 500
     assert rows_per_chunk(KernelConfig(max_chunks=4)) == default  # already 4 chunks
     assert rows_per_chunk(KernelConfig(max_chunks=2, chunk_size=ChunkSize.nrows(100))) == 100

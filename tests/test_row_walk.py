@@ -16,7 +16,8 @@ from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
 from orda_tp.engine import fused, fused_grads
 from orda_tp.engine.block_math import select_backend
 from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
-from orda_tp.engine.row_walk import GradTarget, RowLayout, RowWalk, row_ranges, walk_rows
+from orda_tp.engine.row_layout import RowLayout
+from orda_tp.engine.row_walk import GradTarget, RowWalk, row_ranges, walk_rows
 from orda_tp.parallel.layout import VocabLayout
 
 from .cases import (

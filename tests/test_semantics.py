@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import orda_tp
 from orda_tp import KL_VARIANTS, DistillationLoss, PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from orda_tp.engine import fused as chunked
-from orda_tp.engine.row_walk import RowLayout, row_layout
 
 from .cases import SMALL_CHUNKS, VARIANT_KWARGS, make_problem, relative_error, separate_problem
 
@@ -552,28 +551,6 @@ def test_auto_backend_on_cpu_is_the_chunked_backend_and_triton_is_unavailable() 
     assert orda_tp.is_available() is False
     with pytest.raises(ValueError, match="backend='triton' is unavailable on this machine"):
         orda_tp.distillation_loss(p.student_hidden, p.weight, p.labels, teacher, backend="triton")
-
-
-@pytest.mark.parametrize(("vocab", "rows"), [(32768, 1024), (65536, 512), (128256, 256), (256000, 256)])
-def test_rows_per_chunk_depend_on_the_vocabulary_not_on_the_batch(vocab: int, rows: int) -> None:
-    config = orda_tp.KernelConfig()
-    layout = row_layout(config, total_rows=1 << 20, local_vocab=vocab, logit_bytes=8, staged_bytes=2)
-    assert (layout.chunk_rows, layout.group_rows) == (rows, 3 * rows)
-    # Any longer batch walks the same chunks and groups; a short one, one chunk.
-    assert row_layout(config, 1 << 22, vocab, 8, 2) == layout
-    assert row_layout(config, 100, vocab, 8, 2) == RowLayout(100, 100)
-    fast = row_layout(orda_tp.PROFILES["fast"], 1 << 20, vocab, 8, 2)
-    assert fast.chunk_rows == 4 * rows
-    # An explicit workspace is a cap: logits and staged gradients fit it.
-    capped = row_layout(orda_tp.KernelConfig(workspace_mib=64), 1 << 20, vocab, 8, 2)
-    assert capped.chunk_rows * vocab * (8 + 3 * 2) <= 64 << 20
-    assert capped.group_rows == 3 * capped.chunk_rows
-    # A shard of a 2-rank group takes at least twice the rows, in a single device's memory.
-    sharded = row_layout(config, 1 << 20, vocab // 2, 8, 2, shards=2)
-    assert sharded.chunk_rows == 2 * rows
-    assert sharded.chunk_rows * (vocab // 2) == rows * vocab
-    fixed = orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3, dynamic=False), workspace_mib=1)
-    assert row_layout(fixed, 100, 10**6, 8, 0).chunk_rows == 3
 
 
 def test_autocast_does_not_round_the_logits() -> None:

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 import orda_tp
 from orda_tp import KL_VARIANTS, ChunkSize, KernelConfig
-from orda_tp.config import CHUNKS_PER_GROUP
 from orda_tp.engine import fused_grads
+from orda_tp.engine.row_layout import CHUNKS_PER_GROUP
 
 from . import cases
 from .cases import (

@@ -35,7 +35,8 @@ from .fused_grads import (
     scale_by_upstream,
 )
 from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
-from .row_walk import GradTarget, RecordExchange, RowWalk, row_layout, row_ranges, walk_rows
+from .row_layout import RowLayout, row_layout
+from .row_walk import GradTarget, RecordExchange, RowWalk, row_ranges, walk_rows
 from .stats import RowStats
 
 __all__ = ["ChunkedProblem", "chunked_loss"]
@@ -73,44 +74,69 @@ def _full_rows(exchange: RecordExchange, head: HeadTensors) -> HeadTensors:
     return head._replace(student_hidden=student_hidden, teacher_hidden=teacher_hidden)
 
 
+class CallLayout(NamedTuple):
+    """How a call walks its rows (:class:`.row_layout.RowLayout`) and the dtype in which a row
+    group's logit gradients are staged for the gradient GEMMs."""
+
+    rows: RowLayout
+    staging_dtype: torch.dtype
+
+
+def _call_layout(problem: ChunkedProblem, head: HeadTensors, statistics: torch.dtype, gradients: bool) -> CallLayout:
+    """The call's rows per chunk and per group (:func:`.row_layout.row_layout`), sized for staged
+    logit gradients whenever the call forms ``gradients`` (in the forward, or in a deferred
+    backward, which must walk the forward's chunks: it reads their saved statistics), from the
+    largest shard, so that every rank of a group walks the same chunks."""
+    walk = problem.walk
+    plan, layout = walk.plan, walk.layout
+    operands = [head.student_hidden, head.weight]
+    if plan.teacher_receives_grad:
+        teacher_weight = head.weight if head.teacher_weight is None else head.teacher_weight
+        operands += [t for t in (head.teacher_hidden, teacher_weight) if t is not None]
+    staging_dtype = problem.gemms.staging_dtype(operands, statistics)
+    staged_bytes = (2 if plan.teacher_receives_grad else 1) * staging_dtype.itemsize if gradients else 0
+    logit_bytes = (2 if plan.needs_teacher_logits else 1) * statistics.itemsize
+    rows = row_layout(
+        plan.config,
+        head.student_hidden.shape[0],
+        layout.max_local_columns,
+        logit_bytes,
+        staged_bytes,
+        layout.world_size,
+        layout.workspace_mib,
+    )
+    return CallLayout(rows, staging_dtype)
+
+
 def _walk_groups(
     problem: ChunkedProblem,
     head: HeadTensors,
     statistics: torch.dtype,
+    layout: CallLayout,
     saved: list[RowStats] | None = None,
     buffers: GradientBuffers | None = None,
     upstream: Tensor | None = None,
 ) -> list[RowStats]:
-    """One pass over the rows, group by group: each chunk's statistics (computed, or ``saved``
-    from the forward) and, with ``buffers``, its logit gradients for the ``upstream`` gradient
-    (÷ N for "mean", in the statistics dtype once per pass: 0-d, or (BT,) for "none") staged and
-    the group's gradient GEMMs run into ``buffers``. Rows per chunk and group are sized from the
-    largest shard, so that every rank of a group walks the same chunks. Returns the chunks'
-    statistics in row order."""
+    """One pass over the rows in ``layout``'s chunks and groups: each chunk's statistics (computed,
+    or ``saved`` from the forward) and, with ``buffers``, its logit gradients for the ``upstream``
+    gradient (÷ N for "mean", in the statistics dtype once per pass: 0-d, or (BT,) for "none")
+    staged in ``layout``'s staging dtype and the group's gradient GEMMs run into ``buffers``.
+    Returns the chunks' statistics in row order."""
     walk, gemms = problem.walk, problem.gemms
     plan, exchange, columns = walk.plan, walk.exchange, walk.layout.real_local_columns
     # The logits source caps the blocks unless the block math does as it reads them.
     caps = (None, None) if walk.math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
     source = logits_source(head, plan.needs_teacher_logits, problem.teacher_blocks, caps)
-    staging_dtype, upstream_scale, staged_bytes = statistics, upstream, 0
+    upstream_scale = upstream
     if buffers is not None:
         assert upstream is not None
-        operands = [head.student_hidden, head.weight]
-        if plan.teacher_receives_grad:
-            teacher_weight = head.weight if head.teacher_weight is None else head.teacher_weight
-            operands += [t for t in (head.teacher_hidden, teacher_weight) if t is not None]
-        staging_dtype = gemms.staging_dtype(operands, statistics)
-        staged_bytes = (2 if plan.teacher_receives_grad else 1) * staging_dtype.itemsize
         upstream_scale = (upstream / problem.denominator if plan.reduction == "mean" else upstream).to(statistics)
         if problem.token_weights is not None:  # a row's weight scales its gradient as its loss
             upstream_scale = upstream_scale * problem.token_weights.to(statistics)
     rows, device = head.student_hidden.shape[0], head.student_hidden.device
-    logit_bytes = (2 if plan.needs_teacher_logits else 1) * statistics.itemsize
-    local_vocab, shards = walk.layout.max_local_columns, walk.layout.world_size
-    layout = row_layout(plan.config, rows, local_vocab, logit_bytes, staged_bytes, shards)
     walked: list[RowStats] = []
-    for group_begin, group_end in row_ranges(0, rows, layout.group_rows):
-        chunks = row_ranges(group_begin, group_end, layout.chunk_rows)
+    for group_begin, group_end in row_ranges(0, rows, layout.rows.group_rows):
+        chunks = row_ranges(group_begin, group_end, layout.rows.chunk_rows)
         group_saved = None if saved is None else saved[len(walked) : len(walked) + len(chunks)]
         if buffers is None:
             walked += walk_rows(walk, source, chunks, statistics, group_saved)
@@ -118,7 +144,7 @@ def _walk_groups(
         assert upstream_scale is not None
         # The teacher's rows follow the student's in one buffer, so a tied head's dW takes both in one GEMM.
         sides, group_rows = (2 if plan.teacher_receives_grad else 1), group_end - group_begin
-        stacked = torch.empty(sides * group_rows, columns, dtype=staging_dtype, device=device)
+        stacked = torch.empty(sides * group_rows, columns, dtype=layout.staging_dtype, device=device)
         teacher, both = (stacked[group_rows:], stacked) if sides == 2 else (None, None)
         staged = LogitGrads(stacked[:group_rows], teacher, both)
         walked += walk_rows(
@@ -161,6 +187,7 @@ class _ChunkedContext(FunctionCtx):
 
     problem: ChunkedProblem
     needs: GradNeeds
+    layout: CallLayout
     eager_buffers: GradientBuffers | None
     saved_stats: list[RowStats] | None
     gathered_hidden: GatheredHidden | None
@@ -190,12 +217,13 @@ class _ChunkedDistillation(torch.autograd.Function):
             sharded, accumulation = walk.exchange is not None, walk.plan.config.grad_weight_accumulation
             columns = walk.layout.real_local_columns
             buffers = allocate_buffers(head, needs, sharded, statistics, accumulation, columns)
-        walked = _walk_groups(problem, head, statistics, buffers=buffers, upstream=unit if eager else None)
+        layout = _call_layout(problem, head, statistics, any(needs))
+        walked = _walk_groups(problem, head, statistics, layout, buffers=buffers, upstream=unit if eager else None)
         if walk.exchange is not None:
             walk.exchange.finish(unit)
         outputs = _outputs(problem, walked, unit)
 
-        ctx.problem, ctx.needs, ctx.eager_buffers = problem, needs, buffers
+        ctx.problem, ctx.needs, ctx.eager_buffers, ctx.layout = problem, needs, buffers, layout
         ctx.saved_stats = walked if any(needs) else None
         # The deferred backward (reduction "none") recomputes logits from the gathered rows; a
         # repeated backward of an eager call gathers them again.
@@ -230,7 +258,7 @@ class _ChunkedDistillation(torch.autograd.Function):
                 sharded, accumulation = exchange is not None, problem.walk.plan.config.grad_weight_accumulation
                 columns = problem.walk.layout.real_local_columns
                 buffers = allocate_buffers(head, ctx.needs, sharded, statistics, accumulation, columns)
-                _walk_groups(problem, head, statistics, ctx.saved_stats, buffers, grad_loss.to(statistics))
+                _walk_groups(problem, head, statistics, ctx.layout, ctx.saved_stats, buffers, grad_loss.to(statistics))
             if exchange is not None:
                 hidden = [g for g in (buffers.student_hidden, buffers.teacher_hidden) if g is not None]
                 summed = iter(exchange.reduce_row_gradients(hidden))

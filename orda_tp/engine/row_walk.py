@@ -34,7 +34,6 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..config import CHUNKS_PER_GROUP, DEFAULT_WORKSPACE_MIB, FAST_FACTOR, MIN_CHUNK_ROWS, KernelConfig
 from ..divergences import RowTargets
 from ..parallel.layout import VocabLayout
 from ..plan import LossPlan
@@ -48,11 +47,9 @@ from .stats import GradRows, KLRowStats, RowStats
 __all__ = [
     "GradTarget",
     "RecordExchange",
-    "RowLayout",
     "RowRange",
     "RowWalk",
     "chunk_row_stats",
-    "row_layout",
     "row_ranges",
     "stage_grads",
     "walk_rows",
@@ -92,55 +89,6 @@ class RecordExchange(Protocol):
     def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
         """Hidden gradients summed over the shards (this rank's rows under sequence parallelism)."""
         ...
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
-    ``group_rows`` (a multiple of ``chunk_rows``) share one pair of gradient GEMMs."""
-
-    chunk_rows: int
-    group_rows: int
-
-
-def row_layout(
-    config: KernelConfig, total_rows: int, local_vocab: int, logit_bytes: int, staged_bytes: int, shards: int = 1
-) -> RowLayout:
-    """Rows per chunk and per gradient group for ``local_vocab`` columns (``KernelConfig``'s
-    chunking fields).
-
-    ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
-    ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
-    ``shards``: the tensor-parallel group's size. The default's minimum rows grow with it, so that
-    a shard's chunk does a single device's work per record exchange (two collectives per chunk)
-    in no more memory than a single device's chunk. Rows asked for instead of the workspace's:
-    ``chunk_size.nrows``, or ``ceil(rows / num_chunks)``, or ``ceil(rows / max_chunks)`` where the
-    workspace's rows would make more than ``max_chunks`` chunks; a dynamic ``chunk_size`` lowers
-    them to fit an explicit ``workspace_mib``.
-    """
-    size = config.chunk_size
-    factor = FAST_FACTOR if size.fast else 1
-    per_row = max(local_vocab, 1) * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
-    if config.workspace_mib is None:
-        fitting = DEFAULT_WORKSPACE_MIB * factor * (1 << 20) // per_row
-        default = max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
-        cap = None
-    else:
-        fitting = config.workspace_mib * factor * (1 << 20) // per_row
-        default = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
-        cap = default if size.dynamic else None
-    rows = max(total_rows, 1)
-    requested = None
-    if size.nrows is not None:
-        requested = size.nrows
-    elif config.num_chunks is not None:
-        requested = -(-rows // config.num_chunks)
-    elif config.max_chunks is not None and -(-rows // default) > config.max_chunks:
-        requested = -(-rows // config.max_chunks)
-    chunk = default if requested is None else requested if cap is None else min(requested, cap)
-    chunk = max(1, min(chunk, rows))
-    chunks = min(CHUNKS_PER_GROUP, -(-total_rows // chunk)) if staged_bytes > 0 else 1
-    return RowLayout(chunk_rows=chunk, group_rows=chunk * max(1, chunks))
 
 
 def row_ranges(begin: int, end: int, size: int) -> list[RowRange]:

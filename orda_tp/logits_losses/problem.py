@@ -22,7 +22,8 @@ from torch import Tensor
 
 from ..engine.block_math import select_backend
 from ..engine.logits import LogitsSource
-from ..engine.row_walk import GradTarget, RowRange, RowWalk, row_layout, row_ranges, walk_rows
+from ..engine.row_layout import row_layout
+from ..engine.row_walk import GradTarget, RowRange, RowWalk, row_ranges, walk_rows
 from ..engine.stats import RowStats
 from ..options import LogitsOptions
 from ..parallel.layout import VocabLayout
@@ -73,7 +74,7 @@ def build_problem(
         if held_sides:
             columns, shards = layout.max_local_columns, layout.world_size
             held = held_sides * dtype.itemsize
-            chunk_rows = row_layout(options.config, rows, columns, held, 0, shards).chunk_rows
+            chunk_rows = row_layout(options.config, rows, columns, held, 0, shards, layout.workspace_mib).chunk_rows
     exchange = None
     if group is not None:  # no local value checks here: nothing to share
         exchange = ShardExchange(group, False, None, shares_errors=False, inconsistent=layout.inconsistent)

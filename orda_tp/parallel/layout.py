@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import runs_host_checks
+from ..workspace import HOST_WORKSPACE_MIB
 from .collectives import all_gather_rows, all_gather_texts, host_group
 
 __all__ = [
@@ -54,7 +55,9 @@ class VocabLayout:
     Global columns ``[vocab_start, vocab_stop)`` are this rank's ``local_columns``, of which
     ``real_local_columns`` lie below ``vocab_size`` (the rest is padding); ``total_columns``: all
     shards' columns; ``max_local_columns``: the widest shard's. On one device the layout is the
-    whole head: ``VocabLayout(0, V, V, vocab_size, V, V, vocab_size)``.
+    whole head: ``VocabLayout(0, V, V, vocab_size, V, V, vocab_size)``. ``workspace_mib``: the
+    call's default chunk workspace (:mod:`orda_tp.workspace`), under a group the smallest rank's,
+    so that every rank walks the same chunks.
     """
 
     vocab_start: int
@@ -68,6 +71,7 @@ class VocabLayout:
     rank: int = 0
     world_size: int = 1
     sequence_parallel: bool = False
+    workspace_mib: int = HOST_WORKSPACE_MIB
     #: Where host checks do not run under a group: a 0-d bool on the device, whether the ranks'
     #: labels differ or their heads are copies of one head (:func:`resolve_layout`).
     inconsistent: torch.Tensor | None = field(default=None, compare=False)
@@ -92,9 +96,9 @@ def text_digest(text: str) -> int:
 @dataclass(frozen=True)
 class ShardClaim:
     """What one rank brings to the handshake (−1 where a field is not given): its shard's sizes
-    and range, its label rows, whether its own checks failed (:func:`failure_code`) and the
-    digest of its call's settings (:func:`text_digest` of the ``call_text`` of
-    :func:`resolve_layout`)."""
+    and range, its label rows, whether its own checks failed (:func:`failure_code`), the digest
+    of its call's settings (:func:`text_digest` of the ``call_text`` of :func:`resolve_layout`)
+    and its device's default chunk workspace in MiB (:func:`orda_tp.workspace.default_workspace_mib`)."""
 
     local_columns: int = -1
     teacher_columns: int = -1
@@ -105,6 +109,7 @@ class ShardClaim:
     sequence_parallel: int = 0
     failed: int = 0
     call_digest: int = 0
+    workspace_mib: int = -1
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, spec.name) for spec in fields(self)], dtype=torch.int64)
@@ -202,6 +207,7 @@ def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.Process
     # Each rank's own check made its hidden rows labels.shape[0] / world_size under it (check_inputs).
     sequence_parallel = bool(_agreed_or_raise([c.sequence_parallel for c in claims], "sequence_parallel"))
     start, stop = ranges[rank]
+    workspaces = [c.workspace_mib for c in claims if c.workspace_mib > 0]
     return VocabLayout(
         vocab_start=start,
         vocab_stop=stop,
@@ -214,6 +220,7 @@ def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.Process
         rank=rank,
         world_size=len(claims),
         sequence_parallel=sequence_parallel,
+        workspace_mib=min(workspaces, default=HOST_WORKSPACE_MIB),
     )
 
 

@@ -20,6 +20,7 @@ from ..checks import check_denominator, check_inputs, check_token_weights, first
 from ..options import LossOptions, setting_text
 from ..plan import LossPlan
 from ..teachers import TeacherSource
+from ..workspace import default_workspace_mib
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, mesh_group, shard_axis
 from .fsdp import check_not_fsdp_sharded
 from .layout import HeadShard, ShardClaim, VocabLayout, failure_code, resolve_layout, text_digest
@@ -170,6 +171,7 @@ def _agree_layout(
         label_rows=inputs.labels.shape[0],
         sequence_parallel=int(inputs.sequence_parallel),
         call_digest=text_digest(call_text),
+        workspace_mib=default_workspace_mib(inputs.student_hidden.device),
     )
     tensors = [("labels", inputs.labels), *replicated, *inputs.teacher.replicated_tensors()]
     head = HeadShard("weight", inputs.weight, 0)

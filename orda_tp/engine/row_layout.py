@@ -1,0 +1,143 @@
+"""How a call walks its rows: rows per chunk and per gradient group, within a workspace.
+
+A chunk of ``R`` rows keeps its logits (``R × C × logit_bytes``: fp32 student and teacher rows of
+the ``C`` local columns); a group of ``G`` rows (``G`` a multiple of ``R``) stages its logit
+gradients for one pair of gradient GEMMs (``G × C × staged_bytes``). The workspace is the sum,
+``C·(R·logit_bytes + G·staged_bytes)`` bytes.
+
+The default workspace grows with the device (:func:`orda_tp.workspace.default_workspace_mib`);
+within a workspace, the layout is the one
+with the lowest measured cost (:data:`LAYOUT_COSTS`, from ``benchmarks/layout_sweep.py`` on an
+H200): fewer, longer chunks save launches and the GEMMs' tile tails; fewer, longer groups save
+passes over ``dW``. The rows never depend on anything read from the device's values, and every
+rank of a tensor-parallel group walks the same layout (the smallest rank's workspace, agreed in
+the handshake, and the widest shard's columns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import KernelConfig
+from ..workspace import HOST_WORKSPACE_MIB
+
+__all__ = [
+    "CHUNKS_PER_GROUP",
+    "FAST_FACTOR",
+    "LAYOUT_COSTS",
+    "MIN_CHUNK_ROWS",
+    "RowLayout",
+    "row_layout",
+]
+
+#: The default's rows per chunk are at least this (× the group's size, × FAST_FACTOR with
+#: ``ChunkSize(fast=True)``), whatever the workspace: below it, launches cost more than memory saves.
+MIN_CHUNK_ROWS = 256
+#: ``ChunkSize(fast=True)``: this many times the workspace and the minimum rows.
+FAST_FACTOR = 4
+#: Chunks per gradient group where the rows per chunk are asked for (``nrows``, ``num_chunks``,
+#: ``max_chunks``) or the workspace is too small for every layout of :data:`LAYOUT_COSTS`.
+CHUNKS_PER_GROUP = 3
+
+#: The layouts the default chooses from: (chunk rows, group rows) → the call's time walked so,
+#: relative to the fastest layout measured (2048/8192), averaged over the problems of
+#: ``benchmarks/layout_sweep.py`` on an H200 (KD at BT = 8192 and 32768 at V = 128256 and at
+#: V = 256000, CE at V = 128256; docs/benchmarks.md). Layouts that another one beats in less memory
+#: are left out. Under a tensor-parallel group the rows are multiplied by its size (a shard holds
+#: 1/tp of the columns: the same memory).
+LAYOUT_COSTS: dict[tuple[int, int], float] = {
+    (256, 512): 1.145,
+    (256, 768): 1.111,
+    (256, 1024): 1.094,
+    (256, 2048): 1.056,
+    (512, 1024): 1.060,
+    (512, 1536): 1.047,
+    (512, 2048): 1.028,
+    (512, 4096): 1.024,
+    (1024, 2048): 1.015,
+    (1024, 4096): 1.008,
+    (2048, 4096): 1.004,
+    (2048, 8192): 1.001,
+}
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a call walks its rows: ``chunk_rows`` rows share one pass of logits and statistics;
+    ``group_rows`` (a multiple of ``chunk_rows``) share one pair of gradient GEMMs."""
+
+    chunk_rows: int
+    group_rows: int
+
+
+def _measured_layout(budget: int, total_rows: int, logit_row: int, staged_row: int, shards: int) -> RowLayout | None:
+    """The layout of :data:`LAYOUT_COSTS` (rows × ``shards``) of lowest cost whose workspace fits
+    ``budget`` bytes (``logit_row``, ``staged_row``: a chunk's and a group's bytes per row), with
+    no group longer than the call's rows rounded up to a chunk; None when none fits."""
+    fitting = []
+    for (chunk, group), cost in LAYOUT_COSTS.items():
+        chunk, group = chunk * shards, group * shards
+        if chunk * logit_row + group * staged_row > budget:
+            continue
+        chunks = -(-total_rows // chunk)
+        group = min(group, chunk * chunks)  # a group past the last row stages nothing more
+        fitting.append((cost, chunk * logit_row + group * staged_row, RowLayout(chunk, group)))
+    return min(fitting, key=lambda entry: entry[:2])[2] if fitting else None
+
+
+def row_layout(
+    config: KernelConfig,
+    total_rows: int,
+    local_vocab: int,
+    logit_bytes: int,
+    staged_bytes: int,
+    shards: int = 1,
+    workspace_mib: int = HOST_WORKSPACE_MIB,
+) -> RowLayout:
+    """Rows per chunk and per gradient group for ``local_vocab`` columns (``KernelConfig``'s
+    chunking fields).
+
+    ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
+    ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
+    ``shards``: the tensor-parallel group's size; ``workspace_mib``: the default workspace
+    (:func:`orda_tp.workspace.default_workspace_mib`), which ``config.workspace_mib`` replaces.
+
+    - Rows asked for: ``chunk_size.nrows``, or ``ceil(rows / num_chunks)``, or
+      ``ceil(rows / max_chunks)`` where the workspace's layout would make more than ``max_chunks``
+      chunks; a dynamic ``chunk_size`` lowers them to fit an explicit ``workspace_mib``. Groups of
+      :data:`CHUNKS_PER_GROUP` chunks.
+    - Otherwise the workspace's layout (the workspace × FAST_FACTOR with ``chunk_size.fast``): the
+      layout of :data:`LAYOUT_COSTS` of lowest cost that fits (rows × ``shards``: a shard's chunk
+      does a single device's work per record exchange in no more memory). Where none fits, the most rows
+      that fit with :data:`CHUNKS_PER_GROUP` chunks per group, a multiple of 64 (default
+      workspace: at least ``MIN_CHUNK_ROWS × shards``) or of 16 (explicit workspace: at least 1).
+    """
+    size = config.chunk_size
+    factor = FAST_FACTOR if size.fast else 1
+    explicit = config.workspace_mib is not None
+    budget = (workspace_mib if config.workspace_mib is None else config.workspace_mib) * factor * (1 << 20)
+    columns = max(local_vocab, 1)
+    logit_row, staged_row = columns * logit_bytes, columns * staged_bytes
+    rows = max(total_rows, 1)
+    # The most rows with CHUNKS_PER_GROUP chunks per group, and those as a multiple of 16 (at least 1).
+    fitting = budget // (logit_row + CHUNKS_PER_GROUP * staged_row)
+    fitting_16 = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
+    layout = _measured_layout(budget, rows, logit_row, staged_row, shards)
+    if layout is None:
+        chunk = fitting_16 if explicit else max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
+        layout = RowLayout(chunk, chunk * CHUNKS_PER_GROUP)
+    requested = None
+    if size.nrows is not None:
+        requested = size.nrows
+    elif config.num_chunks is not None:
+        requested = -(-rows // config.num_chunks)
+    elif config.max_chunks is not None and -(-rows // layout.chunk_rows) > config.max_chunks:
+        requested = -(-rows // config.max_chunks)
+    if requested is not None:
+        if explicit and size.dynamic:
+            requested = min(requested, fitting_16)
+        layout = RowLayout(requested, requested * CHUNKS_PER_GROUP)
+    chunk = max(1, min(layout.chunk_rows, rows))
+    group = layout.group_rows if staged_bytes > 0 else chunk
+    group = max(chunk, min(group - group % chunk, -(-total_rows // chunk) * chunk))
+    return RowLayout(chunk_rows=chunk, group_rows=group)
