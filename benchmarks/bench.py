@@ -9,32 +9,44 @@ cut-cross-entropy skips more of its gradient blocks).
   KD: student CE + forward KL(q‖p) at T = 1, kl_weight = 1, tied frozen teacher (``TiedTeacher`` of
       hidden states that need no grad, teacher_ce_weight = 0).
   CE: the student's cross-entropy alone.
-Implementations: orda_tp (backend="triton", the default profile and profile="fast"; backend="torch" on
-the CPU); naive torch (full fp32 logits); and, where importable, orda-kernel (autotune off), Liger-Kernel
-(fused linear CE; its chunked JSD loss with beta = 0, i.e. forward KL, plus CE, the teacher's hidden
-states through the same head) and cut-cross-entropy (CE). Each loss is compared with the naive one
-(relative difference ≤ 1e-2 in bf16, 1e-4 in fp32: "sanity"), and each KD and CE row's gradients
-``dh``, ``dW`` with exact ones computed in fp32 over chunks of rows (``reference_grads``; relative
-error ‖g − g_ref‖ / ‖g_ref‖, the worse of the two: orda_tp's must stay within 1e-2 in bf16, 1e-4 in
-fp32; the others' are reported, since a peer may trade exactness for speed).
+Implementations: orda_tp (backend="triton", the default profile and profile="fast", and in the main and
+rows sections also the default under ``KernelConfig(workspace_mib=1024)`` and ``2048``, "wkspc 1024"
+and "wkspc 2048"; backend="torch" on the CPU); naive torch (full fp32 logits); and, where importable,
+orda-kernel (autotune off), Liger-Kernel (fused linear CE; its chunked JSD loss with beta = 0, i.e.
+forward KL, plus CE, the teacher's hidden states through the same head) and cut-cross-entropy (CE).
+Each loss is compared with the naive one (relative difference ≤ 1e-2 in bf16, 1e-4 in fp32:
+"sanity"), and each KD and CE row's gradients ``dh``, ``dW`` in the main and rows sections with exact
+ones computed in fp32 over chunks of rows (``grad_precision.reference_grads``; relative error
+‖g − g_ref‖ / ‖g_ref‖, the worse of the two: orda_tp's must stay within 1e-2 in bf16, 1e-4 in fp32;
+the others' are reported, since a peer may trade exactness for speed).
 Median of 10 timed calls after 3 warm-ups (CUDA events), spread = max − min; on the CPU 2 after 1.
 peak = max allocated during one call above what was allocated before it; workspace = peak less the
 returned gradients. Floor = GEMMs × 2·BT·H·V at 788 TFLOP/s (KD 4 GEMMs, CE and a precomputed
 teacher 3); "GEMM-only" = those GEMMs themselves run back to back by cuBLAS in the same run (each
-side's logits GEMM with an fp32 result, dh, dW), and every row's ratio to it is printed. The issue's
-targets are printed beside orda_tp's rows.
+side's logits GEMM with an fp32 result, dh, dW), and every row's ratio to the GEMM-only row of its
+section, shape and case is printed. Issue 24's targets (× GEMM-only) are printed beside orda_tp's profiles' ratios.
 
-Parts: the anchor shapes; ``--extras`` (on by default): the 15 KL variants against forward KL's time,
-the separate, the precomputed-logits and the top-64 cache teachers (both tails), and the loss terms
-(label smoothing, z-loss, soft-caps, token weights), at the first shape; ``--sweep`` (on by default): KD
-against the vocabulary at BT = 8192, H = 4096, plotted to bench_vocab.png; ``--tp`` under torchrun:
-TP = 1 against TP = world per rank. ``--time-limit S``: no row starts after S seconds; the rows left
-are listed as not run. A row that fails or runs out of memory is recorded and the run goes on.
+Parts: the anchor shapes ("main"); "teachers": KD with a separate frozen teacher of another width
+(BT = 8192, student H_s = 2048, teacher H_t = 4096, V = 128256: ``SeparateTeacher`` of hidden states
+(BT, H_t) and a head (V, H_t)) for orda_tp's profiles, orda-kernel and Liger-Kernel, beside its own
+GEMM-only row (floor: 5 GEMMs at H_s, the teacher's logits GEMM counting 2); ``--extras`` (on by
+default): the 15 KL variants against forward KL's time, the separate (of the student's width), the
+precomputed-logits and the top-64 cache teachers (both tails), and the loss terms (label smoothing,
+z-loss, soft-caps, token weights), at the first shape; ``--sweep`` (on by default): KD against the
+vocabulary at BT = 8192, H = 4096, plotted to bench_vocab.png; ``--rows-sweep`` (on by default, section
+"rows"): KD at BT = 2048, 8192, 32768 and CE at BT = 8192, 32768 (H = 4096, V = 128256; BT = 8192 are
+the first shape's rows), each with its GEMM-only row, plotted as µs per token to bench_rows.png;
+``--precision`` (on by default): the gradients' errors on three data sets and three cases at BT = 4096,
+H = 4096, V = 128256 (benchmarks/grad_precision.py says what); ``--tp`` under torchrun: TP = 1 against
+TP = world per rank. ``--small``: tiny shapes throughout (``SMALL``). They run in the order main,
+teachers, rows, precision, extras, vocabulary sweep. ``--time-limit S``: no row (and no precision
+case) starts after S seconds; the rows left are listed as not run. A row that fails or runs out of
+memory is recorded and the run goes on.
 
-Outputs in ``--out`` (default $OUT, else ./bench_out): bench.log, bench.json (every row),
-bench_tables.md (tables to paste) and bench_vocab.png; under ``--tp`` bench_tp.log, bench_tp.json and
-bench_tp_tables.md. The exit status is 1 when a row failed (running out of memory is a result, not a
-failure) or a loss failed its sanity check.
+Outputs in ``--out`` (default $OUT, else ./bench_out): bench.log, bench.json (every row; the precision
+part under "precision"), bench_tables.md (tables to paste), bench_vocab.png and bench_rows.png; under
+``--tp`` bench_tp.log, bench_tp.json and bench_tp_tables.md. The exit status is 1 when a row failed
+(running out of memory is a result, not a failure) or a loss failed its sanity check.
 
 Peers are made importable from their wheels in .whl/: ``pip install --no-deps --target /tmp/site .whl/*.whl``.
 
@@ -66,10 +78,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Run from a checkout without installing: the repository root holds `orda_tp`, this script's harness
-# (`benchmarks/harness.py`, shared with `checks/gpu_check.py`) and the tests' variant keywords.
+# (`benchmarks/harness.py`, shared with `checks/gpu_check.py`), its gradient-precision part
+# (`benchmarks/grad_precision.py`) and the tests' variant keywords.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import (  # noqa: E402  (first: it sets the NCCL and Triton environment)
+# The harness comes in before orda_tp (grad_precision imports it first): it sets the NCCL and Triton environment.
+from benchmarks.grad_precision import TASK_WEIGHTS, Contender, Problem, grad_errors, run_precision  # noqa: E402
+from benchmarks.grad_precision import reference_grads as exact_grads  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
     IGNORE_EVERY,
     IGNORE_INDEX,
     Reporter,
@@ -83,7 +99,14 @@ from benchmarks.harness import (  # noqa: E402  (first: it sets the NCCL and Tri
     run_script,
     sync_device,
 )
-from orda_tp import KL_VARIANTS, PrecomputedTeacher, SeparateTeacher, TiedTeacher, distillation_loss  # noqa: E402
+from orda_tp import (  # noqa: E402
+    KL_VARIANTS,
+    KernelConfig,
+    PrecomputedTeacher,
+    SeparateTeacher,
+    TiedTeacher,
+    distillation_loss,
+)
 from orda_tp.engine.logits import logits_mm  # noqa: E402
 from tests.cases import VARIANT_KWARGS  # noqa: E402
 from tests.topk_cases import topk_of  # noqa: E402
@@ -91,21 +114,24 @@ from tests.topk_cases import topk_of  # noqa: E402
 MATMUL_TFLOPS = 788.0  # bf16 8192³ on an H200, measured (shared/ANCHORS.md)
 WARMUP, REPEATS = 3, 10  # on a GPU; the CPU takes CPU_WARMUP, CPU_REPEATS
 CPU_WARMUP, CPU_REPEATS = 1, 2
-TASKS = ("KD", "CE")
+TASKS = ("KD", "CE")  # the timed tasks; TASK_WEIGHTS (grad_precision.py) also has "KL", forward KL alone
 TASK_GEMMS = {"KD": 4, "CE": 3}
 GEMM_ONLY = "GEMM-only (cuBLAS)"  # the row of a task's unavoidable GEMMs alone
 SANITY_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}  # relative difference from the naive loss
 # orda_tp's gradients against the fp32 reference: ‖g − g_ref‖ / ‖g_ref‖ of dh and of dW (the worse one)
 GRAD_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
-REFERENCE_ROWS = 1024  # rows per chunk of the fp32 reference gradients
 # The naive loss's peak per logit (bf16 inputs, fp32 logits), measured at the first shape: KD 28056 MiB
 # and CE 12024 MiB for 8192 × 128256 logits. Naive rows estimated above NAIVE_LIMIT_GIB are not run.
 NAIVE_BYTES_PER_LOGIT = {"KD": 28.0, "CE": 12.0}
 NAIVE_LIMIT_GIB = 60.0
-# Issue 4's targets: (shape index, task) -> (ms, workspace MiB or None).
-Target = tuple[float, float | None]
-TARGETS: dict[tuple[int, str], Target] = {(0, "KD"): (50.0, 512.0), (1, "KD"): (56.0, 1024.0), (0, "CE"): (38.0, None)}
+# Issue 24's targets for the default layout: (shape index, task) -> the largest time over the
+# GEMM-only row of the same shape and task, in the same run.
+Target = float
+TARGETS: dict[tuple[int, str], Target] = {(0, "KD"): 1.17, (1, "KD"): 1.28}
 VARIANT_RATIO_TARGET = 1.25
+# Explicit workspace caps (KernelConfig.workspace_mib) timed beside orda_tp's profiles, in the main and
+# rows sections.
+WORKSPACE_MIBS = (1024, 2048)
 TP_RATIO_TARGET = 0.55
 
 
@@ -132,9 +158,17 @@ class Scale:
     sweep_rows: int
     sweep_hidden: int
     sweep_vocabs: tuple[int, ...]
+    kd_row_counts: tuple[int, ...]  # the BT sweep of KD, at the first shape's H and V (its BT among them)
+    ce_row_counts: tuple[int, ...]  # and of CE
+    separate: BenchShape  # the student of the separate teacher of another width
+    separate_width: int  # that teacher's width H_t (a multiple of the student's)
+    precision: BenchShape  # the gradient-precision part's shape
 
     def sweep_shapes(self) -> list[BenchShape]:
         return [BenchShape(self.sweep_rows, self.sweep_hidden, vocab) for vocab in self.sweep_vocabs]
+
+    def row_counts(self, task: str) -> tuple[int, ...]:
+        return self.kd_row_counts if task == "KD" else self.ce_row_counts
 
 
 ANCHORS = Scale(
@@ -142,12 +176,22 @@ ANCHORS = Scale(
     sweep_rows=8192,
     sweep_hidden=4096,
     sweep_vocabs=(32768, 65536, 128256, 256000),
+    kd_row_counts=(2048, 8192, 32768),
+    ce_row_counts=(8192, 32768),
+    separate=BenchShape(8192, 2048, 128256),
+    separate_width=4096,
+    precision=BenchShape(4096, 4096, 128256),
 )
 SMALL = Scale(
     shapes=(BenchShape(64, 32, 203), BenchShape(64, 32, 512)),
     sweep_rows=64,
     sweep_hidden=32,
     sweep_vocabs=(128, 203, 512, 1024),
+    kd_row_counts=(32, 64, 256),
+    ce_row_counts=(64, 256),
+    separate=BenchShape(64, 16, 203),
+    separate_width=32,
+    precision=BenchShape(64, 32, 203),
 )
 
 
@@ -162,6 +206,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sweep", action=argparse.BooleanOptionalAction, default=True, help="KD against the vocabulary, and the plot"
+    )
+    parser.add_argument(
+        "--rows-sweep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="KD and CE against the rows BT, and the plot",
+    )
+    parser.add_argument(
+        "--precision",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gradient errors on three data sets and three cases (benchmarks/grad_precision.py)",
     )
     parser.add_argument("--time-limit", type=float, default=480.0, help="seconds after which no row starts")
     parser.add_argument(
@@ -208,13 +264,15 @@ def make_bench_inputs(
     )
 
 
-def separate_teacher(inputs: BenchInputs) -> SeparateTeacher:
-    """A frozen teacher with its own head of the student's width."""
+def separate_teacher(inputs: BenchInputs, width: int | None = None) -> SeparateTeacher:
+    """A frozen teacher with its own hidden states and head, of width ``width`` (the student's by
+    default); its logits of standard deviation ≈ 2."""
     rows, hidden = inputs.hidden.shape
+    width = width or hidden
     device, dtype = inputs.hidden.device, inputs.hidden.dtype
     generator = torch.Generator(device=device).manual_seed(5)
-    teacher_hidden = torch.randn(rows, hidden, generator=generator, device=device).to(dtype)
-    head = torch.randn(inputs.weight.shape[0], hidden, generator=generator, device=device) * (2.0 / hidden**0.5)
+    teacher_hidden = torch.randn(rows, width, generator=generator, device=device).to(dtype)
+    head = torch.randn(inputs.weight.shape[0], width, generator=generator, device=device) * (2.0 / width**0.5)
     return SeparateTeacher(teacher_hidden, head.to(dtype))
 
 
@@ -254,16 +312,19 @@ def gemm_step(inputs: BenchInputs) -> Step:
     return lambda: (torch.mm(inputs.hidden.detach(), inputs.weight.detach().T), ())
 
 
-def gemm_only_step(inputs: BenchInputs, task: str) -> Step:
+def gemm_only_step(inputs: BenchInputs, task: str, teacher: SeparateTeacher | None = None) -> Step:
     """The loss's unavoidable full-size GEMMs back to back in cuBLAS: each side's logits GEMM with an
-    fp32 result (two for KD, the tied teacher's too; one for CE), then ``dh = G·W`` and
-    ``dW = Gᵀ·h`` for a logit gradient ``G`` in the inputs' dtype (made once, outside the timing)."""
-    hidden, weight, teacher = inputs.hidden.detach(), inputs.weight.detach(), inputs.teacher_hidden
+    fp32 result (two for KD: the tied teacher's too, or ``teacher``'s through its own head at its own
+    width; one for CE), then ``dh = G·W`` and ``dW = Gᵀ·h`` for a logit gradient ``G`` in the inputs'
+    dtype (made once, outside the timing)."""
+    hidden, weight = inputs.hidden.detach(), inputs.weight.detach()
     grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device=hidden.device).to(hidden.dtype)
-    sides = [hidden, teacher] if task == "KD" else [hidden]
+    sides = [(hidden, weight)]
+    if task == "KD":
+        sides.append((inputs.teacher_hidden, weight) if teacher is None else (teacher.hidden, teacher.weight))
 
     def step() -> tuple[Tensor, tuple[Tensor, ...]]:
-        logits = [logits_mm(side, weight, torch.float32) for side in sides]
+        logits = [logits_mm(side, head, torch.float32) for side, head in sides]
         return logits[0], (grad_logits @ weight, grad_logits.T @ hidden)
 
     return step
@@ -278,22 +339,26 @@ def orda_step(
     teacher: TiedTeacher | SeparateTeacher | PrecomputedTeacher | None = None,
     tp: bool = False,
     terms: dict[str, object] | None = None,
+    config: KernelConfig | None = None,
 ) -> Step:
-    """orda_tp: student CE (+ the KL variant at T=1 unless task == "CE"); the tied teacher by default;
-    ``terms``: the loss terms' keywords (label smoothing, z-loss, soft-caps; ``token_weights="rand"``
-    for uniform random weights of the inputs' rows)."""
+    """orda_tp at the task's weights (TASK_WEIGHTS: KD = student CE + the KL variant at T=1, CE alone,
+    KL alone); the tied teacher by default; ``terms``: the loss terms' keywords (label smoothing, z-loss,
+    soft-caps; ``token_weights="rand"`` for uniform random weights of the inputs' rows); ``config``:
+    a KernelConfig instead of the profile's."""
     terms = dict(terms or {})
     if terms.get("token_weights") == "rand":
         generator = torch.Generator(device=inputs.labels.device).manual_seed(11)
         terms["token_weights"] = torch.rand(inputs.labels.shape, generator=generator, device=inputs.labels.device)
+    ce_weight, kl_weight = TASK_WEIGHTS[task]
     kwargs: dict[str, Any] = dict(
-        student_ce_weight=1.0,
+        student_ce_weight=ce_weight,
         teacher_ce_weight=0.0,
-        kl_weight=0.0 if task == "CE" else 1.0,
+        kl_weight=kl_weight,
         kl_temperature=1.0,
         kl_divergence=variant,
         profile=profile,
         backend=backend,
+        config=config,
         **VARIANT_KWARGS[variant],
         **terms,
     )
@@ -329,32 +394,8 @@ def naive_step(inputs: BenchInputs, task: str) -> Step:
 
 
 def reference_grads(inputs: BenchInputs, task: str) -> tuple[Tensor, Tensor]:
-    """The task's exact gradients ``(dh, dW)`` in fp32, from fp32 logits over chunks of rows (fp32
-    GEMMs at torch's default precision, no TF32): ``∂/∂s = (softmax(s) − onehot(y)) + (softmax(s) −
-    softmax(t))`` for KD (CE + forward KL at T = 1; the CE term alone for CE), ÷ the non-ignored rows,
-    0 on ignored rows."""
-    hidden, weight, labels = inputs.hidden.detach(), inputs.weight.detach().float(), inputs.labels
-    valid = labels != IGNORE_INDEX
-    count = valid.sum().clamp(min=1)
-    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device)
-    for begin in range(0, hidden.shape[0], REFERENCE_ROWS):
-        rows = slice(begin, begin + REFERENCE_ROWS)
-        rows_hidden = hidden[rows].float()
-        grad = (rows_hidden @ weight.T).softmax(-1)
-        if task == "KD":
-            grad = 2 * grad - (inputs.teacher_hidden[rows].float() @ weight.T).softmax(-1)
-        kept = valid[rows]
-        grad[kept.nonzero()[:, 0], labels[rows][kept]] -= 1.0
-        grad *= (kept / count)[:, None]
-        grad_hidden[rows] = grad @ weight
-        grad_weight += grad.T @ rows_hidden
-    return grad_hidden, grad_weight
-
-
-def grad_error(grads: tuple[Tensor, ...], reference: tuple[Tensor, Tensor]) -> float:
-    """The worse of ‖g − g_ref‖ / ‖g_ref‖ over ``dh`` and ``dW``, in fp32."""
-    return max(float((g.float() - r).norm() / r.norm()) for g, r in zip(grads, reference))
+    """The task's exact gradients ``(dh, dW)`` in fp32, over chunks of rows (``grad_precision.reference_grads``)."""
+    return exact_grads(inputs.hidden, inputs.weight, inputs.labels, inputs.teacher_hidden, task)
 
 
 # ------------------------------------------------------------------------------------------------ implementations
@@ -362,33 +403,43 @@ def grad_error(grads: tuple[Tensor, ...], reference: tuple[Tensor, Tensor]) -> f
 
 @dataclass(frozen=True)
 class Impl:
-    """One implementation: ``step(inputs, task)`` makes its fwd+bwd for a task it supports."""
+    """One implementation: ``step(inputs, task)`` makes its fwd+bwd for a task it supports; every one
+    but naive also takes ``teacher=`` a SeparateTeacher for KD, instead of the tied teacher."""
 
     name: str
-    step: Callable[[BenchInputs, str], Step]
-    tasks: tuple[str, ...] = TASKS
-    ours: bool = False  # orda_tp: the issue's targets apply
+    step: Callable[..., Step]
+    tasks: tuple[str, ...] = tuple(TASK_WEIGHTS)
+    ours: bool = False  # orda_tp: its gradients must match the reference
+    targets: bool = False  # the issue's targets apply (orda_tp's profiles)
     in_sweep: bool = False
 
 
-def orda_options(device: torch.device) -> list[tuple[str, dict[str, str]]]:
-    """orda_tp's configurations under test: (name, orda_step keywords)."""
+def orda_options(device: torch.device, workspace: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """orda_tp's configurations under test: (name, orda_step keywords); with ``workspace``, also the
+    default profile's under each explicit workspace cap of WORKSPACE_MIBS."""
     backend = "triton" if device.type == "cuda" else "torch"
-    return [
+    options: list[tuple[str, dict[str, Any]]] = [
         (f"orda_tp {backend}", {"backend": backend}),
         (f"orda_tp {backend} fast", {"backend": backend, "profile": "fast"}),
     ]
+    if workspace:
+        options += [
+            (f"orda_tp {backend} wkspc {mib}", {"backend": backend, "config": KernelConfig(workspace_mib=mib)})
+            for mib in WORKSPACE_MIBS
+        ]
+    return options
 
 
-def orda_impls(device: torch.device) -> list[Impl]:
-    """orda_tp's configurations; the default profile also runs in the vocabulary sweep."""
+def orda_impls(device: torch.device, workspace: bool = False) -> list[Impl]:
+    """orda_tp's configurations (``orda_options``); the default profile also runs in the vocabulary
+    sweep; the issue's targets apply to the profiles, not to an explicit workspace cap."""
     return [
-        Impl(name, partial(orda_step, **options), ours=True, in_sweep=index == 0)
-        for index, (name, options) in enumerate(orda_options(device))
+        Impl(name, partial(orda_step, **options), ours=True, targets="config" not in options, in_sweep=index == 0)
+        for index, (name, options) in enumerate(orda_options(device, workspace))
     ]
 
 
-NAIVE = Impl("naive", naive_step, in_sweep=True)
+NAIVE = Impl("naive", naive_step, tasks=TASKS, in_sweep=True)
 
 
 def _version(distribution: str) -> str:
@@ -405,13 +456,17 @@ def orda_kernel_impl(device: torch.device) -> Impl:
     config = orda_kernel.KernelConfig(autotune=False)
     backend = "triton" if device.type == "cuda" else "torch"
 
-    def step(inputs: BenchInputs, task: str) -> Step:
-        teacher = orda_kernel.TiedTeacher(inputs.teacher_hidden)
+    def step(inputs: BenchInputs, task: str, teacher: SeparateTeacher | None = None) -> Step:
+        if teacher is None:
+            source = orda_kernel.TiedTeacher(inputs.teacher_hidden)
+        else:
+            source = orda_kernel.SeparateTeacher(teacher.hidden, teacher.weight)
+        ce_weight, kl_weight = TASK_WEIGHTS[task]
         return loss_step(
             inputs,
             lambda: orda_kernel.distillation_loss(
-                inputs.hidden, inputs.weight, inputs.labels, teacher, student_ce_weight=1.0, teacher_ce_weight=0.0,
-                kl_weight=0.0 if task == "CE" else 1.0, kl_temperature=1.0, ignore_index=IGNORE_INDEX,
+                inputs.hidden, inputs.weight, inputs.labels, source, student_ce_weight=ce_weight,
+                teacher_ce_weight=0.0, kl_weight=kl_weight, kl_temperature=1.0, ignore_index=IGNORE_INDEX,
                 backend=backend, config=config,
             ).loss,
         )  # fmt: skip
@@ -420,22 +475,26 @@ def orda_kernel_impl(device: torch.device) -> Impl:
 
 
 def liger_impl(device: torch.device) -> Impl:
-    """Liger-Kernel: fused linear CE; KD as its chunked JSD loss at beta=0 (forward KL(q‖p)) plus CE,
-    the teacher's hidden states through the same head."""
+    """Liger-Kernel: fused linear CE; KD as its chunked JSD loss at beta=0 (forward KL(q‖p)) plus CE
+    (weight_hard_loss = 1; KL alone: 0), the teacher's hidden states through the same head, or a
+    separate teacher's through its own (of any width)."""
     from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     ce = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
-    kd = LigerFusedLinearJSDLoss(
-        weight_hard_loss=1.0, weight_soft_loss=1.0, beta=0.0, ignore_index=IGNORE_INDEX, temperature=1.0
-    )
+    jsd = {
+        task: LigerFusedLinearJSDLoss(
+            weight_hard_loss=ce_weight, weight_soft_loss=kl_weight, beta=0.0, ignore_index=IGNORE_INDEX, temperature=1.0
+        )
+        for task, (ce_weight, kl_weight) in TASK_WEIGHTS.items()
+        if kl_weight
+    }
 
-    def step(inputs: BenchInputs, task: str) -> Step:
+    def step(inputs: BenchInputs, task: str, teacher: SeparateTeacher | None = None) -> Step:
         if task == "CE":
             return loss_step(inputs, lambda: ce(inputs.weight, inputs.hidden, inputs.labels))
-        return loss_step(
-            inputs, lambda: kd(inputs.hidden, inputs.weight, inputs.teacher_hidden, inputs.weight, inputs.labels)
-        )
+        side = (inputs.teacher_hidden, inputs.weight) if teacher is None else (teacher.hidden, teacher.weight)
+        return loss_step(inputs, lambda: jsd[task](inputs.hidden, inputs.weight, *side, inputs.labels))
 
     return Impl(f"Liger-Kernel {_version('liger-kernel')}", step, in_sweep=True)
 
@@ -583,9 +642,9 @@ class Bench:
 class RowSpec:
     """One row to measure: ``step(inputs)`` makes the fwd+bwd; ``skip`` says why it is not run."""
 
-    section: str  # "main", "extras" or "sweep"
+    section: str  # "main", "teachers", "rows" (the BT sweep), "extras" or "sweep" (the vocabulary sweep)
     shape: BenchShape
-    case: str  # "KD", "CE", "logits GEMM", "KD <variant>", "KD separate", ...
+    case: str  # "KD", "CE", "logits GEMM", "KD <variant>", "KD separate", "KD separate H_t=<width>", ...
     impl: str
     gemms: int
     step: Callable[[BenchInputs], Step]
@@ -593,12 +652,12 @@ class RowSpec:
     labels: dict[str, str] = field(default_factory=dict)
     skip: str | None = None
     ours: bool = False  # orda_tp's row: its gradients must match the reference
-    checks_grads: bool = False  # its gradients are compared with the fp32 reference (KD and CE rows of a shape)
+    checks_grads: bool = False  # its gradients are compared with the fp32 reference (main and rows: KD and CE)
 
 
 BENCH_HEADER = (
     f"{'shape':<21} {'case':<19} {'impl':<24} {'ms':>8} {'spread':>7} {'floor':>6} {'x floor':>7} "
-    f"{'peak MiB':>9} {'wkspc MiB':>9}  target / note"
+    f"{'peak MiB':>9} {'wkspc MiB':>9}"
 )
 
 
@@ -625,14 +684,12 @@ def spec_row(spec: RowSpec) -> dict[str, Any]:
     }
 
 
-def _target_note(timing: Timing, target: Target | None) -> tuple[str, bool | None]:
+def _target_note(x_gemm_only: float, target: Target | None) -> tuple[str, bool | None]:
     """The issue's target as text and whether the row meets it (None without a target)."""
     if target is None:
         return "", None
-    ms_target, mib_target = target
-    text = f"<={ms_target:g} ms" + (f", wkspc <={mib_target:g} MiB" if mib_target else "")
-    met = timing.ms <= ms_target and (mib_target is None or (timing.workspace_mib or 0.0) <= mib_target)
-    return f"{text}: {'meets' if met else 'misses'}", met
+    met = x_gemm_only <= target
+    return f"<={target:g} x GEMM-only: {'meets' if met else 'misses'}", met
 
 
 def run_spec(
@@ -651,15 +708,13 @@ def run_spec(
         ok, timing = guarded(bench.reporter, label, lambda: measure(spec.step(inputs), bench.device))
         recover_device()
         if ok:
-            note, met = _target_note(timing, spec.target)
             x_floor = timing.ms / row["floor_ms"] if bench.device.type == "cuda" else None  # the floor is a GPU's
             row.update(status="ok", ms=timing.ms, spread_ms=timing.spread_ms, x_floor=x_floor)
             row.update(peak_mib=timing.peak_mib, workspace_mib=timing.workspace_mib, loss=timing.loss)
-            row.update(target_met=met, note=note)
             if spec.checks_grads:
                 checked, error = guarded(
                     bench.reporter, f"{label} gradients",
-                    lambda: grad_error(spec.step(inputs)()[1], reference(spec.case)),
+                    lambda: max(grad_errors(spec.step(inputs)()[1], reference(spec.case))),
                 )  # fmt: skip
                 row.update(grad_err=error if checked else math.nan)
                 recover_device()
@@ -679,8 +734,7 @@ def print_row(reporter: Reporter, spec: RowSpec, row: dict[str, Any]) -> None:
         return
     reporter.line(
         f"{_head(spec)} {row['ms']:>8.2f} {row['spread_ms']:>7.2f} {row['floor_ms']:>6.1f} "
-        f"{fmt(row['x_floor'], '7.2f'):>7} {fmt(row['peak_mib'], '9.0f'):>9} {fmt(row['workspace_mib'], '9.0f'):>9}  "
-        f"{row['note']}".rstrip()
+        f"{fmt(row['x_floor'], '7.2f'):>7} {fmt(row['peak_mib'], '9.0f'):>9} {fmt(row['workspace_mib'], '9.0f'):>9}"
     )
 
 
@@ -749,7 +803,8 @@ def naive_skip(shape: BenchShape, task: str, device: torch.device) -> str | None
 def task_specs(
     section: str, shape: BenchShape, task: str, impls: list[Impl], device: torch.device, target: Target | None = None
 ) -> list[RowSpec]:
-    """Every implementation that supports ``task`` at ``shape``; the target goes to orda_tp's rows."""
+    """Every implementation that supports ``task`` at ``shape``; the target goes to orda_tp's profiles'
+    rows."""
     return [
         RowSpec(
             section=section,
@@ -758,41 +813,97 @@ def task_specs(
             impl=impl.name,
             gemms=TASK_GEMMS[task],
             step=partial(impl.step, task=task),
-            target=target if impl.ours else None,
+            target=target if impl.targets else None,
             skip=naive_skip(shape, task, device) if impl is NAIVE else None,
             ours=impl.ours,
-            checks_grads=section == "main",
+            checks_grads=section in ("main", "rows"),
         )
         for impl in impls
         if task in impl.tasks
     ]
 
 
+def gemm_and_task_specs(
+    section: str, shape: BenchShape, task: str, impls: list[Impl], device: torch.device, target: Target | None = None
+) -> list[RowSpec]:
+    """The task's GEMM-only row at ``shape``, then every implementation's (``task_specs``)."""
+    gemm_only = RowSpec(section, shape, task, GEMM_ONLY, TASK_GEMMS[task], partial(gemm_only_step, task=task))
+    return [gemm_only, *task_specs(section, shape, task, impls, device, target)]
+
+
 def main_specs(scale: Scale, impls: list[Impl], device: torch.device, small: bool) -> list[RowSpec]:
-    """Per anchor shape: one logits GEMM, then KD and CE for every implementation."""
+    """Per anchor shape: one logits GEMM, then KD and CE: GEMM-only and every implementation."""
     specs: list[RowSpec] = []
     for index, shape in enumerate(scale.shapes):
         specs.append(RowSpec("main", shape, "logits GEMM", "torch.mm", 1, gemm_step))
         for task in TASKS:
             target = None if small else TARGETS.get((index, task))
-            gemm_only = partial(gemm_only_step, task=task)
-            specs.append(RowSpec("main", shape, task, GEMM_ONLY, TASK_GEMMS[task], gemm_only))
-            specs += task_specs("main", shape, task, impls, device, target)
+            specs += gemm_and_task_specs("main", shape, task, impls, device, target)
     return specs
 
 
+def teacher_specs(scale: Scale, impls: list[Impl]) -> list[RowSpec]:
+    """KD with a separate frozen teacher of another width (``Scale.separate``, the teacher at
+    ``Scale.separate_width``): its GEMM-only row (the student's logits GEMM and the teacher's at their
+    widths, then dh and dW at the student's), then each implementation of ``impls`` that does KD.
+    The floor counts the teacher's logits GEMM as H_t / H_s GEMMs of the student's width."""
+    shape, width = scale.separate, scale.separate_width
+    case, gemms = f"KD separate H_t={width}", 3 + width // shape.hidden
+    labels = {"teacher_width": str(width)}
+
+    def step(make: Callable[..., Step], inputs: BenchInputs) -> Step:
+        return make(inputs, "KD", teacher=separate_teacher(inputs, width))
+
+    def row(impl: str, make: Callable[..., Step], ours: bool = False) -> RowSpec:
+        return RowSpec("teachers", shape, case, impl, gemms, partial(step, make), labels=labels, ours=ours)
+
+    return [row(GEMM_ONLY, gemm_only_step)] + [
+        row(impl.name, impl.step, impl.ours) for impl in impls if "KD" in impl.tasks
+    ]
+
+
+def rows_sweep_specs(scale: Scale, impls: list[Impl], device: torch.device) -> list[RowSpec]:
+    """KD and CE at the BT sweep's row counts (the first shape's H and V) that the anchor shapes do
+    not already cover, the tasks of one row count together: GEMM-only, then every implementation."""
+    first = scale.shapes[0]
+    specs: list[RowSpec] = []
+    for rows in sorted(set(scale.kd_row_counts + scale.ce_row_counts)):
+        shape = BenchShape(rows, first.hidden, first.vocab)
+        if shape not in scale.shapes:
+            for task in TASKS:
+                if rows in scale.row_counts(task):
+                    specs += gemm_and_task_specs("rows", shape, task, impls, device)
+    return specs
+
+
+def rows_sweep_points(bench: Bench, scale: Scale) -> list[dict[str, Any]]:
+    """The BT sweep's points: KD and CE rows at the first shape's H and V, from the rows section and
+    the first anchor shape (GEMM-only rows too)."""
+    first = scale.shapes[0]
+    return [
+        row
+        for row in bench.rows
+        if row["section"] in ("main", "rows")
+        and row["case"] in TASKS
+        and (row["hidden"], row["vocab"]) == (first.hidden, first.vocab)
+        and row["rows"] in scale.row_counts(row["case"])
+    ]
+
+
 def report_gemm_ratios(bench: Bench) -> None:
-    """Each implementation's time over the GEMM-only time of its shape and task (same run)."""
-    main = [r for r in bench.rows if r["section"] == "main" and r["status"] == "ok"]
-    gemm_only = {(r["shape"], r["case"]): r["ms"] for r in main if r["impl"] == GEMM_ONLY}
-    for row in main:
-        floor = gemm_only.get((row["shape"], row["case"]))
+    """Each row's time over the GEMM-only time of its section, shape and case (same run)."""
+    timed = [r for r in bench.rows if r["status"] == "ok"]
+    gemm_only = {(r["section"], r["shape"], r["case"]): r["ms"] for r in timed if r["impl"] == GEMM_ONLY}
+    for row in timed:
+        floor = gemm_only.get((row["section"], row["shape"], row["case"]))
         if floor is None or row["impl"] == GEMM_ONLY:
             continue
         row["x_gemm_only"] = row["ms"] / floor
+        note, met = _target_note(row["x_gemm_only"], row["target"])
+        row.update(target_met=met, note=note)
         bench.reporter.line(
             f"   {row['shape']} {row['case']} {row['impl']}: {row['ms']:.2f} ms = {row['x_gemm_only']:.3f} x GEMM-only "
-            f"({floor:.2f} ms)"
+            f"({floor:.2f} ms) {note}".rstrip()
         )
 
 
@@ -877,8 +988,9 @@ def sweep_rows(bench: Bench, scale: Scale, impls: list[Impl]) -> list[dict[str, 
 
 
 def run_bench(args: argparse.Namespace, bench: Bench, scale: Scale) -> None:
-    """The anchor shapes for every implementation, then the extras and the sweep; then the plot and
-    the tables."""
+    """The anchor shapes, the separate teacher of another width and the BT sweep for every
+    implementation, the gradient precision, then the extras and the vocabulary sweep (the last to be
+    left out when the time budget runs short); then the plots and the tables."""
     reporter, device = bench.reporter, bench.device
     rate = matmul_rate(device)
     reporter.data["bench"] = {
@@ -894,22 +1006,54 @@ def run_bench(args: argparse.Namespace, bench: Bench, scale: Scale) -> None:
         f"floor = GEMMs × 2·BT·H·V at {MATMUL_TFLOPS:g} TFLOP/s (measured here: {fmt(rate, '.0f')} TFLOP/s)"
     )
     reporter.line("   peak = max allocated above the inputs; wkspc = the same less the returned gradients")
-    impls = orda_impls(device) + [NAIVE] + load_peers(reporter, device)
-    specs = main_specs(scale, impls, device, args.small)
-    if args.extras:
-        specs += extras_specs(scale.shapes[0], device)
-    if args.sweep:
-        specs += sweep_specs(scale, impls, device)
+    peers = load_peers(reporter, device)
+    impls = orda_impls(device, workspace=True) + [NAIVE] + peers
+    profiles = orda_impls(device) + peers  # no workspace caps, no naive: the teachers and the precision
+    specs = main_specs(scale, impls, device, args.small) + teacher_specs(scale, profiles)
+    if args.rows_sweep:
+        specs += rows_sweep_specs(scale, impls, device)
     reporter.line(BENCH_HEADER)
     run_specs(bench, specs)
+    precision = precision_part(bench, scale, profiles) if args.precision else None
+    later = extras_specs(scale.shapes[0], device) if args.extras else []
+    if args.sweep:
+        later += sweep_specs(scale, impls, device)
+    if later:
+        reporter.line(BENCH_HEADER)
+        run_specs(bench, later)
     report_gemm_ratios(bench)
     if args.extras:
         report_variant_ratios(bench)
     report_not_run(bench)
+    out_dir = bench.reporter.out_dir
     sweep = sweep_rows(bench, scale, impls) if args.sweep else []
     if sweep:
-        plot_sweep(bench, scale, sweep, bench.reporter.out_dir / "bench_vocab.png")
-    write_tables(bench, bench.reporter.out_dir / "bench_tables.md", sweep)
+        plot_sweep(bench, scale, sweep, out_dir / "bench_vocab.png")
+    rows_sweep = rows_sweep_points(bench, scale) if args.rows_sweep else []
+    if rows_sweep:
+        plot_rows_sweep(bench, scale, rows_sweep, out_dir / "bench_rows.png")
+    write_tables(bench, out_dir / "bench_tables.md", sweep, rows_sweep, precision)
+
+
+def precision_part(bench: Bench, scale: Scale, impls: list[Impl]) -> dict[str, Any]:
+    """``grad_precision.run_precision`` at ``Scale.precision`` for ``impls``, under the time budget;
+    its record goes into bench.json and its rows not run into the budget's list."""
+    shape = scale.precision
+
+    def grads(impl: Impl, problem: Problem) -> tuple[Tensor, ...]:
+        inputs = BenchInputs(problem.hidden, problem.weight, problem.labels, problem.teacher_hidden)
+        return impl.step(inputs, problem.task)()[1]
+
+    contenders = [Contender(impl.name, partial(grads, impl), impl.tasks) for impl in impls]
+    precision = run_precision(
+        bench.reporter, bench.device, (shape.rows, shape.hidden, shape.vocab), contenders, bench.seed,
+        lambda: bench.budget.spent(bench.runtime),
+    )  # fmt: skip
+    bench.reporter.data["bench"]["precision"] = precision
+    bench.budget.not_run += [
+        f"precision {r['data_set']} {r['case']} {r['impl']}" for r in precision["rows"] if r["status"] == "not run"
+    ]
+    return precision
 
 
 def report_variant_ratios(bench: Bench) -> None:
@@ -939,22 +1083,35 @@ def report_not_run(bench: Bench) -> None:
             bench.reporter.line(f"   {label}")
 
 
-def plot_sweep(bench: Bench, scale: Scale, rows: list[dict[str, Any]], path: Path) -> None:
-    """bench_vocab.png: time and workspace (log scale) against V, a line per implementation, the KD floor."""
+def pyplot(reporter: Reporter) -> Any:
+    """matplotlib's pyplot on the Agg backend, or None (printed) where matplotlib is not importable."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        bench.reporter.line(f"   plot skipped: matplotlib is not importable ({error})")
+        reporter.line(f"   plot skipped: matplotlib is not importable ({error})")
+        return None
+    return plt
+
+
+def _line_label(impl: str, rows: list[dict[str, Any]], key: str, name: str) -> str:
+    """``impl``, with the points that were not measured (``name=row[key]``) in parentheses."""
+    missing = ", ".join(f"{r['status']} at {name}={r[key]}" for r in rows if r["status"] != "ok")
+    return f"{impl} ({missing})" if missing else impl
+
+
+def plot_sweep(bench: Bench, scale: Scale, rows: list[dict[str, Any]], path: Path) -> None:
+    """bench_vocab.png: time and workspace (log scale) against V, a line per implementation, the KD floor."""
+    plt = pyplot(bench.reporter)
+    if plt is None:
         return
     figure, (times, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
     for impl, group in groupby(sorted(rows, key=lambda r: (r["impl"], r["vocab"])), key=lambda r: r["impl"]):
-        group = list(group)
-        points = [r for r in group if r["status"] == "ok"]
-        missing = ", ".join(f"{r['status']} at V={r['vocab']}" for r in group if r["status"] != "ok")
-        label = f"{impl} ({missing})" if missing else impl
+        line = list(group)
+        points = [r for r in line if r["status"] == "ok"]
+        label = _line_label(impl, line, "vocab", "V")
         vocabs = [p["vocab"] for p in points]
         times.plot(vocabs, [p["ms"] for p in points], marker="o", label=label)
         if points and points[0]["workspace_mib"] is not None:
@@ -974,6 +1131,43 @@ def plot_sweep(bench: Bench, scale: Scale, rows: list[dict[str, Any]], path: Pat
         axes.grid(True, alpha=0.3)
         if axes.lines:
             axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    bench.reporter.line(f"   plot: {path}")
+
+
+def plot_rows_sweep(bench: Bench, scale: Scale, rows: list[dict[str, Any]], path: Path) -> None:
+    """bench_rows.png: time per token (µs) against BT (log scale), KD and CE side by side, a line per
+    implementation (GEMM-only dotted), each task's floor per token dashed."""
+    plt = pyplot(bench.reporter)
+    if plt is None:
+        return
+    first = scale.shapes[0]
+    device_name = bench.reporter.data["env"].get("gpu", str(bench.device))
+    figure, panels = plt.subplots(1, len(TASKS), figsize=(12, 4.5))
+    for axes, task in zip(panels, TASKS):
+        task_rows = sorted((r for r in rows if r["case"] == task), key=lambda r: (r["impl"], r["rows"]))
+        for impl, group in groupby(task_rows, key=lambda r: r["impl"]):
+            line = list(group)
+            points = [r for r in line if r["status"] == "ok"]
+            per_token = [_us_per_token(p) for p in points]
+            style = "k:" if impl == GEMM_ONLY else "-"
+            axes.plot(
+                [p["rows"] for p in points], per_token, style, marker="o", label=_line_label(impl, line, "rows", "BT")
+            )
+        floor = 1e3 * first.floor_ms(TASK_GEMMS[task]) / first.rows
+        axes.axhline(
+            floor, color="k", linestyle="--", label=f"floor ({TASK_GEMMS[task]} GEMMs at {MATMUL_TFLOPS:g} TFLOP/s)"
+        )
+        counts = list(scale.row_counts(task))
+        axes.set(xlabel="rows BT", ylabel="µs per token", xscale="log")
+        dtype = str(bench.dtype).replace("torch.", "")
+        axes.set_title(f"{task} fwd+bwd, H={first.hidden}, V={first.vocab}, {dtype}, {device_name}", fontsize=9)
+        axes.set_xticks(counts, [str(c) for c in counts], minor=False)
+        axes.minorticks_off()
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -1064,6 +1258,72 @@ def extras_tables(bench: Bench) -> list[str]:
     return out
 
 
+def teacher_tables(bench: Bench) -> list[str]:
+    """The separate teacher of another width: each implementation against its GEMM-only row."""
+    rows = [r for r in bench.rows if r["section"] == "teachers"]
+    if not rows:
+        return []
+    first = rows[0]
+    out = ["", f"### Separate teacher of another width (KD, {first['shape']}, H_t = {first['teacher_width']})", ""]
+    return out + _table(
+        ["implementation", "ms", "floor ms", "× floor", "× GEMM-only", "peak MiB", "workspace MiB"],
+        (
+            [r["impl"], _ms_cell(r), f"{r['floor_ms']:.1f}", _cell(r.get("x_floor"), ".2f"),
+             _cell(r.get("x_gemm_only"), ".3f"), _cell(r.get("peak_mib"), ".0f"), _cell(r.get("workspace_mib"), ".0f")]
+            for r in rows
+        ),
+    )  # fmt: skip
+
+
+def _us_per_token(row: dict[str, Any]) -> float | None:
+    return 1e3 * row["ms"] / row["rows"] if row["status"] == "ok" else None
+
+
+def rows_sweep_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """The BT sweep: per task and row count, each implementation's time per token."""
+    if not rows:
+        return []
+    out = ["", f"### BT sweep (H={rows[0]['hidden']}, V={rows[0]['vocab']})", ""]
+    return out + _table(
+        ["task", "BT", "implementation", "ms", "µs / token", "× GEMM-only", "peak MiB", "workspace MiB", "sanity"],
+        (
+            [r["case"], str(r["rows"]), r["impl"], _ms_cell(r), _cell(_us_per_token(r), ".2f"),
+             _cell(r.get("x_gemm_only"), ".3f"), _cell(r.get("peak_mib"), ".0f"), _cell(r.get("workspace_mib"), ".0f"),
+             _sanity_cell(r)]
+            for r in sorted(rows, key=lambda r: (TASKS.index(r["case"]), r["rows"]))
+        ),
+    )  # fmt: skip
+
+
+def precision_tables(precision: dict[str, Any] | None) -> list[str]:
+    """The gradient errors per data set, case and implementation, and the data sets' statistics."""
+    if precision is None:
+        return []
+    shape = precision["shape"]
+    out = ["", f"### Gradient precision (BT={shape['rows']}, H={shape['hidden']}, V={shape['vocab']}, bf16)", ""]
+    out += _table(
+        ["data set", "logit std", "label − mean of others", "label − logsumexp of others", "max probability"],
+        (
+            [name, f"{s['logit_std']:.2f}", f"{s['label_minus_others_mean']:.2f}",
+             f"{s['label_minus_others_logsumexp']:.2f}", f"{s['max_prob']:.3f}"]
+            for name, s in precision["data_sets"].items()
+        ),
+    )  # fmt: skip
+    out.append("")
+    return out + _table(
+        ["data set", "case", "implementation", "dh error", "dW error", "reproducible"],
+        (
+            [r["data_set"], r["case"], r["impl"]]
+            + (
+                [_cell(r["dh_err"], ".1e"), _cell(r["dW_err"], ".1e"), "yes" if r["reproducible"] else "no"]
+                if r["status"] == "ok"
+                else [r["status"], "-", "-"]
+            )
+            for r in precision["rows"]
+        ),
+    )
+
+
 def write_markdown(bench: Bench, path: Path, lines: list[str]) -> None:
     """``lines``, then the rows that --time-limit left out, to ``path``."""
     if bench.budget.not_run:
@@ -1072,7 +1332,13 @@ def write_markdown(bench: Bench, path: Path, lines: list[str]) -> None:
     bench.reporter.line(f"   tables: {path}")
 
 
-def write_tables(bench: Bench, path: Path, sweep: list[dict[str, Any]]) -> None:
+def write_tables(
+    bench: Bench,
+    path: Path,
+    sweep: list[dict[str, Any]],
+    rows_sweep: list[dict[str, Any]],
+    precision: dict[str, Any] | None,
+) -> None:
     """bench_tables.md: the tables, ready to paste."""
     env = bench.reporter.data["env"]
     lines = [
@@ -1083,7 +1349,7 @@ def write_tables(bench: Bench, path: Path, sweep: list[dict[str, Any]]) -> None:
         f"≈ {bench.logit_std:g}; measured matmul "
         f"{fmt(bench.reporter.data['bench'].get('matmul_tflops'), '.0f')} TFLOP/s; floor at {MATMUL_TFLOPS:g} TFLOP/s.",
     ]
-    lines += main_tables(bench) + extras_tables(bench)
+    lines += main_tables(bench) + teacher_tables(bench) + extras_tables(bench)
     if sweep:
         lines += ["", "### Vocabulary sweep (KD)", ""]
         lines += _table(
@@ -1094,6 +1360,7 @@ def write_tables(bench: Bench, path: Path, sweep: list[dict[str, Any]]) -> None:
                 for r in sorted(sweep, key=lambda r: (r["vocab"], r["impl"]))
             ),
         )  # fmt: skip
+    lines += rows_sweep_tables(rows_sweep) + precision_tables(precision)
     write_markdown(bench, path, lines)
 
 
@@ -1120,7 +1387,7 @@ def run_tp_bench(bench: Bench, scale: Scale) -> None:
 
 
 def tp_row(
-    bench: Bench, shape: BenchShape, name: str, options: dict[str, str], tp: int, per_tp: dict[int, float]
+    bench: Bench, shape: BenchShape, name: str, options: dict[str, Any], tp: int, per_tp: dict[int, float]
 ) -> None:
     """One TP row: every rank measures its shard (the whole head when tp == 1); the slowest rank counts."""
     reporter, runtime, device = bench.reporter, bench.runtime, bench.device
