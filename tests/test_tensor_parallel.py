@@ -13,9 +13,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import pytest
+
+from orda_tp.parallel.layout import ShardClaim
 
 from . import tp_workers
 from .distributed import run_distributed
@@ -136,12 +139,12 @@ def test_collectives_per_call(world_size: int) -> None:
 
 def test_host_reads_of_a_call() -> None:
     """With host checks off (a CUDA call's default), a call reads on the host only the ranks'
-    claims, host values gathered over a host group (2 ranks × 9 values; the labels' checksums and
+    claims, host values gathered over a host group (2 ranks × the claim's fields; the labels' checksums and
     the heads' fingerprints stay on the device). A teacher read through a head has no local value
     check, so its first record exchange carries no error columns; a cached teacher's exchange
     carries them, and they are read once more (2 ranks × 3)."""
     reports = run_distributed(2, tp_workers.host_reads_worker, timeout=MATRIX_TIMEOUT_S)
-    claims, errors = ("tolist", (2, 9)), ("tolist", (2, 3))
+    claims, errors = ("tolist", (2, len(fields(ShardClaim)))), ("tolist", (2, 3))
     for report in reports:
         assert report == {"tied": [claims], "separate": [claims], "precomputed": [claims, errors]}, report
 
