@@ -198,27 +198,14 @@ SMALL = Scale(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, default_out="bench_out")
-    parser.add_argument(
-        "--extras",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every KL variant and the separate/precomputed teachers at the first shape",
-    )
-    parser.add_argument(
-        "--sweep", action=argparse.BooleanOptionalAction, default=True, help="KD against the vocabulary, and the plot"
-    )
-    parser.add_argument(
-        "--rows-sweep",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="KD and CE against the rows BT, and the plot",
-    )
-    parser.add_argument(
-        "--precision",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="gradient errors on three data sets and three cases (benchmarks/grad_precision.py)",
-    )
+    parts = {
+        "--extras": "every KL variant and the separate/precomputed teachers at the first shape",
+        "--sweep": "KD against the vocabulary, and the plot",
+        "--rows-sweep": "KD and CE against the rows BT, and the plot",
+        "--precision": "gradient errors on three data sets and three cases (benchmarks/grad_precision.py)",
+    }
+    for flag, text in parts.items():
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=text)
     parser.add_argument("--time-limit", type=float, default=480.0, help="seconds after which no row starts")
     parser.add_argument(
         "--logit-std", type=float, default=2.0, help="the logits' standard deviation (head weights N(0, σ²/H))"

@@ -52,7 +52,7 @@ def grid(shape: BenchShape, task: str, smallest: int, max_mib: float) -> list[tu
     for chunk in CHUNK_ROWS:
         for chunks in CHUNKS_PER_GROUP:
             group = chunk * chunks
-            mib = shape.vocab * (chunk * logit_bytes + group * 2) / 2**20
+            mib = RowLayout(chunk, group).workspace_bytes(shape.vocab, logit_bytes, 2) / 2**20
             if chunk >= smallest and group <= shape.rows and mib <= max_mib:
                 layouts.append((chunk, group, mib))
     return layouts

@@ -17,14 +17,12 @@ import torch
 __all__ = [
     "FREE_MEMORY_SHARE",
     "HOST_WORKSPACE_MIB",
-    "WORKSPACE_CAP_MIB",
     "WORKSPACE_STEPS_MIB",
     "default_workspace_mib",
 ]
 
 #: The default workspaces on a CUDA device, largest first; the last one also where less is free.
 WORKSPACE_STEPS_MIB = (2048, 1024, 512)
-WORKSPACE_CAP_MIB = WORKSPACE_STEPS_MIB[0]
 #: The default workspace is at most this fraction's inverse of the free device memory.
 FREE_MEMORY_SHARE = 16
 #: The default workspace of a call whose tensors are not on a CUDA device.

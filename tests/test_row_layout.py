@@ -8,18 +8,14 @@ import pytest
 import torch
 
 import orda_tp
-from orda_tp import ChunkSize, KernelConfig, TiedTeacher, workspace
+from orda_tp import ChunkSize, KernelConfig, TiedTeacher
 from orda_tp.engine.row_layout import CHUNKS_PER_GROUP, LAYOUT_COSTS, MIN_CHUNK_ROWS, RowLayout, row_layout
 from orda_tp.parallel.layout import ShardClaim, _layout_from_claims
-from orda_tp.workspace import HOST_WORKSPACE_MIB, WORKSPACE_STEPS_MIB, default_workspace_mib
+from orda_tp.workspace import HOST_WORKSPACE_MIB, default_workspace_mib
 
 from .cases import make_problem
 
 MIB = 1 << 20
-
-
-def workspace_bytes(layout: RowLayout, columns: int, logit_bytes: int, staged_bytes: int) -> int:
-    return columns * (layout.chunk_rows * logit_bytes + layout.group_rows * staged_bytes)
 
 
 def cheapest_fitting(budget_mib: int, columns: int, logit_bytes: int, staged_bytes: int, rows: int) -> RowLayout:
@@ -29,9 +25,7 @@ def cheapest_fitting(budget_mib: int, columns: int, logit_bytes: int, staged_byt
         for (chunk, group), cost in LAYOUT_COSTS.items()
         if columns * (chunk * logit_bytes + group * staged_bytes) <= budget_mib * MIB
     ]
-    cost, layout = min(
-        fitting, key=lambda entry: (entry[0], workspace_bytes(entry[1], columns, logit_bytes, staged_bytes))
-    )
+    cost, layout = min(fitting, key=lambda entry: entry[0])
     chunk = min(layout.chunk_rows, rows)
     return RowLayout(chunk, min(layout.group_rows, -(-rows // chunk) * chunk))
 
@@ -45,11 +39,11 @@ def test_the_default_is_the_cheapest_measured_layout_that_fits(budget_mib: int, 
     if smallest > budget_mib * MIB:  # nothing of the table fits: the most rows that do, 3 chunks a group
         assert layout.group_rows == CHUNKS_PER_GROUP * layout.chunk_rows
         assert (
-            layout.chunk_rows == MIN_CHUNK_ROWS or workspace_bytes(layout, columns, logit_bytes, 2) <= budget_mib * MIB
+            layout.chunk_rows == MIN_CHUNK_ROWS or layout.workspace_bytes(columns, logit_bytes, 2) <= budget_mib * MIB
         )
         return
     assert layout == cheapest_fitting(budget_mib, columns, logit_bytes, 2, long_batch)
-    assert workspace_bytes(layout, columns, logit_bytes, 2) <= budget_mib * MIB
+    assert layout.workspace_bytes(columns, logit_bytes, 2) <= budget_mib * MIB
     # A larger workspace never gives a layout of higher cost.
     larger = row_layout(KernelConfig(), long_batch, columns, logit_bytes, 2, workspace_mib=2 * budget_mib)
     assert LAYOUT_COSTS[(larger.chunk_rows, larger.group_rows)] <= LAYOUT_COSTS[(layout.chunk_rows, layout.group_rows)]
@@ -74,14 +68,14 @@ def test_shards_and_fast_scale_the_rows_in_the_same_memory() -> None:
     sharded = row_layout(config, 1 << 20, 128256 // 2, 8, 2, shards=2, workspace_mib=2048)
     assert sharded == RowLayout(2 * single.chunk_rows, 2 * single.group_rows)
     fast = row_layout(orda_tp.PROFILES["fast"], 1 << 20, 128256, 8, 2, workspace_mib=512)
-    assert workspace_bytes(fast, 128256, 8, 2) <= 4 * 512 * MIB
+    assert fast.workspace_bytes(128256, 8, 2) <= 4 * 512 * MIB
     assert fast.chunk_rows >= row_layout(config, 1 << 20, 128256, 8, 2, workspace_mib=512).chunk_rows
 
 
 def test_an_explicit_workspace_replaces_the_default_and_caps_asked_rows() -> None:
     for mib in (64, 700, 3000):
         layout = row_layout(KernelConfig(workspace_mib=mib), 1 << 20, 128256, 8, 2, workspace_mib=2048)
-        assert workspace_bytes(layout, 128256, 8, 2) <= mib * MIB
+        assert layout.workspace_bytes(128256, 8, 2) <= mib * MIB
     tiny = row_layout(KernelConfig(workspace_mib=64), 1 << 20, 128256, 8, 2)
     assert tiny.chunk_rows % 16 == 0 and tiny.group_rows == CHUNKS_PER_GROUP * tiny.chunk_rows
     # Asked-for rows: groups of CHUNKS_PER_GROUP chunks, lowered to an explicit workspace when dynamic.
@@ -107,7 +101,6 @@ def test_the_default_workspace_follows_free_memory_in_steps(monkeypatch: pytest.
     # Memory PyTorch's allocator holds unused counts as free.
     state.update(free=8 << 30, reserved=30 << 30, allocated=6 << 30)
     assert default_workspace_mib(cuda) == 2048
-    assert WORKSPACE_STEPS_MIB[0] == workspace.WORKSPACE_CAP_MIB
 
 
 def test_ranks_walk_the_smallest_ranks_workspace() -> None:

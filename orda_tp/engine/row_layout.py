@@ -69,20 +69,10 @@ class RowLayout:
     chunk_rows: int
     group_rows: int
 
-
-def _measured_layout(budget: int, total_rows: int, logit_row: int, staged_row: int, shards: int) -> RowLayout | None:
-    """The layout of :data:`LAYOUT_COSTS` (rows × ``shards``) of lowest cost whose workspace fits
-    ``budget`` bytes (``logit_row``, ``staged_row``: a chunk's and a group's bytes per row), with
-    no group longer than the call's rows rounded up to a chunk; None when none fits."""
-    fitting = []
-    for (chunk, group), cost in LAYOUT_COSTS.items():
-        chunk, group = chunk * shards, group * shards
-        if chunk * logit_row + group * staged_row > budget:
-            continue
-        chunks = -(-total_rows // chunk)
-        group = min(group, chunk * chunks)  # a group past the last row stages nothing more
-        fitting.append((cost, chunk * logit_row + group * staged_row, RowLayout(chunk, group)))
-    return min(fitting, key=lambda entry: entry[:2])[2] if fitting else None
+    def workspace_bytes(self, columns: int, logit_bytes: int, staged_bytes: int) -> int:
+        """``C·(R·logit_bytes + G·staged_bytes)``: a chunk's logits and a group's staged logit
+        gradients over ``columns`` columns."""
+        return columns * (self.chunk_rows * logit_bytes + self.group_rows * staged_bytes)
 
 
 def row_layout(
@@ -108,8 +98,8 @@ def row_layout(
       :data:`CHUNKS_PER_GROUP` chunks.
     - Otherwise the workspace's layout (the workspace × FAST_FACTOR with ``chunk_size.fast``): the
       layout of :data:`LAYOUT_COSTS` of lowest cost that fits (rows × ``shards``: a shard's chunk
-      does a single device's work per record exchange in no more memory). Where none fits, the most rows
-      that fit with :data:`CHUNKS_PER_GROUP` chunks per group, a multiple of 64 (default
+      does a single device's work per record exchange in no more memory). Where none fits, the
+      most rows that fit with :data:`CHUNKS_PER_GROUP` chunks per group, a multiple of 64 (default
       workspace: at least ``MIN_CHUNK_ROWS × shards``) or of 16 (explicit workspace: at least 1).
     """
     size = config.chunk_size
@@ -117,12 +107,13 @@ def row_layout(
     explicit = config.workspace_mib is not None
     budget = (workspace_mib if config.workspace_mib is None else config.workspace_mib) * factor * (1 << 20)
     columns = max(local_vocab, 1)
-    logit_row, staged_row = columns * logit_bytes, columns * staged_bytes
     rows = max(total_rows, 1)
     # The most rows with CHUNKS_PER_GROUP chunks per group, and those as a multiple of 16 (at least 1).
-    fitting = budget // (logit_row + CHUNKS_PER_GROUP * staged_row)
+    fitting = budget // (columns * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes))
     fitting_16 = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
-    layout = _measured_layout(budget, rows, logit_row, staged_row, shards)
+    candidates = [(cost, RowLayout(chunk * shards, group * shards)) for (chunk, group), cost in LAYOUT_COSTS.items()]
+    fits = [(cost, c) for cost, c in candidates if c.workspace_bytes(columns, logit_bytes, staged_bytes) <= budget]
+    layout = min(fits, key=lambda fit: fit[0])[1] if fits else None
     if layout is None:
         chunk = fitting_16 if explicit else max(MIN_CHUNK_ROWS * factor * shards, fitting - fitting % 64)
         layout = RowLayout(chunk, chunk * CHUNKS_PER_GROUP)
