@@ -9,9 +9,9 @@ the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) with the torch or
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,27 +33,21 @@ from .engine.fused import ChunkedProblem, chunked_loss
 from .engine.fused_grads import GemmPolicy
 from .engine.logits import statistics_dtype
 from .engine.reference import reference_loss
+from .engine.row_layout import default_workspace_mib
 from .engine.row_walk import RowWalk
 from .kernels import is_available
-from .options import GradScalerLike, LossOptions
+from .options import GradScalerLike, LossOptions, setting_text
 from .parallel.fsdp import head_weight, unsharded_head_weight
-from .parallel.layout import VocabLayout
-from .parallel.local_shards import (
-    LocalInputs,
-    call_group,
-    can_fail_locally,
-    fail_on_every_rank,
-    local_error,
-    shard_inputs,
-)
+from .parallel.layout import HeadShard, LocalShard, VocabLayout, agree_layout, fail_on_every_rank
+from .parallel.local_shards import LocalInputs, call_group, can_fail_locally, local_error, shard_inputs
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
-from .workspace import default_workspace_mib
 
-__all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
+__all__ = ["DistillationLoss", "DistillationLossOutput", "agreed_call", "distillation_loss", "is_available"]
 
 TeacherArgument = TeacherSource | TeacherHead
+Checked = TypeVar("Checked")  # what a front door's checks return beside its share of the call
 
 
 class DistillationLossOutput(NamedTuple):
@@ -90,13 +84,85 @@ def _readable_teacher(teacher: TeacherHead, reduction: str) -> Iterator[TeacherS
         yield SeparateTeacher(teacher.hidden, weight)
 
 
-def checked_options(weight: object, tp_group: dist.ProcessGroup | None, **keywords: Any) -> LossOptions:
-    """The :class:`LossOptions` of a call's keywords; on a tensor-parallel call (``tp_group``, or
-    a DTensor ``weight``) a keyword that fails its check on some rank raises on every rank."""
+def agreed_call(
+    group: dist.ProcessGroup | None,
+    checks: Callable[[], tuple[Checked, LocalShard]],
+    host_checks: bool | None,
+    call_text: Callable[[], str],
+) -> tuple[Checked, VocabLayout]:
+    """The one orchestration of every loss's tensors: this rank's ``checks`` (its arguments, and
+    its share of the call), then the call's layout. On one device a failed check raises and the
+    layout is the whole head. On a tensor-parallel ``group`` a failed check waits for the
+    handshake, which makes every rank raise it; the handshake also proves that the ranks' settings
+    (``call_text``, ``name=value`` lines) and the tensors they must hold alike agree, so that every
+    check after it decides alike on every rank."""
     try:
-        return LossOptions(**keywords, tp_group=tp_group)
+        checked, shard = checks()
     except (ValueError, TypeError) as error:
-        fail_on_every_rank(error, call_group(weight, tp_group))
+        fail_on_every_rank(error, group)
+    device = shard.head.tensor.device
+    workspace_mib = default_workspace_mib(device) if shard.workspace_mib is None else shard.workspace_mib
+    if group is not None:
+        return checked, agree_layout(group, shard, workspace_mib, host_checks, call_text())
+    columns = shard.head.tensor.shape[shard.head.vocab_dim]
+    vocab_size = columns if shard.vocab_size is None else shard.vocab_size
+    layout = VocabLayout(
+        vocab_start=0,
+        vocab_stop=columns,
+        total_columns=columns,
+        vocab_size=vocab_size,
+        max_local_columns=columns,
+        local_columns=columns,
+        real_local_columns=vocab_size,
+        workspace_mib=workspace_mib,
+    )
+    return checked, layout
+
+
+def _one_device_inputs(
+    options: LossOptions,
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: TeacherSource,
+    num_valid_tokens: object,
+    token_weights: object,
+) -> tuple[LocalInputs, LocalShard]:
+    """The checked tensors of a call on one device (:func:`orda_tp.parallel.local_shards.shard_inputs`
+    is the tensor-parallel counterpart) and its whole head."""
+    if options.vocab_range is not None:
+        raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
+    if options.sequence_parallel:
+        raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
+    check_inputs(student_hidden, weight, labels, teacher, vocab_size=options.vocab_size)
+    device = student_hidden.device
+    denominator = check_denominator("num_valid_tokens", num_valid_tokens, options.reduction, device, "student_hidden")
+    row_weights = None
+    if token_weights is not None:
+        host_checks = runs_host_checks(options.kernel_config.host_checks, device)
+        row_weights = check_token_weights(token_weights, labels, host_checks)
+    local = LocalInputs(
+        student_hidden=student_hidden,
+        weight=weight,
+        labels=labels,
+        teacher=teacher,
+        denominator=denominator,
+        row_weights=row_weights,
+    )
+    return local, LocalShard(head=HeadShard("weight", weight, 0), labels=labels, vocab_size=options.vocab_size)
+
+
+def _call_text(options: LossOptions, teacher: TeacherSource, num_valid_tokens: object, token_weights: object) -> str:
+    """A tensor-parallel call's settings, which every rank must share: the keywords, the teacher
+    descriptor and the per-call arguments."""
+    return "\n".join(
+        [
+            options.settings_text,
+            teacher.settings_text(),
+            f"token_weights={'<given>' if token_weights is not None else None}",
+            f"num_valid_tokens={setting_text(num_valid_tokens)}",
+        ]
+    )
 
 
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
@@ -111,33 +177,24 @@ def _run(
     num_valid_tokens: object,
     token_weights: object = None,
 ) -> DistillationLossOutput:
-    """The loss of one call: its tensors checked (types, shapes, devices, and the values where
-    host checks run; on a tensor-parallel group a failure waits for the handshake, so that every
-    rank raises it), its plan, and the selected backend run with autocast off (statistics are
-    fp32/fp64 whatever autocast would pick for the GEMMs)."""
+    """The loss of one call: its tensors checked and its layout agreed (:func:`agreed_call`), its
+    plan, the value checks (on a tensor-parallel group they travel with the first record exchange,
+    so that every rank raises them), and the selected backend run with autocast off (statistics
+    are fp32/fp64 whatever autocast would pick for the GEMMs)."""
     if not isinstance(teacher, TeacherSource):
         if not isinstance(teacher, TeacherHead):
             fail_on_every_rank(_teacher_type_error(teacher), call_group(weight, options.tp_group))
         with _readable_teacher(teacher, options.reduction) as source:
             return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
     tensors = [student_hidden, weight, labels, *(tensor for _, tensor in teacher.named_tensors())]
-    if options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors):
-        local, layout, row_weights = shard_inputs(
-            options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights
-        )
-    else:
-        if options.vocab_range is not None:
-            raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
-        if options.sequence_parallel:
-            raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
-        check_inputs(student_hidden, weight, labels, teacher, vocab_size=options.vocab_size)
-        local = LocalInputs(student_hidden, weight, labels, teacher, None, None, False)
-        columns = weight.shape[0]
-        vocab_size = columns if options.vocab_size is None else options.vocab_size
-        workspace_mib = default_workspace_mib(student_hidden.device)
-        layout = VocabLayout(0, columns, columns, vocab_size, columns, columns, vocab_size, workspace_mib=workspace_mib)
-        host_checks = runs_host_checks(options.kernel_config.host_checks, student_hidden.device)
-        row_weights = None if token_weights is None else check_token_weights(token_weights, labels, host_checks)
+    sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
+    checks = shard_inputs if sharded else _one_device_inputs
+    local, layout = agreed_call(
+        call_group(weight, options.tp_group) if sharded else None,
+        lambda: checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights),
+        options.kernel_config.host_checks,
+        lambda: _call_text(options, teacher, num_valid_tokens, token_weights),
+    )
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     config, device = plan.config, local.student_hidden.device
     host_checks = runs_host_checks(config.host_checks, device)
@@ -152,18 +209,18 @@ def _run(
         read_cache, finite_inputs = host_checks and plan.needs_teacher_logits, config.check_finite_inputs
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
     valid = local.labels != options.ignore_index
-    denominator = check_denominator(num_valid_tokens, options.reduction, valid, device)
+    denominator = valid.sum().clamp_min(1) if local.denominator is None else local.denominator
     inputs = (local.student_hidden, local.weight, *local.teacher.head_inputs())
     teacher_blocks = local.teacher.block_source(layout.vocab_start, layout.vocab_size)
     block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))
     with torch.autocast(device.type, enabled=False):
         if block_math is None:
-            vocab = layout.vocab_size
+            vocab, row_weights = layout.vocab_size, local.row_weights
             outputs = reference_loss(plan, local.labels, denominator, *inputs, teacher_blocks, vocab, row_weights)
         else:
             walk = RowWalk(plan, local.labels, valid, exchange, layout, block_math)
             gemms = GemmPolicy(options.gradient_scale)
-            problem = ChunkedProblem(walk, denominator, gemms, teacher_blocks, row_weights)
+            problem = ChunkedProblem(walk, denominator, gemms, teacher_blocks, local.row_weights)
             outputs = chunked_loss(problem, *inputs)
     return DistillationLossOutput(*outputs)
 
@@ -230,33 +287,35 @@ def distillation_loss(
     (RL-style per-token weighting); the normalizer of "mean" stays the valid-row count or
     ``num_valid_tokens``: ``loss = Σ_valid w_i·loss_i / N``.
     """
-    options = checked_options(
-        weight,
-        tp_group,
-        student_ce_weight=student_ce_weight,
-        teacher_ce_weight=teacher_ce_weight,
-        kl_weight=kl_weight,
-        kl_temperature=kl_temperature,
-        kl_teacher_temperature=kl_teacher_temperature,
-        kl_divergence=kl_divergence,
-        kl_alpha=kl_alpha,
-        kl_beta=kl_beta,
-        entropy_gate=entropy_gate,
-        label_smoothing=label_smoothing,
-        z_loss_weight=z_loss_weight,
-        logit_softcap=logit_softcap,
-        teacher_logit_softcap=teacher_logit_softcap,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        profile=profile,
-        backend=backend,
-        config=config,
-        gradient_materialization_scale=gradient_materialization_scale,
-        grad_scaler=grad_scaler,
-        vocab_range=vocab_range,
-        vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel,
-    )
+    try:
+        options = LossOptions(
+            tp_group=tp_group,
+            student_ce_weight=student_ce_weight,
+            teacher_ce_weight=teacher_ce_weight,
+            kl_weight=kl_weight,
+            kl_temperature=kl_temperature,
+            kl_teacher_temperature=kl_teacher_temperature,
+            kl_divergence=kl_divergence,
+            kl_alpha=kl_alpha,
+            kl_beta=kl_beta,
+            entropy_gate=entropy_gate,
+            label_smoothing=label_smoothing,
+            z_loss_weight=z_loss_weight,
+            logit_softcap=logit_softcap,
+            teacher_logit_softcap=teacher_logit_softcap,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            profile=profile,
+            backend=backend,
+            config=config,
+            gradient_materialization_scale=gradient_materialization_scale,
+            grad_scaler=grad_scaler,
+            vocab_range=vocab_range,
+            vocab_size=vocab_size,
+            sequence_parallel=sequence_parallel,
+        )
+    except (ValueError, TypeError) as error:  # a bad keyword raises on every rank of a tensor-parallel call
+        fail_on_every_rank(error, call_group(weight, tp_group))
     return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
 
 

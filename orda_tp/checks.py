@@ -240,33 +240,29 @@ def check_token_weights(token_weights: object, labels: Tensor, host_checks: bool
 
 
 def check_denominator(
-    num_valid_tokens: object, reduction: str, valid: Tensor | None, device: torch.device
-) -> float | Tensor:
-    """N of "mean": ``num_valid_tokens`` when given, else the count of ``valid`` rows, a device
-    tensor (at least 1, so that an all-ignored batch gives 0 and no gradient). A tensor's value is
-    never read (that would synchronize with the device): it must be > 0."""
-    if num_valid_tokens is None:
-        return 1.0 if valid is None else valid.sum().clamp_min(1)
+    name: str, value: object, reduction: str, device: torch.device, owner: str
+) -> float | Tensor | None:
+    """A given denominator N of "mean" (``num_valid_tokens``, ``num_batch_labels``): None when not
+    given (the caller counts the valid rows), a finite real > 0 as a float, or a real one-element
+    tensor on ``owner``'s ``device``, as a 0-d tensor whose value is never read (that would
+    synchronize with the device)."""
+    if value is None:
+        return None
     if reduction != "mean":
-        raise ValueError(f"num_valid_tokens is the denominator of reduction='mean'; got reduction={reduction!r}")
-    if isinstance(num_valid_tokens, Tensor):
-        if num_valid_tokens.numel() != 1 or num_valid_tokens.is_complex() or num_valid_tokens.dtype == torch.bool:
+        raise ValueError(f"{name} is the denominator of reduction='mean'; got reduction={reduction!r}")
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
             raise ValueError(
-                f"num_valid_tokens must be a real scalar tensor, got shape {tuple(num_valid_tokens.shape)} "
-                f"and dtype {num_valid_tokens.dtype}"
+                f"{name} must be a real one-element tensor, got shape {tuple(value.shape)} and dtype {value.dtype}"
             )
-        if num_valid_tokens.device != device:
-            raise ValueError(
-                f"num_valid_tokens must be on student_hidden's device {device}, got {num_valid_tokens.device}"
-            )
-        return num_valid_tokens.reshape(())
-    if isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, (int, float)):
-        raise TypeError(
-            f"num_valid_tokens must be a number, a scalar tensor or None, got {type(num_valid_tokens).__name__}"
-        )
-    if not math.isfinite(num_valid_tokens) or num_valid_tokens <= 0:
-        raise ValueError(f"num_valid_tokens must be finite and > 0, got {num_valid_tokens!r}")
-    return float(num_valid_tokens)
+        if value.device != device:
+            raise ValueError(f"{name} must be on {owner}'s device {device}, got {value.device}")
+        return value.reshape(())
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, a one-element tensor or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return float(value)
 
 
 def runs_host_checks(setting: bool | None, device: torch.device) -> bool:

@@ -23,6 +23,7 @@ from .chunk_size import ChunkSize
 from .divergences.base import EntropyGate
 
 __all__ = [
+    "HOST_WORKSPACE_MIB",
     "ChunkSize",
     "EntropyGate",
     "KernelConfig",
@@ -54,6 +55,8 @@ def _is_count(value: object) -> bool:
 
 
 GRAD_WEIGHT_ACCUMULATIONS = ("auto", "compute", "fp32")
+#: The default chunk workspace, in MiB, of a call whose tensors are not on a CUDA device.
+HOST_WORKSPACE_MIB = 448
 MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
 
 
@@ -87,7 +90,7 @@ class KernelConfig:
       are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
       columns themselves).
     - ``workspace_mib``: ``None`` (default): the workspace grows with the device
-      (:func:`orda_tp.workspace.default_workspace_mib`: on CUDA 2048, 1024 or 512 MiB, the largest
+      (:func:`orda_tp.engine.row_layout.default_workspace_mib`: on CUDA 2048, 1024 or 512 MiB, the largest
       that is at most 1/16 of the free memory; elsewhere 448), and the layout is the measured
       fastest that fits it (:data:`orda_tp.engine.row_layout.LAYOUT_COSTS`), at least 256 rows
       per chunk; an int: the workspace in MiB, a hard cap, the fastest measured layout within it.

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .api import DistillationLoss, DistillationLossOutput, TeacherArgument
-from .parallel.local_shards import call_group, fail_on_every_rank
+from .parallel.layout import fail_on_every_rank
+from .parallel.local_shards import call_group
 from .teachers import SeparateTeacher
 
 __all__ = ["DistillationHead", "HeadOutput"]

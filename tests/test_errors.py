@@ -1021,7 +1021,7 @@ def _call_cases() -> list[Any]:
             f"num_valid_tokens={value!r}",
             lambda t, value=value: {"num_valid_tokens": value},
             TypeError,
-            contains("num_valid_tokens must be a number, a scalar tensor or None", f"got {received}"),
+            contains("num_valid_tokens must be a number, a one-element tensor or None", f"got {received}"),
         )
     for value, received in [
         (torch.tensor([3.0, 4.0]), "shape (2,)"),
@@ -1032,7 +1032,7 @@ def _call_cases() -> list[Any]:
             f"num_valid_tokens-{received}",
             lambda t, value=value: {"num_valid_tokens": value},
             ValueError,
-            contains("num_valid_tokens must be a real scalar tensor", received),
+            contains("num_valid_tokens must be a real one-element tensor", received),
         )
     for reduction in ("sum", "none"):
         add(

@@ -350,7 +350,12 @@ ERRORS = [
         "teacher_logits must be a torch.Tensor of shape [..., vocab], got list",
     ),
     ({}, {"num_batch_labels": 0}, ValueError, "num_batch_labels must be finite and > 0, got 0"),
-    ({}, {"num_batch_labels": True}, TypeError, "num_batch_labels must be a number, a tensor or None, got bool"),
+    (
+        {},
+        {"num_batch_labels": True},
+        TypeError,
+        "num_batch_labels must be a number, a one-element tensor or None, got bool",
+    ),
     ({}, {"num_batch_labels": torch.ones(2)}, ValueError, "num_batch_labels must be a real one-element tensor"),
 ]
 

@@ -74,7 +74,15 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str, in_one_walk
         for start, stop in zip(BOUNDARIES[:-1], BOUNDARIES[1:])
     ]
     random.Random(variant).shuffle(blocks)
-    layout = VocabLayout(0, vocab, vocab, vocab, vocab, vocab, vocab)
+    layout = VocabLayout(
+        vocab_start=0,
+        vocab_stop=vocab,
+        total_columns=vocab,
+        vocab_size=vocab,
+        max_local_columns=vocab,
+        local_columns=vocab,
+        real_local_columns=vocab,
+    )
     walk = RowWalk(plan, labels, torch.ones(rows, dtype=torch.bool), None, layout, TorchBlockMath())
     student_grad = torch.zeros_like(student)
     teacher_grad = torch.zeros_like(teacher)

@@ -9,9 +9,16 @@ import torch
 
 import orda_tp
 from orda_tp import ChunkSize, KernelConfig, TiedTeacher
-from orda_tp.engine.row_layout import CHUNKS_PER_GROUP, LAYOUT_COSTS, MIN_CHUNK_ROWS, RowLayout, row_layout
+from orda_tp.engine.row_layout import (
+    CHUNKS_PER_GROUP,
+    HOST_WORKSPACE_MIB,
+    LAYOUT_COSTS,
+    MIN_CHUNK_ROWS,
+    RowLayout,
+    default_workspace_mib,
+    row_layout,
+)
 from orda_tp.parallel.layout import ShardClaim, _layout_from_claims
-from orda_tp.workspace import HOST_WORKSPACE_MIB, default_workspace_mib
 
 from .cases import make_problem
 

@@ -90,7 +90,22 @@ def test_one_walker_reads_stored_formed_and_tied_logits_alike(backend: str) -> N
     plan = make_plan("jeffreys", vocab, TiedTeacher(teacher))  # both sides trained: two staged gradients
     math = select_backend(backend, student.device.type, dtype)
     assert math is not None
-    walk = RowWalk(plan, labels, labels != -100, None, VocabLayout(0, vocab, vocab, vocab, vocab, vocab, vocab), math)
+    walk = RowWalk(
+        plan,
+        labels,
+        labels != -100,
+        None,
+        VocabLayout(
+            vocab_start=0,
+            vocab_stop=vocab,
+            total_columns=vocab,
+            vocab_size=vocab,
+            max_local_columns=vocab,
+            local_columns=vocab,
+            real_local_columns=vocab,
+        ),
+        math,
+    )
     identity = torch.eye(vocab, dtype=dtype)
     sources = [
         PairedLogits(StoredLogits(student), StoredLogits(teacher)),

@@ -1,12 +1,18 @@
-"""How a call walks its rows: rows per chunk and per gradient group, within a workspace.
+"""How a call walks its rows: its default workspace, and rows per chunk and per gradient group
+within a workspace.
 
 A chunk of ``R`` rows keeps its logits (``R × C × logit_bytes``: fp32 student and teacher rows of
 the ``C`` local columns); a group of ``G`` rows (``G`` a multiple of ``R``) stages its logit
 gradients for one pair of gradient GEMMs (``G × C × staged_bytes``). The workspace is the sum,
 ``C·(R·logit_bytes + G·staged_bytes)`` bytes.
 
-The default workspace grows with the device (:func:`orda_tp.workspace.default_workspace_mib`);
-within a workspace, the layout is the one
+The default workspace grows with the device (:func:`default_workspace_mib`): on CUDA the largest
+of :data:`WORKSPACE_STEPS_MIB` that is at most 1/:data:`FREE_MEMORY_SHARE` of the memory free
+there (2 GiB on an 80–141 GB card with a few tens of GB free), taken in steps so that the layout
+stays the same from call to call while free memory moves a little (a new layout changes the
+rounding of the head's gradient; results are bitwise reproducible for a given layout); under a
+tensor-parallel group every rank walks the smallest rank's (agreed in the handshake).
+``KernelConfig(workspace_mib=...)`` replaces it. Within a workspace, the layout is the one
 with the lowest measured cost (:data:`LAYOUT_COSTS`, from ``benchmarks/layout_sweep.py`` on an
 H200): fewer, longer chunks save launches and the GEMMs' tile tails; fewer, longer groups save
 passes over ``dW``. The rows never depend on anything read from the device's values, and every
@@ -18,17 +24,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import KernelConfig
-from ..workspace import HOST_WORKSPACE_MIB
+import torch
+
+from ..config import HOST_WORKSPACE_MIB, KernelConfig
 
 __all__ = [
     "CHUNKS_PER_GROUP",
     "FAST_FACTOR",
+    "FREE_MEMORY_SHARE",
+    "HOST_WORKSPACE_MIB",
     "LAYOUT_COSTS",
     "MIN_CHUNK_ROWS",
+    "WORKSPACE_STEPS_MIB",
     "RowLayout",
+    "default_workspace_mib",
     "row_layout",
 ]
+
+#: The default workspaces on a CUDA device, largest first; the last one also where less is free.
+WORKSPACE_STEPS_MIB = (2048, 1024, 512)
+#: The default workspace is at most this fraction's inverse of the free device memory.
+FREE_MEMORY_SHARE = 16
+
+
+def default_workspace_mib(device: torch.device) -> int:
+    """The default workspace of a call on ``device``, in MiB: on CUDA the largest step of
+    :data:`WORKSPACE_STEPS_MIB` at most 1/:data:`FREE_MEMORY_SHARE` of the free memory (free to
+    the driver, plus what PyTorch's allocator holds unused), else the smallest; elsewhere
+    :data:`HOST_WORKSPACE_MIB`. Reads the allocator's and the driver's counters, never a tensor:
+    no synchronization with the device."""
+    if device.type != "cuda":
+        return HOST_WORKSPACE_MIB
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    share_mib = free_bytes // FREE_MEMORY_SHARE >> 20
+    return next((step for step in WORKSPACE_STEPS_MIB if step <= share_mib), WORKSPACE_STEPS_MIB[-1])
+
 
 #: The default's rows per chunk are at least this (× the group's size, × FAST_FACTOR with
 #: ``ChunkSize(fast=True)``), whatever the workspace: below it, launches cost more than memory saves.
@@ -90,7 +121,7 @@ def row_layout(
     ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
     ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
     ``shards``: the tensor-parallel group's size; ``workspace_mib``: the default workspace
-    (:func:`orda_tp.workspace.default_workspace_mib`), which ``config.workspace_mib`` replaces.
+    (:func:`default_workspace_mib`), which ``config.workspace_mib`` replaces.
 
     - Rows asked for: ``chunk_size.nrows``, or ``ceil(rows / num_chunks)``, or
       ``ceil(rows / max_chunks)`` where the workspace's layout would make more than ``max_chunks``

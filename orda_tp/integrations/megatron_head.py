@@ -16,8 +16,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from orda_tp import DistillationLoss, DistillationLossOutput, PrecomputedTeacher, SeparateTeacher, TiedTeacher
-from orda_tp.parallel.layout import agree_checks
-from orda_tp.parallel.local_shards import fail_on_every_rank
+from orda_tp.parallel.layout import agree_checks, fail_on_every_rank
 
 __all__ = [
     "DistillationModel",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..api import agreed_call
 from ..checks import (
     check_count,
     check_flag,
@@ -25,23 +26,14 @@ from ..checks import (
     check_same_device,
     runs_host_checks,
 )
-from ..config import KernelConfig
+from ..config import HOST_WORKSPACE_MIB, KernelConfig
 from ..engine.logits import HeadLogits, PairedLogits, StoredLogits, statistics_dtype
 from ..engine.stats import RowStats
 from ..options import LogitsOptions, check_group
 from ..parallel.dtensor import MeshAxis
-from ..parallel.layout import VocabLayout
-from ..parallel.local_shards import fail_on_every_rank
+from ..parallel.layout import HeadShard, LocalShard, VocabLayout, fail_on_every_rank
 from ..plan import LossPlan
-from .logits_shards import (
-    ShardShape,
-    agree_vocabulary,
-    local_companion,
-    local_head_weight,
-    local_student,
-    logits_call_group,
-    logits_group,
-)
+from .logits_shards import local_companion, local_head_weight, local_student, logits_call_group, logits_group
 from .problem import build_problem, row_statistics
 
 __all__ = ["flash_ce_kd_loss"]
@@ -80,17 +72,24 @@ def _divergence(stats: RowStats) -> Tensor:
 
 def _local_inputs(
     student_logits: object, teacher_hidden: object, weight: object, labels: object, axis: MeshAxis | None
-) -> tuple[tuple[Tensor, Tensor, Tensor], ShardShape]:
-    """This rank's checked ``(student_logits, teacher_hidden, teacher_lm_head_weight)`` and what it
-    brings to the layout handshake."""
+) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], LocalShard]:
+    """This rank's checked ``(student_logits, teacher_hidden, teacher_lm_head_weight, labels)``
+    and its share of the call."""
     given_hidden = local_companion(teacher_hidden, student_logits, axis, "teacher_hidden", vocabulary=False)
     given_weight = local_head_weight(weight, axis, "teacher_lm_head_weight")
     given_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
     given_student, vocab_range = local_student(student_logits, axis)
-    student, hidden, weight, local_labels = _check_scoring_inputs(
-        given_student, given_hidden, given_weight, given_labels
+    checked = _check_scoring_inputs(given_student, given_hidden, given_weight, given_labels)
+    student, _, weight, local_labels = checked
+    head = HeadShard("student_logits", student, -1)
+    shard = LocalShard(
+        head=head,
+        labels=local_labels,
+        vocab_range=vocab_range,
+        teacher_columns=weight.shape[0],
+        workspace_mib=HOST_WORKSPACE_MIB,
     )
-    return (student, hidden, weight), ShardShape(student, weight.shape[0], local_labels, vocab_range)
+    return checked, shard
 
 
 # Inside torch.compile'd code the scoring runs eagerly behind one graph break.
@@ -144,17 +143,13 @@ def flash_ce_kd_loss(
         group, axis = logits_group(student_logits, options.tp_group)
     except (ValueError, TypeError) as error:
         fail_on_every_rank(error, logits_call_group(student_logits, options.tp_group))
-    local, shard, failure = None, None, None
-    try:
-        local, shard = _local_inputs(student_logits, teacher_hidden, teacher_lm_head_weight, labels, axis)
-    except (ValueError, TypeError) as error:
-        if group is None:
-            raise
-        failure = error  # every rank of the group raises it after the handshake
-    call_text = f"{options.settings_text}\nupcast={upcast!r}"
-    layout = agree_vocabulary(group, shard, failure, options.config.host_checks, (), call_text)
-    assert local is not None and shard is not None
-    return _scores(options, group, layout, shard.labels, *local, upcast)
+    (student, hidden, weight, local_labels), layout = agreed_call(
+        group,
+        lambda: _local_inputs(student_logits, teacher_hidden, teacher_lm_head_weight, labels, axis),
+        options.config.host_checks,
+        lambda: f"{options.settings_text}\nupcast={upcast!r}",
+    )
+    return _scores(options, group, layout, local_labels, student, hidden, weight, upcast)
 
 
 def _scores(

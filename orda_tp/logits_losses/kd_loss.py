@@ -8,15 +8,15 @@ number of valid rows (``labels != ignore_index``) or ``num_batch_labels``.
 
 from __future__ import annotations
 
-import math
-from numbers import Real
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from ..api import agreed_call
 from ..checks import (
     check_count,
+    check_denominator,
     check_flag,
     check_floating,
     check_label_range,
@@ -25,43 +25,20 @@ from ..checks import (
     check_token_weights,
     runs_host_checks,
 )
-from ..config import KernelConfig
+from ..config import HOST_WORKSPACE_MIB, KernelConfig
 from ..divergences import EntropyGate
 from ..engine.logits import StoredLogits, statistics_dtype
 from ..options import LogitsOptions, setting_text
 from ..parallel.dtensor import MeshAxis
-from ..parallel.local_shards import fail_on_every_rank
+from ..parallel.layout import HeadShard, LocalShard, fail_on_every_rank
 from ..plan import LossPlan, check_sparse_teacher
 from ..teachers import PrecomputedTeacher
 from ..teachers.source import TeacherBlocks
 from .function import logits_distillation
-from .logits_shards import ShardShape, agree_vocabulary, local_logits, logits_call_group, logits_group
+from .logits_shards import local_logits, logits_call_group, logits_group
 from .problem import build_problem
 
 __all__ = ["KDLoss"]
-
-
-def _check_batch_labels(num_batch_labels: object, device: torch.device) -> float | Tensor | None:
-    """The denominator given by the caller: a number (finite, > 0) or a one-element tensor on the
-    logits' device (never read on the host, so not checked for its value)."""
-    if num_batch_labels is None:
-        return None
-    if isinstance(num_batch_labels, Tensor):
-        if num_batch_labels.numel() != 1 or num_batch_labels.is_complex() or num_batch_labels.dtype == torch.bool:
-            raise ValueError(
-                f"num_batch_labels must be a real one-element tensor, got shape {tuple(num_batch_labels.shape)} "
-                f"and dtype {num_batch_labels.dtype}"
-            )
-        if num_batch_labels.device != device:
-            raise ValueError(
-                f"num_batch_labels must be on student_logits' device {device}, got {num_batch_labels.device}"
-            )
-        return num_batch_labels.detach().reshape(())
-    if isinstance(num_batch_labels, bool) or not isinstance(num_batch_labels, Real):
-        raise TypeError(f"num_batch_labels must be a number, a tensor or None, got {type(num_batch_labels).__name__}")
-    if not math.isfinite(num_batch_labels) or num_batch_labels <= 0:
-        raise ValueError(f"num_batch_labels must be finite and > 0, got {num_batch_labels!r}")
-    return float(num_batch_labels)
 
 
 def _check_logits(student: object, teacher: object, labels: object) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,15 +58,15 @@ def _check_logits(student: object, teacher: object, labels: object) -> tuple[Ten
 
 
 class _CheckedCall(NamedTuple):
-    """This rank's checked arguments of a ``KDLoss`` call: its shard for the handshake, its
-    teacher logits (the student's for a top-k cache, which holds no columns), the given
-    denominator, the token weights (flat) and the tensors every rank must hold alike."""
+    """This rank's checked arguments of a ``KDLoss`` call: its student logits, its teacher logits
+    (the student's for a top-k cache, which holds no columns), its flat labels, the given
+    denominator and the token weights (flat)."""
 
-    shard: ShardShape
+    student: Tensor
     teacher: Tensor
+    labels: Tensor
     denominator: float | Tensor | None
     row_weights: Tensor | None
-    replicated: list[tuple[str, Tensor]]
 
 
 def _check_call(
@@ -100,8 +77,9 @@ def _check_call(
     num_batch_labels: object,
     token_weights: object,
     axis: MeshAxis | None,
-) -> _CheckedCall:
-    """The checks of this rank's own arguments (no value read but where host checks run)."""
+) -> tuple[_CheckedCall, LocalShard]:
+    """The checks of this rank's own arguments (no value read but where host checks run), and its
+    share of the call."""
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
     replicated: list[tuple[str, Tensor]] = []
     # A top-k cache holds every row and no columns: the student's own shape stands in for it.
@@ -110,7 +88,8 @@ def _check_call(
     if cache is not None:
         _check_topk_cache(cache, local_labels.numel(), options)
         replicated += cache.replicated_tensors()
-    denominator = _check_batch_labels(num_batch_labels, local_student.device)
+    device = local_student.device
+    denominator = check_denominator("num_batch_labels", num_batch_labels, "mean", device, "student_logits")
     row_weights = None
     if token_weights is not None:  # the labels' shape
         if isinstance(token_weights, Tensor) and token_weights.shape == local_labels.shape:
@@ -118,8 +97,17 @@ def _check_call(
         host_checks = runs_host_checks(options.config.host_checks, local_labels.device)
         row_weights = check_token_weights(token_weights, local_labels.reshape(-1), host_checks)
         replicated.append(("token_weights", row_weights))
-    shard = ShardShape(local_student, local_student.shape[-1], local_labels.reshape(-1), local.vocab_range)
-    return _CheckedCall(shard, local_teacher, denominator, row_weights, replicated)
+    flat_labels = local_labels.reshape(-1)
+    checked = _CheckedCall(local_student, local_teacher, flat_labels, denominator, row_weights)
+    head = HeadShard("student_logits", local_student, -1)
+    shard = LocalShard(
+        head=head,
+        labels=flat_labels,
+        vocab_range=local.vocab_range,
+        workspace_mib=HOST_WORKSPACE_MIB,
+        replicated=replicated,
+    )
+    return checked, shard
 
 
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
@@ -138,29 +126,21 @@ def _kd_loss(
     except (ValueError, TypeError) as error:
         fail_on_every_rank(error, logits_call_group(student_logits, options.tp_group))
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
-    checked, failure = None, None
-    try:
-        checked = _check_call(options, student_logits, teacher_logits, labels, num_batch_labels, token_weights, axis)
-    except (ValueError, TypeError) as error:
-        if group is None:
-            raise
-        failure = error  # every rank of the group raises it after the handshake
-    call_text = "\n".join(
-        [
-            options.settings_text,
-            "teacher_logits=<tensor>" if cache is None else cache.settings_text(),
-            f"token_weights={'<given>' if token_weights is not None else None}",
-            f"num_batch_labels={setting_text(num_batch_labels)}",
-        ]
+    checked, layout = agreed_call(
+        group,
+        lambda: _check_call(options, student_logits, teacher_logits, labels, num_batch_labels, token_weights, axis),
+        options.config.host_checks,
+        lambda: "\n".join(
+            [
+                options.settings_text,
+                "teacher_logits=<tensor>" if cache is None else cache.settings_text(),
+                f"token_weights={'<given>' if token_weights is not None else None}",
+                f"num_batch_labels={setting_text(num_batch_labels)}",
+            ]
+        ),
     )
-    shard = None if checked is None else checked.shard
-    replicated = [] if checked is None else checked.replicated
-    layout = agree_vocabulary(group, shard, failure, options.config.host_checks, replicated, call_text)
-    assert checked is not None and shard is not None  # this rank's checks passed
-    local_student, local_teacher = shard.student, checked.teacher
-    given_denominator, row_weights = checked.denominator, checked.row_weights
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
-    flat_labels = shard.labels
+    flat_labels, columns = checked.labels, checked.student.shape[-1]
     valid = flat_labels != options.ignore_index
     host_checks = runs_host_checks(options.config.host_checks, flat_labels.device)
     if options.divergence.needs_target:
@@ -170,11 +150,11 @@ def _kd_loss(
     else:
         # The label only marks the row as valid: any column that one rank owns reads the same.
         stats_labels = torch.where(valid, 0, flat_labels)
-    student = local_student.reshape(-1, shard.columns)
+    student = checked.student.reshape(-1, columns)
     teacher: TeacherBlocks
     if cache is None:
-        teacher = StoredLogits(local_teacher.detach().reshape(-1, shard.columns))
-        dtype = statistics_dtype(student, local_teacher)
+        teacher = StoredLogits(checked.teacher.detach().reshape(-1, columns))
+        dtype = statistics_dtype(student, checked.teacher)
     else:
         if host_checks:  # the same cache on every rank (the handshake compared it), like the labels
             cache.check_cache_values(layout.vocab_size)
@@ -184,9 +164,9 @@ def _kd_loss(
     # A top-k cache forms nothing on the Triton kernels (they read its rows) and counts among the
     # two converted sides on torch: no side to add either way.
     problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
-    denominator = valid.sum().clamp_min(1) if given_denominator is None else given_denominator
+    denominator = valid.sum().clamp_min(1) if checked.denominator is None else checked.denominator
     with torch.autocast(student.device.type, enabled=False):
-        return logits_distillation(problem, denominator, student, teacher, dtype, row_weights)
+        return logits_distillation(problem, denominator, student, teacher, dtype, checked.row_weights)
 
 
 def _check_topk_cache(cache: PrecomputedTeacher, rows: int, options: LogitsOptions) -> None:

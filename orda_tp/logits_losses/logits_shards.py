@@ -6,23 +6,19 @@ last dimension (``Shard(-1)``) on one mesh dimension, whose group is then the ca
 whose shards follow ``torch.chunk`` order. Other mesh dimensions may be ``Replicate`` or shard the
 leading (row) dimensions, e.g. data parallelism: each rank then works on its local rows.
 
-On a group, ranks agree on the layout through the fused path's handshake
-(:func:`orda_tp.parallel.layout.resolve_layout`), so a bad input on one rank raises the same
-error on every rank.
+On a group, ranks agree on the layout through the handshake every loss shares
+(:func:`orda_tp.api.agreed_call`), so a bad input on one rank raises the same error on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-from torch import Tensor
 
 from ..options import check_group
 from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, mesh_group, placement_text, shard_axis
-from ..parallel.layout import HeadShard, ShardClaim, VocabLayout, failure_code, resolve_layout, text_digest
 from ..parallel.local_shards import same_ranks
 
 try:
@@ -35,8 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LocalLogits",
-    "ShardShape",
-    "agree_vocabulary",
     "local_companion",
     "local_head_weight",
     "local_logits",
@@ -182,55 +176,3 @@ def local_logits(student_logits: object, teacher_logits: object, labels: object,
     local_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
     student, vocab_range = local_student(student_logits, axis)
     return LocalLogits(student, teacher, local_labels, vocab_range)
-
-
-@dataclass(frozen=True)
-class ShardShape:
-    """What a rank brings to the layout handshake: its student logits (vocabulary on the last
-    dimension), its teacher's columns, its flat labels (global, identical on every rank) and its
-    global column range if known."""
-
-    student: Tensor
-    teacher_columns: int
-    labels: Tensor
-    vocab_range: tuple[int, int] | None
-
-    @property
-    def columns(self) -> int:
-        return self.student.shape[-1]
-
-
-def agree_vocabulary(
-    group: dist.ProcessGroup | None,
-    shard: ShardShape | None,
-    failure: Exception | None,
-    host_checks: bool | None,
-    replicated: Sequence[tuple[str, Tensor]] = (),
-    call_text: str = "",
-) -> VocabLayout:
-    """The layout of the call: every column on one device, or agreed across ``group`` by the
-    fused path's handshake. ``failure``: this rank's own input-check failure (``shard`` may then
-    be None); the handshake makes every rank raise it. ``replicated``: the tensors beside the
-    labels that every rank must hold alike; ``call_text``: the call's settings, ``name=value``
-    lines; ``host_checks``: ``KernelConfig.host_checks``
-    (:func:`orda_tp.parallel.layout.resolve_layout`)."""
-    if group is None:
-        assert shard is not None
-        columns = shard.columns
-        return VocabLayout(0, columns, columns, columns, columns, columns, columns)
-    if failure is not None or shard is None:
-        assert failure is not None
-        return resolve_layout(group, ShardClaim(failed=failure_code(failure)), (), None, failure, host_checks)
-    start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)
-    rows = shard.labels.shape[0]
-    claim = ShardClaim(
-        local_columns=shard.columns,
-        teacher_columns=shard.teacher_columns,
-        range_start=start,
-        range_stop=stop,
-        label_rows=rows,
-        call_digest=text_digest(call_text),
-    )
-    head = HeadShard("student_logits", shard.student, -1)
-    tensors = [("labels", shard.labels), *replicated]
-    return resolve_layout(group, claim, tensors, head, None, host_checks, call_text)

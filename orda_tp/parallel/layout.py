@@ -26,20 +26,24 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ..checks import runs_host_checks
-from ..workspace import HOST_WORKSPACE_MIB
+from ..config import HOST_WORKSPACE_MIB
 from .collectives import all_gather_rows, all_gather_texts, host_group
 
 __all__ = [
     "FAILURE_TYPES",
     "HeadShard",
+    "LocalShard",
     "ShardClaim",
     "VocabLayout",
     "agree_checks",
+    "agree_layout",
+    "fail_on_every_rank",
     "failure_code",
     "replicated_checksum",
     "resolve_layout",
@@ -48,14 +52,14 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VocabLayout:
     """This rank's share of the vocabulary (and of the rows, under sequence parallelism).
 
     Global columns ``[vocab_start, vocab_stop)`` are this rank's ``local_columns``, of which
     ``real_local_columns`` lie below ``vocab_size`` (the rest is padding); ``total_columns``: all
     shards' columns; ``max_local_columns``: the widest shard's. On one device the layout is the
-    whole head: ``VocabLayout(0, V, V, vocab_size, V, V, vocab_size)``. ``workspace_mib``: the
+    whole head (:func:`orda_tp.api.agreed_call`). ``workspace_mib``: the
     call's default chunk workspace (:mod:`orda_tp.workspace`), under a group the smallest rank's,
     so that every rank walks the same chunks.
     """
@@ -279,6 +283,26 @@ class HeadShard:
     vocab_dim: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class LocalShard:
+    """What a rank's checked inputs say about its share of a call, whichever loss it calls: its
+    vocabulary slices (``head``), its flat global labels, its global column range if known (None:
+    the shards lie in rank order), its teacher's columns where a separate head must match,
+    ``vocab_size`` (None: every column is real), whether its hidden states hold only its rows
+    (sequence parallelism), its default chunk workspace in MiB (None: the device's,
+    :func:`orda_tp.engine.row_layout.default_workspace_mib`), and the tensors besides the labels
+    that every rank must hold alike (``replicated``, named for the error)."""
+
+    head: HeadShard
+    labels: torch.Tensor
+    vocab_range: tuple[int, int] | None = None
+    teacher_columns: int | None = None
+    vocab_size: int | None = None
+    sequence_parallel: bool = False
+    workspace_mib: int | None = None
+    replicated: Sequence[tuple[str, torch.Tensor]] = ()
+
+
 def _replicated_head_error(claims: list[ShardClaim], name: str) -> ValueError:
     return ValueError(
         f"{name} holds the same values on every rank of tp_group ({claims[0].local_columns} vocabulary "
@@ -369,3 +393,35 @@ def resolve_layout(
         assert head is not None
         raise _replicated_head_error(claims, head.name)
     return layout
+
+
+def agree_layout(
+    group: dist.ProcessGroup, shard: LocalShard, workspace_mib: int, host_checks: bool | None, call_text: str
+) -> VocabLayout:
+    """The layout of a call whose own checks passed on this rank, agreed across ``group`` from
+    every rank's :class:`LocalShard` and default workspace (:func:`resolve_layout`; ``call_text``:
+    the call's settings)."""
+    start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)
+    claim = ShardClaim(
+        local_columns=shard.head.tensor.shape[shard.head.vocab_dim],
+        teacher_columns=-1 if shard.teacher_columns is None else shard.teacher_columns,
+        range_start=start,
+        range_stop=stop,
+        vocab_size=-1 if shard.vocab_size is None else shard.vocab_size,
+        label_rows=shard.labels.shape[0],
+        sequence_parallel=int(shard.sequence_parallel),
+        call_digest=text_digest(call_text),
+        workspace_mib=workspace_mib,
+    )
+    tensors = [("labels", shard.labels), *shard.replicated]
+    return resolve_layout(group, claim, tensors, shard.head, None, host_checks, call_text)
+
+
+def fail_on_every_rank(problem: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+    """Raise ``problem``, this rank's own check failure, on every rank of ``group`` (None: one
+    device) at once: the handshake carries it as the other ranks' claims, so that no rank waits
+    for this one in a collective."""
+    if group is None:
+        raise problem
+    resolve_layout(group, ShardClaim(failed=failure_code(problem)), (), None, problem)
+    raise AssertionError("the handshake raises for a failed rank")  # pragma: no cover

@@ -1,5 +1,5 @@
-"""Turn a tensor-parallel call's arguments into local shards and an agreed :class:`VocabLayout`,
-and check this rank's values (:func:`local_error`).
+"""Turn a tensor-parallel call's arguments into this rank's checked shards and its share for the
+layout handshake (:func:`shard_inputs`), and check this rank's values (:func:`local_error`).
 
 Inputs may be DTensors (group, vocabulary range and sequence parallelism read off their
 placements) or plain local shards with an explicit ``tp_group``. Without either, the call runs on
@@ -9,21 +9,18 @@ one device (``orda_tp.api``) and the layout covers the whole head (minus padding
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NoReturn
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import Tensor
 
 from ..checks import check_denominator, check_inputs, check_token_weights, first_non_finite, runs_host_checks
-from ..options import LossOptions, setting_text
+from ..options import LossOptions
 from ..plan import LossPlan
 from ..teachers import TeacherSource
-from ..workspace import default_workspace_mib
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, mesh_group, shard_axis
 from .fsdp import check_not_fsdp_sharded
-from .layout import HeadShard, ShardClaim, VocabLayout, failure_code, resolve_layout, text_digest
+from .layout import HeadShard, LocalShard, VocabLayout
 from .shard_exchange import LocalError, LocalErrorCode
 
 __all__ = [
@@ -31,24 +28,26 @@ __all__ = [
     "LocalInputs",
     "call_group",
     "can_fail_locally",
-    "fail_on_every_rank",
     "local_error",
     "same_ranks",
     "shard_inputs",
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LocalInputs:
-    """The call's tensors as this rank holds them, and the tensor-parallel setting."""
+    """The call's tensors as this rank holds them, the tensor-parallel setting (``group`` None:
+    one device) and, once checked, the given denominator of "mean" and the (rows,) token weights."""
 
     student_hidden: Tensor
     weight: Tensor
     labels: Tensor
     teacher: TeacherSource
-    group: dist.ProcessGroup | None
-    vocab_range: tuple[int, int] | None
-    sequence_parallel: bool
+    group: dist.ProcessGroup | None = None
+    vocab_range: tuple[int, int] | None = None
+    sequence_parallel: bool = False
+    denominator: float | Tensor | None = None
+    row_weights: Tensor | None = None
 
 
 def same_ranks(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
@@ -112,7 +111,15 @@ def _localize(
                 f"{', '.join(wrapped)} {verb} but weight is not: pass the head weight as a DTensor "
                 "sharded on dim 0, or plain local tensors with tp_group"
             )
-        return LocalInputs(student_hidden, weight, labels, teacher, group, vocab_range, bool(sequence_parallel))
+        return LocalInputs(
+            student_hidden=student_hidden,
+            weight=weight,
+            labels=labels,
+            teacher=teacher,
+            group=group,
+            vocab_range=vocab_range,
+            sequence_parallel=bool(sequence_parallel),
+        )
     axis = shard_axis(weight, "weight")
     if group is not None and not same_ranks(group, axis.group):
         raise ValueError("tp_group is not the process group of the mesh dimension along which weight is sharded")
@@ -145,50 +152,6 @@ def _localize(
     )
 
 
-def _agree_layout(
-    group: dist.ProcessGroup,
-    inputs: LocalInputs | None,
-    options: LossOptions,
-    problem: Exception | None,
-    replicated: Sequence[tuple[str, Tensor]],
-    call_text: str,
-) -> VocabLayout:
-    """The layout of this call, agreed across ``group``: ``problem`` is set when this rank's own
-    checks failed (``inputs`` may then be None); the handshake then makes every rank raise.
-    ``replicated``: the tensors beside the labels that every rank must hold alike."""
-    host_checks, vocab_size = options.kernel_config.host_checks, options.vocab_size
-    if problem is not None or inputs is None:
-        assert problem is not None
-        return resolve_layout(group, ShardClaim(failed=failure_code(problem)), (), None, problem, host_checks)
-    start, stop = inputs.vocab_range if inputs.vocab_range is not None else (-1, -1)
-    teacher_columns = inputs.teacher.vocab_columns()
-    claim = ShardClaim(
-        local_columns=inputs.weight.shape[0],
-        teacher_columns=-1 if teacher_columns is None else teacher_columns,
-        range_start=start,
-        range_stop=stop,
-        vocab_size=-1 if vocab_size is None else vocab_size,
-        label_rows=inputs.labels.shape[0],
-        sequence_parallel=int(inputs.sequence_parallel),
-        call_digest=text_digest(call_text),
-        workspace_mib=default_workspace_mib(inputs.student_hidden.device),
-    )
-    tensors = [("labels", inputs.labels), *replicated, *inputs.teacher.replicated_tensors()]
-    head = HeadShard("weight", inputs.weight, 0)
-    return resolve_layout(group, claim, tensors, head, None, host_checks, call_text)
-
-
-def fail_on_every_rank(problem: Exception, group: dist.ProcessGroup | None) -> NoReturn:
-    """Raise ``problem``, a check failure found before a tensor-parallel call knew its tensors (a
-    keyword), on every rank of ``group`` (the call's group, or None on one device) at once: the
-    handshake carries the failure as the other ranks' checks do, so that no rank waits for this
-    one in a collective."""
-    if group is None:
-        raise problem
-    resolve_layout(group, ShardClaim(failed=failure_code(problem)), (), None, problem)
-    raise AssertionError("the handshake raises for a failed rank")  # pragma: no cover
-
-
 def _tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The call's tensor-parallel group: ``group`` (the checked ``tp_group``), or the mesh group a
     DTensor weight is sharded over (placements are the same on every rank, so every rank decides
@@ -210,18 +173,6 @@ def call_group(weight: object, tp_group: object) -> dist.ProcessGroup | None:
         return mesh_group(weight)
 
 
-def _call_checks(
-    options: LossOptions, local: LocalInputs, num_valid_tokens: object, token_weights: object
-) -> Tensor | None:
-    """The per-call arguments of this rank: ``num_valid_tokens`` (its type and value) and the
-    checked ``token_weights`` (None when not given)."""
-    device = local.student_hidden.device
-    check_denominator(num_valid_tokens, options.reduction, None, device)
-    if token_weights is None:
-        return None
-    return check_token_weights(token_weights, local.labels, runs_host_checks(options.kernel_config.host_checks, device))
-
-
 def shard_inputs(
     options: LossOptions,
     student_hidden: Tensor,
@@ -230,50 +181,43 @@ def shard_inputs(
     teacher: TeacherSource,
     num_valid_tokens: object,
     token_weights: object,
-) -> tuple[LocalInputs, VocabLayout, Tensor | None]:
-    """This rank's tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs), the
-    layout the group agrees on and the checked ``token_weights``. Every check that reads only this
-    rank's own arguments (types, shapes, devices, the backend, the teacher descriptor,
-    ``num_valid_tokens``, ``token_weights``) runs before the layout handshake, which makes every
-    rank raise the same error; none waits for a rank that raised. The handshake also proves that
-    the call's settings (keywords, teacher descriptor) and the tensors every rank must hold alike
-    agree, so every check after it decides alike on every rank."""
-    group = call_group(weight, options.tp_group)
-    local, failure, row_weights = None, None, None
-    try:
-        # FSDP's data-parallel shards posing as vocabulary shards.
-        for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
-            check_not_fsdp_sharded(name, tensor)
-        if options.backend == "reference":
-            raise ValueError(
-                "backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'"
-            )
-        local = _localize(
-            student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
-        )
-        row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1
-        check_inputs(
-            local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards
-        )
-        teacher.check_shardable()
-        row_weights = _call_checks(options, local, num_valid_tokens, token_weights)
-    except (ValueError, TypeError) as error:
-        if group is None:
-            raise
-        failure = error  # every rank of the group raises it after the handshake
-    assert group is not None  # a call without a group raised above (no DTensor weight on a 1-D mesh, no tp_group)
-    call_text = "\n".join(
-        [
-            options.settings_text,
-            teacher.settings_text(),
-            f"token_weights={'<given>' if token_weights is not None else None}",
-            f"num_valid_tokens={setting_text(num_valid_tokens)}",
-        ]
+) -> tuple[LocalInputs, LocalShard]:
+    """This rank's checked tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs)
+    and its share for the layout handshake (:func:`orda_tp.api.agreed_call`). Every check that
+    reads only this rank's own arguments runs here: FSDP2 shards posing as vocabulary shards, the
+    backend, the placements, types, shapes and devices, the teacher descriptor,
+    ``num_valid_tokens`` and ``token_weights``."""
+    for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
+        check_not_fsdp_sharded(name, tensor)
+    if options.backend == "reference":
+        raise ValueError("backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'")
+    local = _localize(
+        student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
     )
-    replicated = [] if row_weights is None else [("token_weights", row_weights)]
-    layout = _agree_layout(group, local, options, failure, replicated, call_text)
-    assert local is not None
-    return local, layout, row_weights
+    assert local.group is not None  # a call without one raised (no DTensor weight on a 1-D mesh, no tp_group)
+    row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1
+    check_inputs(local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards)
+    teacher.check_shardable()
+    device = local.student_hidden.device
+    denominator = check_denominator("num_valid_tokens", num_valid_tokens, options.reduction, device, "student_hidden")
+    row_weights = None
+    if token_weights is not None:
+        host_checks = runs_host_checks(options.kernel_config.host_checks, device)
+        row_weights = check_token_weights(token_weights, local.labels, host_checks)
+    teacher_columns = local.teacher.vocab_columns()
+    shard = LocalShard(
+        head=HeadShard("weight", local.weight, 0),
+        labels=local.labels,
+        vocab_range=local.vocab_range,
+        teacher_columns=teacher_columns,
+        vocab_size=options.vocab_size,
+        sequence_parallel=local.sequence_parallel,
+        replicated=[
+            *([] if row_weights is None else [("token_weights", row_weights)]),
+            *local.teacher.replicated_tensors(),
+        ],
+    )
+    return replace(local, denominator=denominator, row_weights=row_weights), shard
 
 
 def can_fail_locally(plan: LossPlan, teacher: TeacherSource) -> bool:
