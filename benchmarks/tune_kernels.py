@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orda_tp import TiedTeacher  # noqa: E402
 from orda_tp.engine.logits import LogitGrads  # noqa: E402
+from orda_tp.engine.row_formulas import grad_step  # noqa: E402
 from orda_tp.engine.stats import GradRows  # noqa: E402
 from orda_tp.kernels import tiles  # noqa: E402
 from orda_tp.kernels.ops import TritonBlockMath  # noqa: E402
@@ -80,11 +81,13 @@ def launches(rows: int, cols: int, dtype: torch.dtype) -> dict[str, tuple[object
     # (the CE's coefficients c_p = c_y = 1, c_u = 0).
     values = {"scale": ones, "lse_s": lse_s, "c_p": ones, "c_y": ones, "c_u": 0 * ones}
     values.update(lse_u=lse_s, lse_v=lse_t, keep=ones)
-    assert plan.grad_row_names == tuple(values)
+    names = grad_step(plan.step_key).outputs
+    assert names == tuple(values)
     packed = torch.stack(list(values.values()), dim=1).contiguous()
-    row_constants = GradRows(packed, plan.grad_row_names, lse_t=None, c_ce_t=None, consts={}, **values)
+    row_constants = GradRows(**values, lse_t=None, c_ce_t=None, consts={}, packed=packed, names=names)
     math = TritonBlockMath()
-    out, with_sums = LogitGrads(grad, None), plan.kl_sums_in_gradient_pass  # forward KL: round 2 in the gradients
+    assert plan.kl_sums_in_gradient_pass and plan.divergence is not None  # forward KL: round 2 in the gradients
+    out, sums = LogitGrads(grad, None), torch.zeros(rows, plan.divergence.num_sums, device="cuda")
     logits_bytes = 2 * rows * cols * student.element_size()
     return {
         "partition": (
@@ -93,7 +96,7 @@ def launches(rows: int, cols: int, dtype: torch.dtype) -> dict[str, tuple[object
         ),
         "sums": (lambda: math.kl_sums(plan, student, teacher, labels, 0, lse_s, lse_t), logits_bytes),
         "grads": (
-            lambda: math.stage_logit_grads(plan, row_constants, student, teacher, labels, 0, out, with_sums),
+            lambda: math.stage_logit_grads(plan, row_constants, student, teacher, labels, 0, out, sums),
             logits_bytes + rows * cols * 2,
         ),
     }

@@ -91,7 +91,8 @@ class StepKey:
     family at ``T = 1`` (read by the student's row terms), the teacher's CE family and the KL
     families, and the first teacher family (each None where the call has none); the student's
     row terms (:mod:`orda_tp.terms`), the number of column sums of round 1's record and which of
-    them counts the :data:`UNSUPPORTED` columns (None where none does)."""
+    them counts the :data:`UNSUPPORTED` columns (None where none does); whether the teacher's CE
+    trains the teacher, and the variant's finalize constants that its gradients read."""
 
     num_families: int
     student_terms: tuple[StudentTerm, ...]
@@ -102,6 +103,8 @@ class StepKey:
     kl_teacher: int | None
     teacher_family: int | None
     unsupported_sum: int | None = None
+    teacher_ce_trains: bool = False
+    variant_constants: tuple[str, ...] = ()
 
 
 #: A column where the student's logit is −inf and the teacher's is not: ``p = 0 < q`` there, so a
@@ -125,9 +128,11 @@ class LossPlan:
     ``component_weights``: each output component's weight in the loss, ``loss = Σ w·component``;
     ``kl_grad_weights = (w_kl·T_s, w_kl·T_s²/T_t)`` are the factors of ``∂D/∂u`` in ``∂loss/∂s`` and
     of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale); ``column_sums`` the column terms of round
-    1's record (the terms'); ``step_key`` is what the row programs depend on, ``formulas`` the
-    variant's trees (None without a KL term) and ``grad_row_names`` the gradient kernel's row
-    constants, in the order it reads them.
+    1's record (the terms'); ``step_key`` is what the row programs depend on and ``formulas`` the
+    variant's trees (None without a KL term).
+
+    ``tied_head``: the teacher reads the student's head (a ``TiedTeacher``), so one GEMM gives both
+    sides' logits and the teacher's head gradient goes to the student's weight.
 
     ``student_logits_finite``: the student's logits are a head's products (finite for finite
     inputs), not given values that may hold ``−inf``. ``kl_sums_in_gradient_pass``: round 2 may be
@@ -162,6 +167,7 @@ class LossPlan:
     computes_kl: bool = field(init=False)
     needs_teacher_logits: bool = field(init=False)
     teacher_receives_grad: bool = field(init=False)  # never for a cache
+    tied_head: bool = field(init=False)
     kl_trains_teacher: bool = field(init=False)
     teacher_ce_trains_teacher: bool = field(init=False)
     student_receives_grad: bool = field(init=False)
@@ -171,7 +177,6 @@ class LossPlan:
     families: tuple[LogitFamily, ...] = field(init=False)
     step_key: StepKey = field(init=False)
     formulas: VariantFormulas | None = field(init=False)
-    grad_row_names: tuple[str, ...] = field(init=False)
     kl_sums_in_gradient_pass: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -204,17 +209,14 @@ class LossPlan:
             kl_teacher=families.index(kl_families[1]) if computes_kl else None,
             teacher_family=next((i for i, family in enumerate(families) if family.side == "teacher"), None),
             unsupported_sum=len(column_sums) - 1 if counts_unsupported else None,
+            teacher_ce_trains=teacher_ce_trains,
+            variant_constants=formulas.row_names if formulas else (),
         )
-        # The gradient kernel's row constants, in the order it reads them (row_formulas.grad_step).
-        grad_row_names = ["scale", *(["lse_s", "c_p", "c_y", "c_u"] if student_terms else [])]
-        grad_row_names += ["lse_t", "c_ce_t"] if teacher_ce_trains else []
-        if formulas is not None:
-            grad_row_names += ["lse_u", "lse_v", "keep"]
-            grad_row_names += [name for name in formulas.row_names if name not in grad_row_names]
         derived = {
             "computes_kl": computes_kl,
             "needs_teacher_logits": computes_kl or self.teacher_ce_weight > 0,
             "teacher_receives_grad": teacher_trains,
+            "tied_head": self.teacher_kind == "tied",
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
             "teacher_ce_trains_teacher": teacher_ce_trains,
             "student_receives_grad": student_terms or computes_kl,
@@ -228,7 +230,6 @@ class LossPlan:
             "families": families,
             "step_key": step_key,
             "formulas": formulas,
-            "grad_row_names": tuple(grad_row_names),
             "kl_sums_in_gradient_pass": in_gradient_pass,
         }
         for name, value in derived.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -56,8 +57,19 @@ class PartitionRecord:
     label_hits: Tensor
     column_sums: Tensor
 
+    @staticmethod
+    @cache
+    def packed_columns(num_families: int, num_column_sums: int) -> tuple[str, ...]:
+        """The names of the packed layout's columns, in order; a packed record is as wide as
+        their number, ``2F + 3 + E``: ``m<f>`` for each of the F families, then ``z<f>``, the
+        label columns ``s_y``, ``t_y``, ``hits``, and ``sum<k>`` for each of the E column sums.
+        Built once per (F, E)."""
+        families, sums = range(num_families), range(num_column_sums)
+        labels = ("s_y", "t_y", "hits")
+        return (*(f"m{f}" for f in families), *(f"z{f}" for f in families), *labels, *(f"sum{k}" for k in sums))
+
     def pack(self) -> Tensor:
-        """(rows, 2F + 3 + E) tensor, the layout exchanged between ranks."""
+        """The (rows, width) tensor of the :meth:`packed_columns` layout, exchanged between ranks."""
         columns = [self.maxes, self.sumexps, self.target_logits, self.label_hits[:, None], self.column_sums]
         return torch.cat(columns, dim=1)
 
@@ -75,7 +87,7 @@ class PartitionRecord:
 
     @staticmethod
     def unpack(packed: Tensor, num_families: int) -> PartitionRecord:
-        """The record of an (rows, 2F + 3 + E) packed tensor (E read from its width)."""
+        """The record of a packed (rows, width) tensor (E read from its width)."""
         f = num_families
         hits = 2 * f + 2
         return PartitionRecord(
@@ -103,7 +115,7 @@ def merge_partition_records(records: Sequence[PartitionRecord]) -> PartitionReco
 
 
 def merge_stacked_partition_records(stacked: Tensor, num_families: int) -> PartitionRecord:
-    """Merge S packed records stacked as (S, rows, 2F+3+E) at once: every partial is rescaled to the
+    """Merge S packed records stacked as (S, rows, width) at once: every partial is rescaled to the
     overall max and summed, in a handful of tensor ops (deterministic for a given stack, so ranks
     that merge the same gathered stack get bitwise-identical records)."""
     f = num_families

@@ -37,10 +37,9 @@ class BlockMath(Protocol):
     #: Whether it applies the plan's soft-caps to the raw blocks it reads (the Triton kernels, as
     #: they load a tile); else it is handed blocks already capped by the logits source.
     applies_softcap: bool
-
-    def block_columns(self, configured: int, local_columns: int) -> int:
-        """Columns per block: the configured size, or more where blocks create no temporaries."""
-        ...
+    #: Whether a chunk's local columns form one block (the kernels tile the columns themselves),
+    #: else blocks of ``KernelConfig.vocab_block`` columns (each block's temporaries are tensors).
+    whole_blocks: bool
 
     def partition(
         self,
@@ -58,7 +57,7 @@ class BlockMath(Protocol):
         ...
 
     def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
-        """Merge (S, rows, 2F+3+E) contiguous packed records (the shards' gathered records)."""
+        """Merge an (S, rows, width) stack of contiguous packed records (the shards' gathered records)."""
         ...
 
     def kl_sums(
@@ -90,12 +89,12 @@ class BlockMath(Protocol):
         labels: Tensor,
         col_start: int,
         out: LogitGrads,
-        kl_sums: bool = False,
-    ) -> Tensor | None:
+        sums_out: Tensor | None = None,
+    ) -> None:
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is not None) of the block
         into the views ``out``, in their dtype, from the chunk's gradient row constants. With
-        ``kl_sums`` (``plan.kl_sums_in_gradient_pass``) also return the block's (rows, num_sums)
-        round-2 sums, as :meth:`kl_sums` would; else None."""
+        ``sums_out`` (``plan.kl_sums_in_gradient_pass``) also add the block's (rows, num_sums)
+        round-2 sums into it, as :meth:`kl_sums` gives them."""
         ...
 
 

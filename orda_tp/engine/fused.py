@@ -91,7 +91,7 @@ def _call_layout(problem: ChunkedProblem, head: HeadTensors, statistics: torch.d
     plan, layout = walk.plan, walk.layout
     operands = [head.student_hidden, head.weight]
     if plan.teacher_receives_grad:
-        teacher_weight = head.weight if head.teacher_weight is None else head.teacher_weight
+        teacher_weight = head.weight if plan.tied_head else head.teacher_weight
         operands += [t for t in (head.teacher_hidden, teacher_weight) if t is not None]
     staging_dtype = problem.gemms.staging_dtype(operands, statistics)
     staged_bytes = (2 if plan.teacher_receives_grad else 1) * staging_dtype.itemsize if gradients else 0
@@ -126,7 +126,7 @@ def _walk_groups(
     plan, exchange, columns = walk.plan, walk.exchange, walk.layout.real_local_columns
     # The logits source caps the blocks unless the block math does as it reads them.
     caps = (None, None) if walk.math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
-    source = logits_source(head, plan.needs_teacher_logits, problem.teacher_blocks, caps)
+    source = logits_source(head, plan.needs_teacher_logits, plan.tied_head, problem.teacher_blocks, caps)
     upstream_scale = upstream
     if buffers is not None:
         assert upstream is not None
@@ -150,7 +150,7 @@ def _walk_groups(
         walked += walk_rows(
             walk, source, chunks, statistics, group_saved, GradTarget(staged, group_begin, upstream_scale)
         )
-        run_gradient_gemms(head, staged, group_begin, walk.valid[group_begin:group_end], buffers, gemms)
+        run_gradient_gemms(head, staged, group_begin, walk.valid[group_begin:group_end], buffers, gemms, plan.tied_head)
         if exchange is not None:
             hidden_grads = [g for g in (buffers.student_hidden, buffers.teacher_hidden) if g is not None]
             exchange.start_row_gradient_sum(hidden_grads, group_begin, group_end)
@@ -293,7 +293,7 @@ def chunked_loss(
     ]
     needs = GradNeeds(
         student_hidden=requires[0] and to_student,
-        weight=requires[1] and (to_student or (plan.teacher_kind == "tied" and to_teacher)),
+        weight=requires[1] and (to_student or (plan.tied_head and to_teacher)),
         teacher_hidden=requires[2] and to_teacher,
         teacher_weight=requires[3] and to_teacher,
     )

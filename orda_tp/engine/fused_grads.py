@@ -163,20 +163,27 @@ class GemmPolicy:
 
 
 def run_gradient_gemms(
-    head: HeadTensors, staged: LogitGrads, begin: int, valid: Tensor, buffers: GradientBuffers, gemms: GemmPolicy
+    head: HeadTensors,
+    staged: LogitGrads,
+    begin: int,
+    valid: Tensor,
+    buffers: GradientBuffers,
+    gemms: GemmPolicy,
+    tied: bool,
 ) -> None:
     """Write the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``,
     side by side: ``dh[rows] = dS·W`` (each group owns its rows) and ``dW += dSᵀ·h[rows]``, which
     the first group (``begin == 0``) writes instead of adding to (β = 0: the buffers come unwritten
     from :func:`allocate_buffers`, no zero-fill and no read of zeros). ``valid`` marks the group's rows
     that are not ignored (the others' hidden rows are not read, so a non-finite ignored row stays
-    out); a tied teacher's weight gradient adds to the student head's in one GEMM over both sides'
-    rows, the staging's ``stacked`` (``buffers.teacher_weight`` is None then: the head is the
-    student's)."""
-    tied = staged.teacher is not None and head.teacher_hidden is not None and head.teacher_weight is None
+    out). ``tied``: the teacher reads the student's head (``LossPlan.tied_head``); where it trains,
+    its weight gradient adds to the student head's in one GEMM over both sides' rows, the
+    staging's ``stacked`` (``buffers.teacher_weight`` is None then)."""
+    one_gemm = tied and staged.teacher is not None
     sides = [(staged.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight)]
     if staged.teacher is not None and head.teacher_hidden is not None:
-        teacher_weight = head.weight if head.teacher_weight is None else head.teacher_weight
+        teacher_weight = head.weight if tied else head.teacher_weight
+        assert teacher_weight is not None
         sides.append(
             (staged.teacher, head.teacher_hidden, teacher_weight, buffers.teacher_hidden, buffers.teacher_weight)
         )
@@ -186,10 +193,10 @@ def run_gradient_gemms(
         for logit_grads, hidden, weight, hidden_grad, weight_grad in sides:
             if hidden_grad is not None:
                 gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns], beta=0.0)
-            if weight_grad is not None and not tied:
+            if weight_grad is not None and not one_gemm:
                 rows = torch.where(valid[:, None], hidden.detach()[begin:end], 0.0)
                 gemms.accumulate(weight_grad[:columns], logit_grads.T, rows, beta=weight_beta)
-        if tied and buffers.weight is not None:  # one GEMM over both sides' rows
+        if one_gemm and buffers.weight is not None:  # one GEMM over both sides' rows
             assert staged.stacked is not None and head.teacher_hidden is not None
             both = torch.cat([head.student_hidden.detach()[begin:end], head.teacher_hidden.detach()[begin:end]])
             rows = torch.where(valid.repeat(2)[:, None], both, 0.0)

@@ -216,21 +216,24 @@ class HeadTensors(NamedTuple):
 def logits_source(
     head: HeadTensors,
     with_teacher: bool,
+    tied: bool,
     teacher_blocks: TeacherBlocks | None = None,
     caps: tuple[float | None, float | None] = (None, None),
 ) -> LogitsSource:
-    """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: the blocks it forms
-    itself (``teacher_blocks``, a top-k cache), through the same GEMM as the student's (tied),
-    from the cache, or ``h_t·W_tᵀ``; a head's logits soft-capped by ``caps`` (student, teacher)."""
+    """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: through the same GEMM
+    as the student's where the head is ``tied`` (``LossPlan.tied_head``), the blocks it forms
+    itself (``teacher_blocks``, a top-k cache), from the cache, or ``h_t·W_tᵀ``; a head's logits
+    soft-capped by ``caps`` (student, teacher)."""
     student_cap, teacher_cap = caps
     student = HeadLogits(head.student_hidden, head.weight, student_cap)
     if not with_teacher:
         return PairedLogits(student, None)
+    if tied:
+        assert head.teacher_hidden is not None
+        return TiedLogits(head.student_hidden, head.teacher_hidden, head.weight, student_cap, teacher_cap)
     if teacher_blocks is not None:
         return PairedLogits(student, teacher_blocks)
     if head.teacher_logits is not None:
         return PairedLogits(student, StoredLogits(head.teacher_logits))
-    assert head.teacher_hidden is not None
-    if head.teacher_weight is None:
-        return TiedLogits(head.student_hidden, head.teacher_hidden, head.weight, student_cap, teacher_cap)
+    assert head.teacher_hidden is not None and head.teacher_weight is not None
     return PairedLogits(student, HeadLogits(head.teacher_hidden, head.teacher_weight, teacher_cap))

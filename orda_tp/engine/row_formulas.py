@@ -18,12 +18,10 @@ small tensor ops per chunk.
 - :func:`finish_step`, after round 2 and the variant's finalize: the row's divergence
   ``max(D, 0)`` and ``KL = T_s²·max(D, 0)`` (both 0 on absent rows, NaN on unowned ones) and
   ``keep``, whether the row's KL gradient is formed (teacher present and ``D ≠ +inf``).
-- :func:`grad_step`, before a gradient pass: the row constants of the gradient kernel, in
-  ``LossPlan.grad_row_names`` order: ``scale`` = the upstream gradient (0 on ignored rows, NaN on
-  unowned ones), the student terms' ``LSE(s)`` and summed coefficients ``c_p = Σ_k w_k·c_p,k``,
-  ``c_y``, ``c_u`` (their gradient ``c_p·softmax(s) − c_y·onehot − c_u``), the teacher CE's ``LSE(t)``
-  and coefficient ``c_ce_t = w_t·scale`` (both 0 on absent rows), the KL's log-partitions and
-  ``keep``, and the variant's finalize constants.
+- :func:`grad_step`, before a gradient pass: the row constants of the gradient kernel
+  (:class:`.stats.GradRows` says what each holds, and their order), each formed where the call has
+  its term: the student terms' coefficients summed with their weights, ``c_p = Σ_k w_k·c_p,k``;
+  the teacher CE's coefficient ``w_t·scale``; the KL's and the variant's constants passed through.
 
 Flags are stored as 1.0/0.0 and read back with :func:`is_set`. Values that change between calls
 (temperatures, weights) are runtime scalars, so a program depends only on the call's structure.
@@ -36,7 +34,9 @@ from functools import cache
 
 from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, where, wrap
 from ..plan import StepKey
+from ..records import PartitionRecord
 from ..terms import STUDENT_TERMS, RowSymbols, StudentTerm
+from .stats import GRAD_ROW_CONSTANTS
 
 __all__ = ["RowProgram", "finish_step", "grad_step", "is_set", "partition_step"]
 
@@ -66,13 +66,6 @@ def _program(inputs: list[str], scalars: list[str], outputs: dict[str, Expr]) ->
     return RowProgram(tuple(inputs), tuple(scalars), tuple(outputs), tuple(outputs.values()))
 
 
-def record_inputs(num_families: int, num_column_sums: int) -> list[str]:
-    """Names of the packed record's columns (:meth:`orda_tp.records.PartitionRecord.pack` order)."""
-    f = num_families
-    sums = [f"sum{k}" for k in range(num_column_sums)]
-    return [f"m{i}" for i in range(f)] + [f"z{i}" for i in range(f)] + ["s_y", "t_y", "hits", *sums]
-
-
 def _term_scalars(terms: tuple[StudentTerm, ...]) -> list[str]:
     """The runtime scalars the terms' formulas read: their nonzero parameters, then ``inv_vocab``."""
     return [*sorted({name for term in terms for name in term.given}), "inv_vocab"]
@@ -91,7 +84,8 @@ def _term_values(terms: tuple[StudentTerm, ...], lse: Expr) -> dict[str, Expr]:
 
 @cache
 def partition_step(key: StepKey) -> RowProgram:
-    """Round 1's per-row values (see the module docstring); outputs ``lse0 … lse{F−1}`` first."""
+    """Round 1's per-row values (see the module docstring) from the merged record's columns
+    (:meth:`orda_tp.records.PartitionRecord.packed_columns`); outputs ``lse0 … lse{F−1}`` first."""
     count = key.num_families
     lse = []
     for f in range(count):
@@ -126,7 +120,7 @@ def partition_step(key: StepKey) -> RowProgram:
     else:
         outputs["kl"] = nan_elsewhere
     scalars = ["t_s", "t_t", *_term_scalars(key.student_terms)]
-    return _program(record_inputs(count, key.num_column_sums), scalars, outputs)
+    return _program(list(PartitionRecord.packed_columns(count, key.num_column_sums)), scalars, outputs)
 
 
 @cache
@@ -143,32 +137,39 @@ def finish_step() -> RowProgram:
 
 
 @cache
-def grad_step(key: StepKey, names: tuple[str, ...]) -> RowProgram:
-    """The gradient kernel's row constants ``names`` (``LossPlan.grad_row_names``: ``scale``, then
-    ``lse_s``, ``c_p``, ``c_y``, ``c_u`` (student terms, each term's coefficients times its weight
-    ``w_<name>``), ``lse_t``, ``c_ce_t`` (teacher CE training the teacher), ``lse_u``, ``lse_v``,
-    ``keep`` and the variant's constants (KL))."""
+def grad_step(key: StepKey) -> RowProgram:
+    """The gradient kernel's row constants, in :data:`.stats.GRAD_ROW_CONSTANTS` order, then the
+    variant's (``key.variant_constants``): those of the call's terms (see the module docstring),
+    each student term's coefficients times its weight ``w_<name>``."""
     scale = where(is_set(row("valid")), where(is_set(row("owned")), row("upstream"), NAN), 0.0)
-    formulas: dict[str, Expr] = {"scale": scale}
+    formulas: dict[str, Expr] = dict(scale=scale)
     scalars = ["w_t"]
     if key.terms_family is not None:
-        lse_s = formulas["lse_s"] = row(f"lse{key.terms_family}")
+        lse_s = row(f"lse{key.terms_family}")
         grads = [(row(f"w_{term.name}"), term.grad(lse_s)) for term in key.student_terms]
-        formulas["c_p"] = _total([weight * grad.softmax for weight, grad in grads])
-        formulas["c_y"] = _total([weight * grad.label for weight, grad in grads])
-        formulas["c_u"] = _total([weight * grad.uniform for weight, grad in grads])
+        formulas.update(
+            lse_s=lse_s,
+            c_p=_total([weight * grad.softmax for weight, grad in grads]),
+            c_y=_total([weight * grad.label for weight, grad in grads]),
+            c_u=_total([weight * grad.uniform for weight, grad in grads]),
+        )
         scalars += [f"w_{term.name}" for term in key.student_terms]
         scalars += _term_scalars(key.student_terms)
-    if key.ce_teacher is not None:
+    if key.teacher_ce_trains:
         absent = is_set(row("absent"))
-        formulas["lse_t"] = where(absent, 0.0, row(f"lse{key.ce_teacher}"))
-        formulas["c_ce_t"] = where(absent, 0.0, row("w_t") * scale)
-    outputs = {name: formulas.get(name, row(name)) for name in names}
-    inputs = ["upstream", "valid", "owned"]
-    inputs += [name for name in names if name not in formulas]  # the passed-through constants
+        formulas.update(
+            lse_t=where(absent, 0.0, row(f"lse{key.ce_teacher}")), c_ce_t=where(absent, 0.0, row("w_t") * scale)
+        )
+    # The KL's row statistics and the variant's constants, passed through as they are.
+    passed = ["lse_u", "lse_v", "keep", *key.variant_constants] if key.kl_student is not None else []
+    passed = [name for name in dict.fromkeys(passed) if name not in formulas]
+    formulas.update({name: row(name) for name in passed})
+    outputs = {name: formulas[name] for name in GRAD_ROW_CONSTANTS if name in formulas}
+    outputs.update(formulas)  # the variant's constants after the engine's
+    inputs = ["upstream", "valid", "owned", *passed]
     if key.terms_family is not None:
         inputs.append(f"lse{key.terms_family}")
-    if "lse_t" in names:
+    if key.teacher_ce_trains:
         inputs += ["absent", f"lse{key.ce_teacher}"]
     return _program(inputs, scalars, outputs)
 

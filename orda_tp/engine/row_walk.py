@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ from ..terms import STUDENT_TERMS
 from .block_math import BlockMath
 from .logits import LogitGrads, LogitsBlock, LogitsSource
 from .row_formulas import finish_step, grad_step, partition_step
-from .stats import GradRows, KLRowStats, RowStats
+from .stats import GRAD_ROW_CONSTANTS, GradRows, KLRowStats, RowStats
 
 __all__ = [
     "GradTarget",
@@ -66,7 +66,7 @@ class RecordExchange(Protocol):
         self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
     ) -> PartitionRecord:
         """Round 1: the record of all shards' columns, identical on every shard; ``merge_stacked``
-        merges (shards, rows, 2F+3+E) packed records (the backend's merge)."""
+        merges a (shards, rows, width) stack of packed records (the backend's merge)."""
         ...
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
@@ -138,7 +138,7 @@ def walk_rows(
     order. ``dtype``: the statistics dtype. A chunk's logits live only while it is walked."""
     like = torch.empty(0, dtype=dtype, device=walk.labels.device)
     columns = walk.layout.real_local_columns
-    block = walk.math.block_columns(walk.plan.config.vocab_block, columns)
+    block = max(columns, 1) if walk.math.whole_blocks else walk.plan.config.vocab_block
     column_ranges = [(start, min(start + block, columns)) for start in range(0, columns, block)]
     walked = []
     for index, (begin, end) in enumerate(chunks):
@@ -191,8 +191,10 @@ def chunk_row_stats(
     kl, kl_stats, kl_sums = outputs.get("kl"), None, None
     in_gradient_pass = target is not None and plan.kl_sums_in_gradient_pass
     if in_gradient_pass:
-        assert target is not None
-        kl_sums = stage_grads(walk, blocks, labels, {**statistics, "keep": outputs["present"]}, target, like, True)
+        assert target is not None and plan.divergence is not None
+        # −0.0, the identity of addition: the first block's sums are added exactly as they come.
+        kl_sums = like.new_full((labels.shape[0], plan.divergence.num_sums), -0.0)
+        stage_grads(walk, blocks, labels, {**statistics, "keep": outputs["present"]}, target, like, kl_sums)
     if plan.computes_kl:
         kl, kl_stats = _kl_round(walk, blocks, labels, outputs, like, kl_sums)
         statistics.update(keep=kl_stats.keep, **kl_stats.consts)
@@ -263,17 +265,16 @@ def stage_grads(
     statistics: Mapping[str, Tensor],
     target: ChunkTarget,
     like: Tensor,
-    kl_sums: bool = False,
-) -> Tensor | None:
+    sums_out: Tensor | None = None,
+) -> None:
     """The chunk's gradient row constants (``row_formulas.grad_step``, from its named row
     ``statistics``: the families' ``lse<f>``, ``owned``, ``absent``, the KL's ``lse_u``, ``lse_v``,
     ``keep`` and the variant's constants) and each block's logit gradients written into the
-    target's rows ``[begin, end)``. With ``kl_sums`` (a plan whose ``kl_sums_in_gradient_pass`` is
-    set) returns the blocks' round-2 sums, added up (rows, num_sums), None when there are no
-    blocks; else None."""
+    target's rows ``[begin, end)``; with ``sums_out`` (a plan whose ``kl_sums_in_gradient_pass`` is
+    set) the blocks' round-2 sums added into it, (rows, num_sums)."""
     plan, math = walk.plan, walk.math
     grad_target, begin, end = target
-    program = grad_step(plan.step_key, plan.grad_row_names)
+    program = grad_step(plan.step_key)
     values = {name: statistics[name] for name in program.inputs if name not in ("upstream", "valid")}
     upstream = grad_target.upstream
     values["upstream"] = upstream[begin:end] if upstream.dim() else upstream.expand(end - begin)
@@ -282,29 +283,13 @@ def stage_grads(
     scalars = {"w_t": plan.teacher_ce_weight, **weights, **plan.term_scalars}
     packed = math.rows(program, values, scalars, like)
     columns = dict(zip(program.outputs, packed.unbind(1)))
-    rows = GradRows(
-        packed=packed,
-        names=program.outputs,
-        scale=columns["scale"],
-        lse_s=columns.get("lse_s"),
-        c_p=columns.get("c_p"),
-        c_y=columns.get("c_y"),
-        c_u=columns.get("c_u"),
-        lse_t=columns.get("lse_t"),
-        c_ce_t=columns.get("c_ce_t"),
-        lse_u=columns.get("lse_u"),
-        lse_v=columns.get("lse_v"),
-        keep=columns.get("keep"),
-        consts={name: columns[name] for name in (plan.formulas.row_names if plan.formulas else ())},
-    )
+    constants: dict[str, Any] = {name: columns.get(name) for name in GRAD_ROW_CONSTANTS}
+    consts = {name: columns[name] for name in plan.step_key.variant_constants}
+    rows = GradRows(**constants, consts=consts, packed=packed, names=program.outputs)
     first, last, grads = begin - grad_target.first_row, end - grad_target.first_row, grad_target.grads
-    total = None
     for block in blocks:
         span = slice(block.start, block.stop)
         teacher = None if grads.teacher is None else grads.teacher[first:last, span]
         out = LogitGrads(grads.student[first:last, span], teacher)
         global_start = walk.layout.vocab_start + block.start
-        sums = math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out, kl_sums)
-        if sums is not None:
-            total = sums if total is None else total + sums
-    return total
+        math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out, sums_out)

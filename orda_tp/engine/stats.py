@@ -9,11 +9,11 @@ stay a mapping keyed by the names its gradient expressions read (the variant's o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from torch import Tensor
 
-__all__ = ["GradRows", "KLRowStats", "RowStats"]
+__all__ = ["GRAD_ROW_CONSTANTS", "GradRows", "KLRowStats", "RowStats"]
 
 
 @dataclass(frozen=True)
@@ -78,18 +78,19 @@ class RowStats:
 class GradRows:
     """The per-row constants of a chunk's logit gradients (:func:`.row_formulas.grad_step`).
 
-    ``scale``: the upstream gradient (÷ N for "mean"; 0 on ignored rows, NaN on unowned ones);
-    ``lse_s``: ``LSE(s)`` of the student's terms and ``c_p``, ``c_y``, ``c_u`` the coefficients of
+    The fields from ``scale`` to ``keep`` are the engine's row constants, in the order of the
+    columns the gradient kernel reads (:data:`GRAD_ROW_CONSTANTS`), each but ``scale`` None where
+    the call has no such term:
+    ``scale``, the upstream gradient (÷ N for "mean"; 0 on ignored rows, NaN on unowned ones);
+    ``lse_s``, ``LSE(s)`` of the student's terms, and ``c_p``, ``c_y``, ``c_u``, the coefficients of
     their gradient ``c_p·softmax(s) − c_y·onehot − c_u`` (weighted, summed over the terms);
     ``lse_t``, ``c_ce_t``: ``LSE(t)`` and the coefficient ``w_t·scale`` of the teacher's CE when it
     trains the teacher (both 0 on absent rows); ``lse_u``, ``lse_v``, ``keep``: the KL term's
-    (:class:`KLRowStats`); ``consts``: the variant's finalize constants. Each field is None where
-    the call has no such term. ``packed`` holds them all as the columns ``names`` of one (rows,
-    len(names)) tensor, the layout the gradient kernel reads.
+    (:class:`KLRowStats`). ``consts``: the variant's finalize constants, read after them.
+    ``packed`` holds them all as the columns ``names`` of one (rows, len(names)) tensor, the layout
+    the gradient kernel reads.
     """
 
-    packed: Tensor
-    names: tuple[str, ...]
     scale: Tensor
     lse_s: Tensor | None
     c_p: Tensor | None
@@ -101,3 +102,9 @@ class GradRows:
     lse_v: Tensor | None
     keep: Tensor | None
     consts: Mapping[str, Tensor]
+    packed: Tensor
+    names: tuple[str, ...]
+
+
+#: The names of the engine's row constants of the gradient kernel, in the order of its columns.
+GRAD_ROW_CONSTANTS = tuple(field.name for field in fields(GradRows) if field.name not in ("consts", "packed", "names"))

@@ -93,16 +93,12 @@ def _evaluate(
 
 
 def _block_symbols(
-    plan: LossPlan, student: Tensor, teacher: Tensor, lse_u: Tensor, lse_v: Tensor, local_labels: Tensor | None
+    plan: LossPlan, student: Tensor, teacher: Tensor, lse_u: Tensor, lse_v: Tensor, is_target: Tensor | None
 ) -> dict[str, Tensor | None]:
     """The column symbols of a block: normalized ``log p``, ``log q``, ``p``, ``q``, and the label
-    mask ``is_target`` for a variant that reads it (else None)."""
+    mask ``is_target`` (None for a variant that does not read it)."""
     logp = student / plan.student_temperature - lse_u[:, None]
     logq = teacher / plan.teacher_temperature - lse_v[:, None]
-    is_target = None
-    if local_labels is not None:
-        columns = torch.arange(student.shape[1], device=student.device)
-        is_target = columns[None, :] == local_labels[:, None]
     return {"logp": logp, "logq": logq, "p": torch.exp(logp), "q": torch.exp(logq), "is_target": is_target}
 
 
@@ -119,24 +115,22 @@ def evaluate(
     return [value.to(reference.device).expand_as(reference) for value in values]
 
 
-def evaluate_rows(exprs: Sequence[Expr], rows: Mapping[str, Tensor], like: Tensor) -> Tensor:
-    """Row formulas on (rows,) tensors: ``rows`` maps the row constants to (rows,) tensors (any
-    dtype; booleans read as 0/1); the results stacked as (rows, len(exprs)) in ``like``'s dtype and
-    device (a constant result filled on the device: no host-to-device copy)."""
+def evaluate_rows(
+    program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
+) -> Tensor:
+    """A row program on (rows,) tensors: ``values`` maps its inputs to (rows,) tensors (any dtype;
+    booleans read as 0/1), ``scalars`` its scalars to floats; its outputs stacked as the columns of
+    one (rows, outputs) tensor in ``like``'s dtype and device (a constant result filled on the
+    device: no host-to-device copy)."""
+    constants = {name: torch.tensor(value, dtype=like.dtype) for name, value in scalars.items()}
+    rows = {**values, **constants}
     memo: dict[int, Tensor] = {}
-    count = next(iter(rows.values())).shape[0]
+    count = next(iter(values.values())).shape[0]
     outputs = []
-    for expr in exprs:
+    for expr in program.exprs:
         result = _evaluate(expr, memo, {}, rows, like, False)
         outputs.append(result.to(like).expand(count) if result.dim() else like.new_zeros(count).add_(result))
     return torch.stack(outputs, dim=1)
-
-
-def _softmax_grad(logits: Tensor, lse: Tensor, local_labels: Tensor, c_p: Tensor, c_y: Tensor) -> Tensor:
-    """``c_p·softmax(logits) − c_y·onehot(label)`` on a block; labels outside the block add nothing."""
-    columns = torch.arange(logits.shape[1], device=logits.device)
-    one_hot = (columns[None, :] == local_labels[:, None]).to(logits.dtype)
-    return torch.exp(logits - lse[:, None]) * c_p[:, None] - one_hot * c_y[:, None]
 
 
 class TorchBlockMath:
@@ -145,7 +139,9 @@ class TorchBlockMath:
 
     reads_stored_cache = False
     applies_softcap = False  # its blocks arrive capped (engine.logits.softcapped)
+    whole_blocks = False  # each block's temporaries are (rows × block) tensors
     merge_stacked = staticmethod(merge_stacked_partition_records)
+    rows = staticmethod(evaluate_rows)
 
     def partition(
         self,
@@ -168,9 +164,6 @@ class TorchBlockMath:
             sums = torch.stack([term.sum(1) for term in terms], dim=1)
         return block_partition_record(student, teacher, labels, col_start, families, sums)
 
-    def block_columns(self, configured: int, local_columns: int) -> int:
-        return configured  # each block's temporaries are (rows × block) tensors
-
     def kl_sums(
         self,
         plan: LossPlan,
@@ -184,16 +177,11 @@ class TorchBlockMath:
         """(rows, num_sums) column sums of the variant's terms over the block."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         assert plan.divergence is not None and plan.formulas is not None
-        local_labels = labels - col_start if plan.divergence.needs_target else None
-        symbols = _block_symbols(plan, student, teacher, lse_u, lse_v, local_labels)
+        is_target = None
+        if plan.divergence.needs_target:
+            is_target = torch.arange(student.shape[1], device=student.device)[None, :] == (labels - col_start)[:, None]
+        symbols = _block_symbols(plan, student, teacher, lse_u, lse_v, is_target)
         return torch.stack([value.sum(1) for value in evaluate(plan.formulas.column_terms, symbols, {})], dim=1)
-
-    def rows(
-        self, program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
-    ) -> Tensor:
-        """The program's outputs as the columns of one (rows, outputs) tensor of ``like``'s dtype."""
-        constants = {name: torch.tensor(value, dtype=like.dtype) for name, value in scalars.items()}
-        return evaluate_rows(program.exprs, {**values, **constants}, like)
 
     def stage_logit_grads(
         self,
@@ -204,38 +192,43 @@ class TorchBlockMath:
         labels: Tensor,
         col_start: int,
         out: LogitGrads,
-        kl_sums: bool = False,
-    ) -> Tensor | None:
+        sums_out: Tensor | None = None,
+    ) -> None:
         """``∂loss/∂s`` and, where ``out.teacher`` is not None, ``∂loss/∂t`` of the block (module
         docstring) written into ``out``; rows whose ``scale`` is 0 get exactly 0, whatever their
-        logits hold. With ``kl_sums``, the block's round-2 sums from the same column values."""
+        logits hold. With ``sums_out``, the block's round-2 sums from the same column values added
+        into it."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
-        local_labels, row_scale = labels - col_start, rows.scale
+        is_target = torch.arange(student.shape[1], device=student.device)[None, :] == (labels - col_start)[:, None]
+        row_scale = rows.scale
         student_grad = torch.zeros_like(student)
         teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
         w_kl_s, w_kl_t = plan.kl_grad_weights
-        column_terms: list[Tensor] = []
-        if rows.lse_s is not None:
+        if rows.lse_s is not None:  # c_p·softmax(s) − c_y·onehot − c_u
             assert rows.c_p is not None and rows.c_y is not None and rows.c_u is not None
-            terms = _softmax_grad(student, rows.lse_s, local_labels, rows.c_p, rows.c_y) - rows.c_u[:, None]
+            softmax, one_hot = torch.exp(student - rows.lse_s[:, None]), is_target.to(student.dtype)
+            terms = softmax * rows.c_p[:, None] - one_hot * rows.c_y[:, None] - rows.c_u[:, None]
             student_grad += terms * row_scale[:, None]
         if teacher_grad is not None and rows.lse_t is not None and rows.c_ce_t is not None:
-            assert teacher is not None
-            teacher_grad += _softmax_grad(teacher, rows.lse_t, local_labels, rows.c_ce_t, rows.c_ce_t)
+            assert teacher is not None  # c_ce_t·(softmax(t) − onehot)
+            softmax, one_hot = torch.exp(teacher - rows.lse_t[:, None]), is_target.to(teacher.dtype)
+            teacher_grad += softmax * rows.c_ce_t[:, None] - one_hot * rows.c_ce_t[:, None]
         if plan.computes_kl:
             divergence, formulas = plan.divergence, plan.formulas
             assert divergence is not None and formulas is not None and teacher is not None
             assert rows.lse_u is not None and rows.lse_v is not None and rows.keep is not None
             keep, consts = rows.keep[:, None] > 0, dict(rows.consts)
-            target = local_labels if divergence.needs_target else None
+            target = is_target if divergence.needs_target else None
             symbols = _block_symbols(plan, student, teacher, rows.lse_u, rows.lse_v, target)
-            sum_terms = formulas.column_terms if kl_sums else ()
+            sum_terms = formulas.column_terms if sums_out is not None else ()
             student_kl, *column_terms = evaluate([formulas.student_grad, *sum_terms], symbols, consts)
             student_grad += (w_kl_s * row_scale)[:, None] * torch.where(keep, student_kl, 0.0)
             if teacher_grad is not None and plan.kl_trains_teacher:
                 assert formulas.teacher_grad is not None
                 (teacher_kl,) = evaluate([formulas.teacher_grad], symbols, consts)
                 teacher_grad += (w_kl_t * row_scale)[:, None] * torch.where(keep, teacher_kl, 0.0)
+            if sums_out is not None:
+                sums_out += torch.stack([term.sum(1) for term in column_terms], dim=1)
         if plan.student_softcap is not None:  # through s = c·tanh(z/c): ∂s/∂z = 1 − (s/c)²
             student_grad *= 1.0 - (student / plan.student_softcap) ** 2
         if teacher_grad is not None and plan.teacher_softcap is not None:
@@ -246,4 +239,3 @@ class TorchBlockMath:
         if out.teacher is not None:
             assert teacher_grad is not None
             out.teacher.copy_(torch.where(active, teacher_grad, 0.0))
-        return torch.stack([term.sum(1) for term in column_terms], dim=1) if kl_sums else None

@@ -173,11 +173,11 @@ def grads_kernel(
     BLOCK_C: tl.constexpr,
 ) -> None:
     """``ds`` (and ``dt`` when a teacher term is on) of this program's rows and column split;
-    ``rowc`` (R, len(ROW_CONSTANTS)), contiguous fp32, holds the row constants ``ROW_CONSTANTS``
-    that the terms read (``scale``, ``lse_s``, ``c_p``, ``c_y``, ``c_u``, ``lse_t``, ``c_ce_t``, ``lse_u``, ``lse_v``,
-    ``keep``, the variant's), in the caller's order; with ``NUM_SUMS > 0`` also the split's round-2
-    sums ``Σ_columns COLUMN_TERMS(log p, log q, p, q, is_target)[k]`` into split ``program_id(1)`` of
-    ``sums`` (splits, R, NUM_SUMS), accumulated per tile element and reduced once, at the end."""
+    ``rowc`` (R, len(ROW_CONSTANTS)), contiguous fp32, holds the row constants named
+    ``ROW_CONSTANTS`` (:class:`orda_tp.engine.stats.GradRows`), each read by its name; with
+    ``NUM_SUMS > 0`` also the split's round-2 sums ``Σ_columns COLUMN_TERMS(log p, log q, p, q,
+    is_target)[k]`` into split ``program_id(1)`` of ``sums`` (splits, R, NUM_SUMS), accumulated per
+    tile element and reduced once, at the end."""
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
     rowc = load_row_constants(rowc_ptr, rows, row_ok, count(ROW_CONSTANTS))

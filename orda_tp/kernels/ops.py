@@ -102,9 +102,7 @@ class TritonBlockMath:
 
     reads_stored_cache = True
     applies_softcap = True
-
-    def block_columns(self, configured: int, local_columns: int) -> int:
-        return max(local_columns, 1)
+    whole_blocks = True
 
     def partition(
         self,
@@ -124,7 +122,7 @@ class TritonBlockMath:
             return block_partition_record(student, None, labels, col_start, families)
         sums = variant_terms.record_column_sums(column_sums).function if column_sums else None
         chosen, launch, per_split = _tiles_and_grid("partition", student)
-        width = 2 * count + 3 + len(column_sums)
+        width = len(PartitionRecord.packed_columns(count, len(column_sums)))
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         cap_values, capped = _caps(caps)
@@ -135,6 +133,7 @@ class TritonBlockMath:
             NUM_FAMILIES=count,
             COLUMN_SUMS=sums,
             NUM_COLUMN_SUMS=len(column_sums),
+            WIDTH=width,
             HAS_T=teacher is not None,
             SPARSE=is_sparse,
             TEACHER_LISTED=is_sparse and "t" not in column_names(column_sums),
@@ -148,8 +147,8 @@ class TritonBlockMath:
         return self.merge_stacked(partial, count)
 
     def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
-        """Merge (S, rows, 2F+3+E) contiguous fp32 packed records (column splits, or the shards'
-        gathered records) in one launch (see ``records.merge_stacked_partition_records``)."""
+        """Merge an (S, rows, width) stack of contiguous fp32 packed records (column splits, or the
+        shards' gathered records) in one launch (see ``records.merge_stacked_partition_records``)."""
         splits, rows, width = stacked.shape
         merged = torch.empty(rows, width, dtype=torch.float32, device=stacked.device)
         _launch(merge_kernel, (triton.cdiv(max(rows, 1), MERGE_BLOCK_R),))(
@@ -209,22 +208,22 @@ class TritonBlockMath:
 
     def stage_logit_grads(
         self, plan: LossPlan, rows: GradRows, student: Tensor, teacher: TeacherBlock | None, labels: Tensor,
-        col_start: int, out: LogitGrads, kl_sums: bool = False,
-    ) -> Tensor | None:  # fmt: skip
+        col_start: int, out: LogitGrads, sums_out: Tensor | None = None,
+    ) -> None:  # fmt: skip
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is set: the plan trains the
         teacher) of a block into ``out`` (row-major views, any float dtype). The kernel reads the
         row constants ``rows.names`` from ``rows.packed`` and the KL's coefficients
-        ``plan.kl_grad_weights = (w_kl_s, w_kl_t)``. With ``kl_sums`` (a plan whose
-        ``kl_sums_in_gradient_pass`` is set) it also sums round 2 over the block and returns the
-        (rows, num_sums) sums, as :meth:`kl_sums` would."""
+        ``plan.kl_grad_weights = (w_kl_s, w_kl_t)``. With ``sums_out`` (a plan whose
+        ``kl_sums_in_gradient_pass`` is set) it also sums round 2 over the block and adds the
+        (rows, num_sums) sums into it, as :meth:`kl_sums` gives them."""
         n_rows, cols = student.shape
         student_kl, teacher_kl = plan.computes_kl, plan.kl_trains_teacher
         assert (out.teacher is not None) == (plan.teacher_ce_trains_teacher or teacher_kl)
-        assert not kl_sums or plan.kl_sums_in_gradient_pass
+        assert sums_out is None or plan.kl_sums_in_gradient_pass
         divergence = plan.divergence
         student_grad = variant_terms.kl_grad(divergence, plan.params, "student").function if student_kl else None
         teacher_grad = variant_terms.kl_grad(divergence, plan.params, "teacher").function if teacher_kl else None
-        terms = variant_terms.column_terms(divergence, plan.params) if kl_sums and divergence else None
+        terms = variant_terms.column_terms(divergence, plan.params) if sums_out is not None and divergence else None
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", student, is_sparse)
@@ -253,9 +252,8 @@ class TritonBlockMath:
             BLOCK_C=chosen.block_c,
             num_warps=chosen.num_warps,
         )  # fmt: skip
-        if terms is None:
-            return None
-        return sums[0] if launch[1] == 1 else sums.sum(dim=0)
+        if sums_out is not None:
+            sums_out += sums[0] if launch[1] == 1 else sums.sum(dim=0)
 
 
 def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:

@@ -4,9 +4,8 @@ For each of ``F`` logit families ``x = side/T`` (the student's or the teacher's 
 temperature) a row's record holds the partial log-partition ``(m, z)``, ``m = max x``,
 ``z = Σ e^{x−m}``; then the raw student and teacher logits at the label, whether this block
 owns the label and the row sums of the student terms' ``E`` column terms (the generated
-``COLUMN_SUMS`` of :mod:`.variant_terms`). Packed as the columns of an (R, 2F + 3 + E) fp32 tensor
-(:meth:`orda_tp.records.PartitionRecord.pack`): ``m_0 … m_{F−1}, z_0 … z_{F−1}, s_y, t_y, hits,
-sum_0 … sum_{E−1}``.
+``COLUMN_SUMS`` of :mod:`.variant_terms`). Packed as one fp32 row per token, in the columns that
+:meth:`orda_tp.records.PartitionRecord.packed_columns` names.
 
 Records merge by ``M = max(m1, m2)``, ``z = z1·e^{m1−M} + z2·e^{m2−M}`` (a −inf max adds
 nothing) and by sums for the other columns; :func:`merge_kernel` folds a stack of them (the
@@ -226,6 +225,7 @@ def partition_kernel(
     NUM_FAMILIES: tl.constexpr,
     COLUMN_SUMS: tl.constexpr,
     NUM_COLUMN_SUMS: tl.constexpr,
+    WIDTH: tl.constexpr,
     HAS_T: tl.constexpr,
     SPARSE: tl.constexpr,
     TEACHER_LISTED: tl.constexpr,
@@ -234,7 +234,8 @@ def partition_kernel(
     BLOCK_C: tl.constexpr,
 ) -> None:
     """The record of this program's rows over its column split, written to split
-    ``program_id(1)`` of ``out`` (splits, R, 2F + 3 + E). Family ``f`` reads ``t`` when
+    ``program_id(1)`` of ``out`` (splits, R, WIDTH), in the packed layout
+    (:meth:`orda_tp.records.PartitionRecord.packed_columns`). Family ``f`` reads ``t`` when
     ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
     loaded once per row, by the split that owns the label column. A side whose ``CAPPED`` flag is
     set is soft-capped by its ``caps = (cap_s, cap_t)`` as it is read. ``COLUMN_SUMS(s, t)``: the
@@ -242,7 +243,6 @@ def partition_kernel(
     ``TEACHER_LISTED`` (a sparse teacher whose tiles no column sum reads) the teacher's families
     come from its listed values and fill (:func:`listed_partition`) and the tiles hold the
     student alone."""
-    WIDTH: tl.constexpr = 2 * NUM_FAMILIES + 3 + NUM_COLUMN_SUMS
     TILE_T: tl.constexpr = tl.constexpr(HAS_T and not TEACHER_LISTED)
     TILE_SPARSE: tl.constexpr = SPARSE and TILE_T
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
@@ -283,7 +283,7 @@ def merge_kernel(
     WIDTH: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ) -> None:
-    """Fold ``S`` stacked records (S, R, WIDTH = 2F + 3 + E), contiguous fp32, into one
+    """Fold ``S`` stacked packed records (S, R, WIDTH), contiguous fp32, into one
     (R, WIDTH): per family ``M = max_k m_k`` and ``z = Σ_k z_k·e^{m_k−M}`` (0 for ``m_k = −inf``),
     then the sums of ``s_y``, ``t_y``, ``hits`` and the column sums; the same merge as
     :func:`orda_tp.records.merge_stacked_partition_records`."""
