@@ -39,7 +39,7 @@ from .kernels import is_available
 from .options import GradScalerLike, LossOptions, setting_text
 from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import HeadShard, LocalShard, VocabLayout, agree_layout, fail_on_every_rank
-from .parallel.local_shards import LocalInputs, call_group, can_fail_locally, local_error, shard_inputs
+from .parallel.local_shards import LocalInputs, call_group, local_error, shard_inputs
 from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
@@ -202,10 +202,9 @@ def _run(
         check_label_range(local.labels, layout.vocab_size, options.ignore_index, one_device=local.group is None)
     exchange = None
     if local.group is not None:  # the value checks travel with the first record exchange
-        error = local_error(plan, local, teacher, layout, host_checks)
-        shares_errors = can_fail_locally(plan, local.teacher)
-        exchange = ShardExchange(local.group, layout.sequence_parallel, error, shares_errors, layout.inconsistent)
-    else:
+        error = local_error(plan, local, teacher, layout, host_checks) if plan.checks_values else None
+        exchange = ShardExchange(local.group, layout.sequence_parallel, error, plan.checks_values, layout.inconsistent)
+    elif plan.checks_values:
         read_cache, finite_inputs = host_checks and plan.needs_teacher_logits, config.check_finite_inputs
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
     valid = local.labels != options.ignore_index

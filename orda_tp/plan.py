@@ -131,6 +131,11 @@ class LossPlan:
     1's record (the terms'); ``step_key`` is what the row programs depend on and ``formulas`` the
     variant's trees (None without a KL term).
 
+    ``checks_values``: a check of the call's tensor values can fail (a cache's: modified in place,
+    non-finite where read; or ``check_finite_inputs``'), decided by the teacher's kind and the
+    keywords, so alike on every rank: under a group every rank's first record exchange then has
+    the same width, and where it is False nothing is read on the host.
+
     ``tied_head``: the teacher reads the student's head (a ``TiedTeacher``), so one GEMM gives both
     sides' logits and the teacher's head gradient goes to the student's weight.
 
@@ -168,6 +173,7 @@ class LossPlan:
     needs_teacher_logits: bool = field(init=False)
     teacher_receives_grad: bool = field(init=False)  # never for a cache
     tied_head: bool = field(init=False)
+    checks_values: bool = field(init=False)
     kl_trains_teacher: bool = field(init=False)
     teacher_ce_trains_teacher: bool = field(init=False)
     student_receives_grad: bool = field(init=False)
@@ -217,6 +223,7 @@ class LossPlan:
             "needs_teacher_logits": computes_kl or self.teacher_ce_weight > 0,
             "teacher_receives_grad": teacher_trains,
             "tied_head": self.teacher_kind == "tied",
+            "checks_values": not self.teacher_trainable or self.config.check_finite_inputs,
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
             "teacher_ce_trains_teacher": teacher_ce_trains,
             "student_receives_grad": student_terms or computes_kl,

@@ -27,7 +27,6 @@ __all__ = [
     "DTensorShards",
     "LocalInputs",
     "call_group",
-    "can_fail_locally",
     "local_error",
     "same_ranks",
     "shard_inputs",
@@ -218,14 +217,6 @@ def shard_inputs(
         ],
     )
     return replace(local, denominator=denominator, row_weights=row_weights), shard
-
-
-def can_fail_locally(plan: LossPlan, teacher: TeacherSource) -> bool:
-    """Whether a check of :func:`local_error` can fail on some rank: a cached teacher's (watched
-    for in-place changes, its values read where host checks run) or ``check_finite_inputs``'.
-    Decided by the descriptor's kind and the keywords, alike on every rank, so every rank's first
-    record exchange has the same width; when False no error travels and none is read on the host."""
-    return not teacher.trainable or plan.config.check_finite_inputs
 
 
 def local_error(
