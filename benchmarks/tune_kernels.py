@@ -29,8 +29,8 @@ from orda_tp import TiedTeacher  # noqa: E402
 from orda_tp.engine.logits import LogitGrads  # noqa: E402
 from orda_tp.engine.row_formulas import grad_step  # noqa: E402
 from orda_tp.engine.stats import GradRows  # noqa: E402
+from orda_tp.engine.triton_math import TritonBlockMath  # noqa: E402
 from orda_tp.kernels import tiles  # noqa: E402
-from orda_tp.kernels.ops import TritonBlockMath  # noqa: E402
 from orda_tp.options import LossOptions  # noqa: E402
 from orda_tp.plan import LossPlan  # noqa: E402
 

@@ -27,8 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import orda_tp  # noqa: E402
-from orda_tp.engine import block_math  # noqa: E402
-from orda_tp.kernels import ops  # noqa: E402
+from orda_tp.engine import block_math, triton_math  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {
@@ -68,13 +67,13 @@ def captured_launches(call: Callable[[], object]) -> list[Launch]:
 
         return record
 
-    saved = ops._launch, block_math.unavailable_reason
-    ops._launch, block_math.unavailable_reason = recorder, lambda *args, **kwargs: None
+    saved = triton_math._launch, block_math.unavailable_reason
+    triton_math._launch, block_math.unavailable_reason = recorder, lambda *args, **kwargs: None
     block_math.select_backend.cache_clear()
     try:
         call()
     finally:
-        ops._launch, block_math.unavailable_reason = saved
+        triton_math._launch, block_math.unavailable_reason = saved
         block_math.select_backend.cache_clear()
     return list(launches.values())
 
@@ -130,7 +129,7 @@ def calls() -> dict[str, Callable[[], object]]:
         return loss
 
     def scale() -> object:  # what backward runs on CUDA gradient buffers (torch's foreach on the CPU)
-        ops.scale_in_place([torch.empty(1000, dtype=torch.bfloat16)], torch.tensor(0.5))
+        triton_math.scale_in_place([torch.empty(1000, dtype=torch.bfloat16)], torch.tensor(0.5))
         return None
 
     return {"tied KD + terms + caps": tied_terms, "separate mutual": separate_mutual, "top-64 skew_js": topk_skew,

@@ -28,8 +28,8 @@ from .cross_vocab import (
 from .divergences import KL_VARIANTS, EntropyGate
 from .lm_head import DistillationHead, HeadOutput
 from .logits_losses import KDLoss, flash_ce_kd_loss
-from .parallel.style import VocabParallel
 from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
+from .vocab_parallel import VocabParallel
 
 __version__ = "0.1.0"
 

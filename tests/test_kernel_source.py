@@ -49,7 +49,8 @@ pytest.importorskip("triton")
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Generated files go to a fresh cache under ``tmp_path`` (none reused from an earlier test)."""
+    """Generated files go to a fresh kernel cache directory under ``tmp_path`` (none reused from an
+    earlier test), so that the printed sections can be compared with the files."""
     path = tmp_path / "kernels"
     monkeypatch.setenv(cache.CACHE_ENV, str(path))
     monkeypatch.setattr(cache, "_MODULES", {})
@@ -120,6 +121,28 @@ def test_print_kernel_and_the_command_line_print_the_same_text(capsys: pytest.Ca
     listing = capsys.readouterr().out.splitlines()
     assert listing[0] == str(cache.kernel_cache_dir())
     assert any(line.strip().startswith("grads_student_skew_js_") for line in listing[1:])
+
+
+def test_printing_writes_no_file_without_a_kernel_cache_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default path: the generated functions print under their pseudo-filenames, and nothing
+    is written, under the home or anywhere else in ``tmp_path``."""
+    monkeypatch.delenv(cache.CACHE_ENV)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
+    assert main(["grads", "--kl-divergence", "mutual"]) == 0
+    text = capsys.readouterr().out
+    generated = re.findall(r"^# ---- generated: (.*) ----$", text, flags=re.MULTILINE)
+    assert [re.sub(r"_[0-9a-f]{12}\.py>$", "", name) for name in generated] == [
+        "<orda_tp generated grads_student_mutual",
+        "<orda_tp generated grads_teacher_mutual",
+    ]
+    assert main(["cache"]) == 0
+    assert capsys.readouterr().out == (
+        "ORDA_TP_KERNEL_CACHE is not set: generated kernel modules run from memory and no file is written\n"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_wrong_requests_say_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,8 @@
 - No module of orda_tp is over 400 lines, no function over 60 lines (its docstring aside).
 - No import circle between orda_tp's modules (imports inside functions and ``TYPE_CHECKING``
   blocks included), so each module can be read after the ones it uses.
+- No import runs up the floors (:data:`FLOORS`, the same imports counted), so the house reads
+  bottom-up: a floor's modules use those of their own floor and of the floors below.
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ MAX_CALL_FILES, MAX_CALL_FUNCTIONS = 14, 64
 # A function's length is its body's: the signature (28 keywords for distillation_loss) and the
 # docstring are not counted.
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+#: orda_tp's floors, bottom first (docs/architecture.md, "Layers"): the top-level package or module
+#: of orda_tp that each module belongs to ("" for ``orda_tp/__init__.py``).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("divergences", "records", "terms"),  # the variants, their expression language, records, student terms
+    ("teachers",),  # the teacher descriptors
+    ("checks", "chunk_size", "config", "options"),  # a call's arguments, checked once
+    ("plan",),  # which sides, terms, statistics and gradients a call needs
+    ("kernels",),  # the Triton kernels and their generated functions; no engine
+    ("parallel",),  # shards, the layout handshake, the record exchange; no engine, no variant
+    ("engine",),  # the row walk, its block math (torch | Triton), the autograd Functions, the oracle
+    ("api",),  # distillation_loss, DistillationLoss
+    ("cross_vocab", "integrations", "lm_head", "logits_losses", "vocab_parallel", ""),  # the callers
+)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, orda_tp.TiedTeacher]:
@@ -177,3 +192,23 @@ def test_no_import_circle() -> None:
         if module not in state:
             circle = visit(module)
             assert circle is None, " -> ".join(circle)
+
+
+def _floor(module: str) -> int | None:
+    """The index in :data:`FLOORS` of ``module`` (a dotted orda_tp module name), None if unplaced."""
+    part = module.split(".")[1] if "." in module else ""
+    return next((index for index, names in enumerate(FLOORS) if part in names), None)
+
+
+def test_no_import_runs_up_the_floors() -> None:
+    modules = {_module_name(name): (tree, name.endswith("__init__.py")) for name, tree, _ in _modules()}
+    floors = {module: _floor(module) for module in modules}
+    unplaced = sorted(module for module, floor in floors.items() if floor is None)
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+    upward = [
+        f"{module} (floor {floors[module]}) imports {target} (floor {floors[target]})"
+        for module, (tree, is_package) in sorted(modules.items())
+        for target in sorted(_imports(module, tree, is_package))
+        if target in modules and floors[target] > floors[module]
+    ]
+    assert not upward, "\n".join(upward)

@@ -81,7 +81,7 @@ def test_forward_kl_sums_round_two_in_its_gradient_pass(mode: str, monkeypatch: 
     head's logits runs no round-2 pass of its own: the gradient kernel sums it. The loss equals
     the one a call without gradients computes with the round-2 kernel, and the reference's; a
     variant whose gradient reads round 2 (``reverse``) keeps the pass."""
-    from orda_tp.kernels.ops import TritonBlockMath
+    from orda_tp.engine.triton_math import TritonBlockMath
 
     passes: list[str] = []
     kl_sums = TritonBlockMath.kl_sums
@@ -182,10 +182,10 @@ def test_triton_backend_on_two_gloo_ranks() -> None:
 def test_in_place_scaling_kernel(dtype: torch.dtype, factor: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """``x *= scale`` in place, two programs striding over four blocks; a scale of 1 (which the
     kernel skips) leaves ``x`` bitwise as it was."""
-    from orda_tp.kernels import ops
-    from orda_tp.kernels.ops import SCALE_BLOCK, scale_in_place
+    from orda_tp.engine import triton_math
+    from orda_tp.engine.triton_math import SCALE_BLOCK, scale_in_place
 
-    monkeypatch.setattr(ops, "SCALE_PROGRAMS", 2)
+    monkeypatch.setattr(triton_math, "SCALE_PROGRAMS", 2)
     values = torch.randn(3 * SCALE_BLOCK + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
     matrix = torch.randn(5, 7, generator=torch.Generator().manual_seed(1)).to(dtype)
     values[3], matrix[1, 2] = float("nan"), float("-inf")
@@ -223,7 +223,7 @@ def block_logits(rows: int, cols: int, dtype: torch.dtype, seed: int) -> tuple[t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("families", FAMILY_SETS)
 def test_partition_kernel_gives_the_torch_record(families: str, dtype: torch.dtype) -> None:
-    from orda_tp.kernels.ops import TritonBlockMath
+    from orda_tp.engine.triton_math import TritonBlockMath
 
     student, teacher = block_logits(21, 300, dtype, stable_seed(families, str(dtype)))
     col_start = 50
@@ -249,7 +249,7 @@ def test_partition_kernel_gives_the_torch_record(families: str, dtype: torch.dty
 
 @pytest.mark.parametrize(("num_families", "num_sums"), [(1, 0), (2, 0), (4, 0), (1, 1), (2, 2)])
 def test_merge_kernel_gives_the_torch_merge(num_families: int, num_sums: int) -> None:
-    from orda_tp.kernels.ops import TritonBlockMath
+    from orda_tp.engine.triton_math import TritonBlockMath
 
     width = 2 * num_families + 3 + num_sums
     stacked = torch.randn(5, 37, width, generator=torch.Generator().manual_seed(num_families))
@@ -262,7 +262,7 @@ def test_merge_kernel_gives_the_torch_merge(num_families: int, num_sums: int) ->
 
 def test_row_kernel_gives_the_torch_row_formulas() -> None:
     from orda_tp.engine.row_formulas import RowProgram
-    from orda_tp.kernels.ops import TritonBlockMath
+    from orda_tp.engine.triton_math import TritonBlockMath
 
     m, z, flag, upstream = row("m"), row("z"), row("flag"), row("upstream")
     lse = where(equal(m, float("-inf")), 0.0, m) + log(z)
@@ -286,17 +286,21 @@ def test_compiled_tiles_follow_the_block_dtype_and_a_sparse_teacher(monkeypatch:
     """On a CUDA device a launch reads kernels.tiles: HALF_PRECISION_TILES for student logits in 2
     bytes, else SPARSE_TEACHER_TILES for a top-k cache's rows, else CUDA_TILES; its grid covers
     every row and column with splits a whole number of tiles wide."""
-    from orda_tp.kernels import ops, tiles
+    from orda_tp.engine import triton_math
+    from orda_tp.kernels import tiles
 
-    monkeypatch.setattr(ops, "INTERPRETED", False)
+    monkeypatch.setattr(triton_math, "INTERPRETED", False)
     wide, narrow = torch.empty(300, 1 << 15), torch.empty(300, 1000)
-    assert ops._tiles_and_grid("grads", wide)[0] == tiles.CUDA_TILES[("grads", True)]
-    assert ops._tiles_and_grid("grads", wide, sparse=True)[0] == tiles.SPARSE_TEACHER_TILES[("grads", True)]
-    assert ops._tiles_and_grid("grads", wide.bfloat16(), sparse=True)[0] == tiles.HALF_PRECISION_TILES[("grads", True)]
-    assert ops._tiles_and_grid("grads", narrow, sparse=True)[0] == tiles.CUDA_TILES[("grads", False)]
-    assert ops._tiles_and_grid("partition", wide, sparse=True)[0] == tiles.CUDA_TILES[("partition", True)]
+    assert triton_math._tiles_and_grid("grads", wide)[0] == tiles.CUDA_TILES[("grads", True)]
+    assert triton_math._tiles_and_grid("grads", wide, sparse=True)[0] == tiles.SPARSE_TEACHER_TILES[("grads", True)]
+    assert (
+        triton_math._tiles_and_grid("grads", wide.bfloat16(), sparse=True)[0]
+        == tiles.HALF_PRECISION_TILES[("grads", True)]
+    )
+    assert triton_math._tiles_and_grid("grads", narrow, sparse=True)[0] == tiles.CUDA_TILES[("grads", False)]
+    assert triton_math._tiles_and_grid("partition", wide, sparse=True)[0] == tiles.CUDA_TILES[("partition", True)]
     for block in (wide, narrow):
-        chosen, (row_tiles, splits), per_split = ops._tiles_and_grid("grads", block, sparse=True)
+        chosen, (row_tiles, splits), per_split = triton_math._tiles_and_grid("grads", block, sparse=True)
         rows, cols = block.shape
         assert (row_tiles - 1) * chosen.block_r < rows <= row_tiles * chosen.block_r
         assert per_split % chosen.block_c == 0 and (splits - 1) * per_split < cols <= splits * per_split

@@ -2,8 +2,8 @@
 
 Backends: ``reference`` (full logits, the oracle: :mod:`.reference`), ``torch`` and ``triton``
 (chunked: rows in chunks, columns in blocks, never a (BT, V) tensor), which differ only in their
-per-block math (:mod:`.block_math`: :mod:`.torch_math`, ``orda_tp.kernels.ops``); ``orda_tp.api``
-selects one.
+per-block math (:mod:`.block_math`: :mod:`.torch_math`, or :mod:`.triton_math`, which launches
+the kernels of ``orda_tp.kernels``); ``select_backend`` picks one for a call.
 
 - :mod:`.row_walk`: the one row walker of the fused path and the logits-level losses; it reads
   logits blocks from :mod:`.logits` and runs a chunk's statistics rounds, whose row steps are the

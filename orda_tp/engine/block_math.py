@@ -3,7 +3,7 @@ sums and logit gradients, and how a row step runs.
 
 The walk (row chunks, column blocks, record exchange) is the same for every backend; the block
 math differs: torch ops (:class:`.torch_math.TorchBlockMath`) or generated Triton kernels
-(``orda_tp.kernels.ops.TritonBlockMath``). Both read the same variant formulas.
+(:class:`.triton_math.TritonBlockMath`). Both read the same variant formulas.
 :func:`select_backend` picks one for a call.
 """
 
@@ -115,7 +115,7 @@ def select_backend(requested: str, device_type: str, dtype: torch.dtype) -> Bloc
     if requested == "triton" and reason is not None:
         raise ValueError(f"backend='triton' is unavailable on this machine: {reason}")
     if reason is None and (requested == "triton" or device_type == "cuda"):
-        from ..kernels.ops import TritonBlockMath  # imports triton: only where it runs
+        from .triton_math import TritonBlockMath  # imports triton: only where it runs
 
         return TritonBlockMath()
     if device_type == "cuda":

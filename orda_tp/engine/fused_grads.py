@@ -206,12 +206,12 @@ def run_gradient_gemms(
 def scale_by_upstream(grads: Sequence[Tensor], upstream: Tensor) -> None:
     """Gradients formed in the forward for a unit upstream gradient (an eager call's), scaled in
     place by the 0-d ``upstream`` that backward receives: one launch per tensor with the scale read
-    on the device (``kernels.ops.scale_in_place``, which skips a scale of exactly 1) for contiguous
+    on the device (``triton_math.scale_in_place``, which skips a scale of exactly 1) for contiguous
     CUDA tensors, ``torch._foreach_mul_`` otherwise."""
     if not grads:
         return
     if grads[0].is_cuda and all(grad.is_contiguous() for grad in grads):
-        from ..kernels.ops import scale_in_place  # imports triton: only where it runs
+        from .triton_math import scale_in_place  # imports triton: only where it runs
 
         scale_in_place(grads, upstream)
     else:

@@ -5,9 +5,9 @@ switches: :mod:`.partition` (round 1 and the merge of records), :mod:`.sums` (ro
 :mod:`.grads` (the logit gradients), :mod:`.rows` (a row step between the passes) and
 :mod:`.scale`; :mod:`.block_io` holds how they walk a block. What differs between variants, and
 between row steps, is generated from the expression trees (:mod:`.variant_terms`) into functions
-that the kernels are passed. :mod:`.ops` launches them; :func:`print_kernel` prints any kernel
-with the functions it is passed. They run on CUDA devices, and on the CPU under Triton's
-interpreter (``TRITON_INTERPRET=1``, used by the tests).
+that the kernels are passed. Nothing here knows the engine: ``orda_tp.engine.triton_math``
+launches them. :func:`print_kernel` prints any kernel with the functions it is passed. They run on
+CUDA devices, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
 """
 
 from __future__ import annotations

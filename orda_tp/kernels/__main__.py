@@ -1,7 +1,8 @@
 """Print a kernel's source: ``python -m orda_tp.kernels grads --kl-divergence reverse``.
 
-``python -m orda_tp.kernels cache`` prints the kernel cache directory and the generated files in
-it. See :func:`orda_tp.kernels.print_kernel`.
+``python -m orda_tp.kernels cache`` prints the kernel cache directory (``ORDA_TP_KERNEL_CACHE``,
+where generated modules are written only when it is set) and the generated files in it. See
+:func:`orda_tp.kernels.print_kernel`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .cache import kernel_cache_dir
+from .cache import CACHE_ENV, kernel_cache_dir
 from .source import KERNELS, kernel_source
 
 
@@ -23,6 +24,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.kernel == "cache":
         directory = kernel_cache_dir()
+        if directory is None:
+            print(f"{CACHE_ENV} is not set: generated kernel modules run from memory and no file is written")
+            return 0
         print(directory)
         for path in sorted(directory.glob("*.py")):
             print(f"  {path.name}")

@@ -7,8 +7,9 @@ it calls, and the functions generated for a variant (or a row step) that it is p
 or ``python -m orda_tp.kernels grads --kl-divergence reverse``. The kernels are ``partition``,
 ``merge``, ``sums``, ``grads``, ``rows`` and ``scale``; ``sums`` needs a variant, ``grads`` prints
 the variant's gradient functions when given one, ``rows`` a row step's formulas when given one
-(an ``orda_tp.engine.row_formulas.RowProgram``). Generated functions are written to the kernel
-cache on the way (:mod:`.cache`); their section names the file.
+(an ``orda_tp.engine.row_formulas.RowProgram``). A generated function's section is named by the
+file its module runs under (:mod:`.cache`): a pseudo-filename, or with ``ORDA_TP_KERNEL_CACHE``
+set, the file written there.
 """
 
 from __future__ import annotations

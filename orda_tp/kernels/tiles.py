@@ -4,7 +4,7 @@ A kernel walks (BLOCK_R rows × BLOCK_C columns) tiles; the columns of a block a
 ``program_id(1)`` so that about ``programs`` programs run (their partial records and sums are
 merged afterwards). The choice depends only on which bucket the block's columns fall in and on
 whether the kernels are interpreted, never on the exact row count, so a new sequence length
-neither re-tunes nor recompiles. ``kernels.ops`` reads the table at every launch, so that
+neither re-tunes nor recompiles. ``engine.triton_math`` reads the table at every launch, so that
 ``benchmarks/tune_kernels.py``, which chose the CUDA entries on an H200 (see docs/benchmarks.md),
 can try others; the interpreter's small tiles keep CPU tests quick.
 """

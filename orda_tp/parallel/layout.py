@@ -14,11 +14,7 @@ is checked from the gathered values, so every rank raises the same error and non
 waiting in a collective, whatever changed on whichever rank since the last call. Without host
 checks (an NCCL group's default) the second gather is not read on the host: the comparison stays
 on the device, where a mismatch makes the call's statistics NaN on every rank
-(:func:`resolve_layout`).
-
-The fingerprint catches a full (unsharded) head passed on every rank: vocabulary shards hold
-different rows, so shards whose sampled rows differ from each other yet agree bitwise across
-every rank are copies of one tensor, not shards of it.
+(:func:`resolve_layout`; the checksums and the fingerprint: :mod:`.fingerprints`).
 """
 
 from __future__ import annotations
@@ -34,6 +30,7 @@ import torch.distributed as dist
 from ..checks import runs_host_checks
 from ..config import HOST_WORKSPACE_MIB
 from .collectives import all_gather_rows, all_gather_texts, host_group
+from .fingerprints import inconsistencies, value_checks
 
 __all__ = [
     "FAILURE_TYPES",
@@ -45,9 +42,7 @@ __all__ = [
     "agree_layout",
     "fail_on_every_rank",
     "failure_code",
-    "replicated_checksum",
     "resolve_layout",
-    "shard_fingerprint",
     "text_digest",
 ]
 
@@ -117,40 +112,6 @@ class ShardClaim:
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, spec.name) for spec in fields(self)], dtype=torch.int64)
-
-
-FINGERPRINT_SLICES = 64
-
-
-def shard_fingerprint(shard: torch.Tensor, vocab_dim: int) -> torch.Tensor:
-    """Three int64 describing up to 64 vocabulary slices spread evenly over ``shard`` (rows of a
-    head, columns of logits): the bit patterns of two fp64 sums over them (plain and weighted by
-    position), and 1 if the slices differ from each other. Computed on the shard's device; no
-    host read."""
-    sample = shard.detach()
-    columns = sample.shape[vocab_dim]
-    if columns == 0:
-        return torch.zeros(3, dtype=torch.int64, device=shard.device)
-    count = min(columns, FINGERPRINT_SLICES)
-    index = torch.arange(count, device=shard.device) * (columns - 1) // max(count - 1, 1)
-    sample = sample.index_select(vocab_dim, index).to(torch.float64)
-    positions = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=shard.device).view_as(sample)
-    sums = torch.stack([sample.sum(), (sample * positions).sum()]).view(torch.int64)
-    first = sample.narrow(vocab_dim, 0, 1)
-    differ = (sample != first).any().to(torch.int64).reshape(1)
-    return torch.cat([sums, differ])
-
-
-def replicated_checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """Two int64 that differ when two ranks' copies of a tensor that must be the same on every
-    rank (labels, token weights, a top-k cache) differ: its plain and position-weighted sums,
-    exact for integers and as fp64 bit patterns for floats (computed on the tensor's device)."""
-    values = tensor.detach().reshape(-1)
-    dtype = torch.float64 if values.is_floating_point() else torch.int64
-    values = values.to(dtype)
-    positions = torch.arange(1, values.numel() + 1, device=values.device, dtype=dtype)
-    sums = torch.stack([values.sum(), (values * positions).sum()])
-    return sums.view(torch.int64) if dtype == torch.float64 else sums
 
 
 def _agreed_or_raise(values: list[int], what: str) -> int:
@@ -312,33 +273,6 @@ def _replicated_head_error(claims: list[ShardClaim], name: str) -> ValueError:
     )
 
 
-def _value_checks(
-    replicated: Sequence[tuple[str, torch.Tensor]], head: HeadShard | None, device: torch.device
-) -> torch.Tensor:
-    """This rank's checksums of its ``replicated`` tensors (2 values each) and its head's
-    fingerprint (3), int64 on ``device``."""
-    checksums = [replicated_checksum(tensor).to(device) for _, tensor in replicated]
-    fingerprint = (
-        shard_fingerprint(head.tensor, head.vocab_dim) if head is not None else torch.zeros(3, dtype=torch.int64)
-    )
-    return torch.cat([*checksums, fingerprint.to(device)])
-
-
-def _inconsistencies(
-    claims: list[ShardClaim], checks: torch.Tensor, fingerprinted: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(which replicated tensors differ, copies of one head)``: a bool per replicated tensor and
-    a 0-d bool, on ``checks``' device, from every rank's checksums and head fingerprint ``checks``
-    (world, 2·R + 3). Shards of equal size whose slices differ within each shard but match
-    bitwise across every rank are one tensor passed whole on every rank, not its shards."""
-    checksums = checks[:, :-3].view(checks.shape[0], -1, 2)
-    differ = (checksums != checksums[:1]).any(dim=2).any(dim=0)
-    same_size = len(claims) > 1 and len({claim.local_columns for claim in claims}) == 1
-    fingerprints = checks[:, -3:]
-    copies = (fingerprints[:, 2] != 0).all() & (fingerprints == fingerprints[:1]).all()
-    return differ, copies & (fingerprinted and same_size)
-
-
 def _differ_error(names: list[str]) -> ValueError:
     listed = " and ".join(names)
     verb = "differs" if len(names) == 1 else "differ"
@@ -382,8 +316,11 @@ def resolve_layout(
     device = replicated[0][1].device if replicated else torch.device("cpu")
     if nccl and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    checks = all_gather_rows(_value_checks(replicated, head, device).view(1, -1), group).view(world, -1)
-    differ, copies = _inconsistencies(claims, checks, head is not None)
+    head_tensor, vocab_dim = (head.tensor, head.vocab_dim) if head is not None else (None, 0)
+    local_checks = value_checks([tensor for _, tensor in replicated], head_tensor, vocab_dim, device)
+    checks = all_gather_rows(local_checks.view(1, -1), group).view(world, -1)
+    same_size = head is not None and len(claims) > 1 and len({claim.local_columns for claim in claims}) == 1
+    differ, copies = inconsistencies(checks, same_size)
     if not runs_host_checks(host_checks, torch.device("cuda" if nccl else "cpu")):
         return replace(layout, inconsistent=differ.any() | copies)
     differing = [name for (name, _), flag in zip(replicated, differ.tolist()) if flag]

@@ -10,9 +10,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..parallel.dtensor import is_dtensor
 from .source import ExpectedShape, ShardReader, TeacherBlocks, TeacherSource, ValueCheck, check_tensor, columns
 from .topk import TAILS, TopKBlocks, check_topk_values, tail_values
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without DTensor: no cache is one
+    DTensor = None  # type: ignore[assignment, misc]  # the fallback binding; mypy reads the installed torch
 
 __all__ = ["CACHE_DTYPES", "PrecomputedTeacher"]
 
@@ -283,7 +287,8 @@ class PrecomputedTeacher(TeacherSource):
             trust_cache_immutability=self.trust_cache_immutability,
             logits_temperature=self.logits_temperature,
         )
-        local_shift = self._rows_shifted_locally or (shifted and not is_dtensor(logits))
+        whole_rows = DTensor is not None and isinstance(logits, DTensor)  # a DTensor's shift saw the whole row
+        local_shift = self._rows_shifted_locally or (shifted and not whole_rows)
         object.__setattr__(teacher, "_rows_shifted_locally", local_shift)
         return teacher
 

@@ -1,18 +1,18 @@
 """The Triton backend's block math (:class:`TritonBlockMath`): the kernels launched on one block of
 logits (rows × columns; fp32 statistics).
 
-Each method is one step of the :class:`orda_tp.engine.block_math.BlockMath` protocol and returns
-what the torch block math returns: a :class:`PartitionRecord`, the variant's (rows, num_sums)
-sums, a row step's outputs, or the logit gradients written into their destination. The kernels
-are :mod:`.partition`, :mod:`.sums`, :mod:`.grads`, :mod:`.rows` and :mod:`.scale`; the variant's
-formulas reach them as generated functions (:mod:`.variant_terms`). A kernel is specialized on its
-``tl.constexpr`` arguments (the families' sides, the variant and its parameters, the gradient
-terms and the row constants they read, the row step), never on the row count or the first column,
-so a new sequence length (or a last, shorter chunk) compiles nothing.
+Each method is one step of the :class:`.block_math.BlockMath` protocol and returns what the torch
+block math returns: a :class:`PartitionRecord`, the variant's (rows, num_sums) sums, a row step's
+outputs, or the logit gradients written into their destination. The kernels are
+``orda_tp.kernels``' ``partition``, ``sums``, ``grads``, ``rows`` and ``scale``; the variant's
+formulas reach them as generated functions (``orda_tp.kernels.variant_terms``). A kernel is
+specialized on its ``tl.constexpr`` arguments (the families' sides, the variant and its parameters,
+the gradient terms and the row constants they read, the row step), never on the row count or the
+first column, so a new sequence length (or a last, shorter chunk) compiles nothing.
 
-Column splits (``program_id(1)``, tiles from :mod:`.tiles`) give enough programs for short, wide
-blocks; their partial records and sums are merged here, with the merge of the tensor-parallel
-shards.
+Column splits (``program_id(1)``, tiles from ``orda_tp.kernels.tiles``) give enough programs for
+short, wide blocks; their partial records and sums are merged here, with the merge of the
+tensor-parallel shards.
 """
 
 from __future__ import annotations
@@ -27,25 +27,25 @@ from torch import Tensor
 from triton.runtime.jit import KernelInterface
 
 from ..divergences.expr import Expr, column_names
-from ..engine.logits import LogitGrads, TeacherBlock
-from ..engine.row_formulas import RowProgram
-from ..engine.stats import GradRows
+from ..kernels import tiles, variant_terms
+from ..kernels.grads import grads_kernel
+from ..kernels.partition import merge_kernel, partition_kernel
+from ..kernels.rows import rows_kernel
+from ..kernels.scale import scale_kernel
+from ..kernels.sums import sums_kernel
 from ..plan import LossPlan
 from ..records import LogitFamily, PartitionRecord, block_partition_record
 from ..teachers.source import SparseLogits
-from . import tiles, variant_terms
-from .grads import grads_kernel
-from .partition import merge_kernel, partition_kernel
-from .rows import rows_kernel
-from .scale import scale_kernel
-from .sums import sums_kernel
+from .logits import LogitGrads, TeacherBlock
+from .row_formulas import RowProgram
+from .stats import GradRows
 
 __all__ = ["TritonBlockMath", "scale_in_place"]
 
 MERGE_BLOCK_R = 128
 ROWS_BLOCK_R = 128
 SCALE_BLOCK = 4096
-SCALE_PROGRAMS = 1056  # 8 per SM of an H200 (132 SMs): each strides over the blocks (scale.py)
+SCALE_PROGRAMS = 1056  # 8 per SM of an H200 (132 SMs): each strides over the blocks (kernels/scale.py)
 # Triton decides at decoration (import) time whether its kernels run under the CPU interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
