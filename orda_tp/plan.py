@@ -58,7 +58,7 @@ def check_sparse_teacher(divergence: Divergence, params: DivergenceParams) -> No
             f"kl_divergence={divergence.name!r} is +inf on every row whose teacher has no mass on a column, and "
             "a PrecomputedTeacher(tail='renormalize') has none outside its top-k ids; use tail='uniform' "
             "(the missing mass spread over the other columns) or a variant that stays finite there, such as "
-            "'forward', 'skew_reverse' or 'dkd' (docs/variants.md §6)"
+            "'forward', 'skew_reverse' or 'dkd' (docs/variants.md, \"Top-k teacher caches\")"
         )
 
 
@@ -122,7 +122,7 @@ class LossPlan:
     its CE, z-loss), ``term_weights`` their weights ``w_k`` and ``term_scalars`` the runtime
     values their formulas read (their parameters, ``inv_vocab = 1/V``).
 
-    ``teacher_role`` follows docs/variants.md §2: "cotrained" when a co-training variant (mutual,
+    ``teacher_role`` follows docs/variants.md, "Teacher routing": "cotrained" when a co-training variant (mutual,
     cojeffreys) has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
     ``families`` lists the distinct logit families whose log-partitions round 1 computes;
     ``component_weights``: each output component's weight in the loss, ``loss = Σ w·component``;
@@ -244,7 +244,7 @@ class LossPlan:
 
     @staticmethod
     def build(options: LossOptions, teacher: TeacherSource, vocab_size: int) -> LossPlan:
-        """The plan of a :func:`orda_tp.distillation_loss` call (docs/variants.md §2)."""
+        """The plan of a :func:`orda_tp.distillation_loss` call (docs/variants.md, "Teacher routing")."""
         divergence = options.divergence
         if divergence.cotrains_teacher and not teacher.trainable:
             raise ValueError(

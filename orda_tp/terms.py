@@ -71,8 +71,7 @@ class RowSymbols:
 
 @dataclass(frozen=True)
 class SoftmaxGrad:
-    """A term's column gradient ``c_p·softmax(s)_j − c_y·[j = y] − c_u``, as row formulas of
-    ``LSE(s)`` and the scalars."""
+    """A term's column gradient, the module's form, as row formulas of ``LSE(s)`` and the scalars."""
 
     softmax: Expr
     label: Expr

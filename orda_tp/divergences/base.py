@@ -18,7 +18,7 @@ call.
 
 Tensors are (rows, cols) for blocks and (rows,) for rows; all arithmetic is in the statistics
 dtype (fp32, or fp64 for fp64 inputs). Zero-support columns (p = 0 or q = 0, from −inf logits)
-follow the conventions of docs/variants.md §1: ``0·log 0 = 0`` and ``p·log(p/0) = +inf``.
+follow the conventions of docs/variants.md, "Notation": ``0·log 0 = 0`` and ``p·log(p/0) = +inf``.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class Divergence:
 
     def infinite_without_support(self, params: DivergenceParams) -> bool:
         """Whether ``D`` is ``+inf`` as soon as the teacher has no mass on a column where the
-        student has some (``p·log(p/0)``; docs/variants.md §5's last column)."""
+        student has some (``p·log(p/0)``; the last column of docs/variants.md's "Summary")."""
         return False
 
 

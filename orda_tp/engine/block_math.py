@@ -92,7 +92,15 @@ class BlockMath(Protocol):
         sums_out: Tensor | None = None,
     ) -> None:
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is not None) of the block
-        into the views ``out``, in their dtype, from the chunk's gradient row constants. With
+        into the views ``out``, in their dtype, from the chunk's gradient row constants
+        (:class:`~orda_tp.engine.stats.GradRows`)::
+
+            ∂loss/∂s = scale·(c_p·softmax(s) − c_y·onehot_y − c_u + w_kl_s·keep·∂D/∂u)
+            ∂loss/∂t = scale·w_kl_t·keep·∂D/∂v + c_ce_t·(softmax(t) − onehot_y)
+
+        (``w_kl_s, w_kl_t = plan.kl_grad_weights``; ``∂D/∂u``, ``∂D/∂v`` the variant's), exactly 0
+        on rows whose ``scale`` is 0; a soft-capped side (``s = cap·tanh(z/cap)``) multiplies its
+        gradient by ``∂s/∂z = 1 − (s/cap)²``. With
         ``sums_out`` (``plan.kl_sums_in_gradient_pass``) also add the block's (rows, num_sums)
         round-2 sums into it, as :meth:`kl_sums` gives them."""
         ...

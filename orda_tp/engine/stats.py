@@ -83,7 +83,7 @@ class GradRows:
     the call has no such term:
     ``scale``, the upstream gradient (÷ N for "mean"; 0 on ignored rows, NaN on unowned ones);
     ``lse_s``, ``LSE(s)`` of the student's terms, and ``c_p``, ``c_y``, ``c_u``, the coefficients of
-    their gradient ``c_p·softmax(s) − c_y·onehot − c_u`` (weighted, summed over the terms);
+    their gradient (:mod:`orda_tp.terms`; weighted, summed over the terms);
     ``lse_t``, ``c_ce_t``: ``LSE(t)`` and the coefficient ``w_t·scale`` of the teacher's CE when it
     trains the teacher (both 0 on absent rows); ``lse_u``, ``lse_v``, ``keep``: the KL term's
     (:class:`KLRowStats`). ``consts``: the variant's finalize constants, read after them.

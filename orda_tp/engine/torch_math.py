@@ -4,16 +4,7 @@ This is the torch interpreter of the expression trees (:mod:`orda_tp.divergences
 ``orda_tp.kernels`` is their Triton compiler: a variant's column terms and gradients are
 evaluated on a block's symbols ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)``, ``p``, ``q``
 (and ``is_target`` for the variants that read the label column), a row program on (rows,) tensors.
-
-Logit gradients of a block with student logits ``s`` and teacher logits ``t`` (row scale ``c`` =
-upstream gradient × 1/N for "mean"; 0 on ignored rows, whose logit gradients are exactly 0):
-
-- ``∂loss/∂s = c·[c_p·softmax(s) − c_y·onehot(y) − c_u + w_kl·T_s·∂D/∂u]`` (``c_p``, ``c_y``,
-  ``c_u``: the student's row terms' coefficients, :mod:`orda_tp.terms`)
-- ``∂loss/∂t = c·[w_t·(softmax(t) − onehot(y)) + w_kl·T_s²/T_t·∂D/∂v]`` (only the terms that
-  train the teacher under the plan's routing)
-- a soft-capped side (``s = cap·tanh(z/cap)``, the block holding ``s``) multiplies its gradient
-  by ``∂s/∂z = 1 − (s/cap)²``
+The logit gradients are those of :meth:`orda_tp.engine.block_math.BlockMath.stage_logit_grads`.
 """
 
 from __future__ import annotations
@@ -194,17 +185,16 @@ class TorchBlockMath:
         out: LogitGrads,
         sums_out: Tensor | None = None,
     ) -> None:
-        """``∂loss/∂s`` and, where ``out.teacher`` is not None, ``∂loss/∂t`` of the block (module
-        docstring) written into ``out``; rows whose ``scale`` is 0 get exactly 0, whatever their
-        logits hold. With ``sums_out``, the block's round-2 sums from the same column values added
-        into it."""
+        """The protocol's logit gradients of the block, written into ``out``; rows whose ``scale`` is
+        0 get exactly 0, whatever their logits hold. With ``sums_out``, the block's round-2 sums
+        from the same column values added into it."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         is_target = torch.arange(student.shape[1], device=student.device)[None, :] == (labels - col_start)[:, None]
         row_scale = rows.scale
         student_grad = torch.zeros_like(student)
         teacher_grad = torch.zeros_like(teacher) if plan.teacher_receives_grad and teacher is not None else None
         w_kl_s, w_kl_t = plan.kl_grad_weights
-        if rows.lse_s is not None:  # c_p·softmax(s) − c_y·onehot − c_u
+        if rows.lse_s is not None:
             assert rows.c_p is not None and rows.c_y is not None and rows.c_u is not None
             softmax, one_hot = torch.exp(student - rows.lse_s[:, None]), is_target.to(student.dtype)
             terms = softmax * rows.c_p[:, None] - one_hot * rows.c_y[:, None] - rows.c_u[:, None]

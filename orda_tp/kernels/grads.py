@@ -1,17 +1,9 @@
 """The logit gradients of a block, written once in the staging dtype of the gradient GEMMs.
 
-Per column, from the row constants of the grad step (``orda_tp.engine.row_formulas``)::
-
-    ∂loss/∂s = scale·(c_p·softmax(s) − c_y·onehot_y − c_u + w_kl_s·keep·∂D/∂u)
-    ∂loss/∂t = scale·w_kl_t·keep·∂D/∂v + c_ce_t·(softmax(t) − onehot_y)
-
-``softmax(s) = e^{s − LSE(s)}``; ``c_p``, ``c_y``, ``c_u`` are the student's row terms' coefficients
-(:mod:`orda_tp.terms`: its CE, label-smoothed or not, its z-loss), summed with their weights by the
-grad step, so a new term of that shape changes nothing here; ``scale`` is the row's upstream factor
-(0 on ignored rows, whose gradients come out exactly 0), ``keep`` whether the row's KL gradient is
-formed, ``c_ce_t`` the teacher CE's coefficient (0 on rows without a teacher). A soft-capped side
-(``CAPPED``: the tile is capped as it is loaded, ``s = cap·tanh(z/cap)``) multiplies its gradient by
-``1 − (s/cap)²``. ``∂D/∂u`` and
+Per column, the gradients of ``BlockMath.stage_logit_grads`` (``orda_tp.engine.block_math``), from
+the row constants of the grad step (``orda_tp.engine.stats.GradRows``): the student's row terms'
+coefficients arrive summed with their weights, so a new term of that shape changes nothing here.
+A soft-capped side (``CAPPED``) is capped as its tile is loaded. ``∂D/∂u`` and
 ``∂D/∂v`` are the variant's, the generated functions of :mod:`.variant_terms` passed in as
 ``STUDENT_GRAD`` and ``TEACHER_GRAD``; the weights are runtime arguments, so a change of
 ``kl_weight`` between calls compiles nothing.
@@ -71,10 +63,9 @@ def student_grads(
     STUDENT_KL: tl.constexpr,
     CAPPED: tl.constexpr,
 ) -> tl.tensor:
-    """``∂loss/∂s = scale·(c_p·softmax(s) − c_y·onehot_y − c_u + w_kl_s·keep·∂D/∂u)`` of a tile,
-    the terms chosen by the switches, through the student's soft-cap ``caps[0]`` when
-    ``CAPPED[0]``; exactly 0 on rows whose scale is 0. ``grad_u``: ``∂D/∂u``; ``w_kl = (w_kl_s,
-    w_kl_t)``."""
+    """``∂loss/∂s`` of a tile (the module's formula), the terms chosen by the switches, through the
+    student's soft-cap ``caps[0]`` when ``CAPPED[0]``; exactly 0 on rows whose scale is 0.
+    ``grad_u``: ``∂D/∂u``; ``w_kl = (w_kl_s, w_kl_t)``."""
     scale = rowc[position(ROW_CONSTANTS, "scale")]
     ds = tl.zeros_like(s)
     if STUDENT_TERMS:

@@ -199,7 +199,7 @@ class KDLoss(nn.Module):
     student's logits receive a gradient. ``teacher_logits`` may also be a top-k cache,
     ``PrecomputedTeacher(topk_ids=(N, k), topk_logprobs=(N, k), tail=...)`` with one row per label
     (global ids; the whole cache on every rank under tensor parallelism): the loss is that on the
-    dense teacher it stands for (docs/guide.md §15). ``token_weights`` (the labels' shape, keyword
+    dense teacher it stands for (docs/guide.md, "Top-k teacher caches"). ``token_weights`` (the labels' shape, keyword
     only): per-token weights ``w_i`` of the rows' KL, ``Σ_valid w_i·T²·D / N`` (N unchanged).
 
     - ``temperature``: ``T`` (finite, > 0), applied to both sides; the loss carries ``T²``.
