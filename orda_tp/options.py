@@ -9,6 +9,7 @@ a call (the teacher's kind, the vocabulary) is resolved by :class:`orda_tp.plan.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Literal, Protocol, TypeGuard
@@ -25,7 +26,7 @@ from .checks import (
     is_int,
 )
 from .config import PROFILES, KernelConfig, apply_loss_overrides, spelled
-from .divergences import DIVERGENCES, KL_VARIANTS, Divergence, DivergenceParams, EntropyGate
+from .divergences import DIVERGENCES, KL_VARIANTS, VARIANT_KEYWORDS, Divergence, DivergenceParams, EntropyGate
 
 __all__ = [
     "BACKENDS",
@@ -45,42 +46,36 @@ LOGITS_BACKENDS = ("auto", "torch", "triton")
 REDUCTIONS = ("mean", "sum", "none")
 
 
-VARIANT_PARAMETERS = ("kl_alpha", "kl_beta", "entropy_gate")  # the order of Divergence.resolve's arguments
-
-
 def _reads(divergence: Divergence) -> str:
     if not divergence.parameters:
-        return f"none of {', '.join(VARIANT_PARAMETERS)}"
-    return "only " + " and ".join(divergence.parameters)
+        return f"none of {', '.join(VARIANT_KEYWORDS)}"
+    return "only " + " and ".join(divergence.keywords)
 
 
 def resolve_divergence(
-    kl_divergence: object,
-    kl_alpha: object,
-    kl_beta: object,
-    entropy_gate: object,
-    *,
-    unused: Literal["raise", "warn"] = "raise",
+    kl_divergence: object, given: Mapping[str, object], *, unused: Literal["raise", "warn"] = "raise"
 ) -> tuple[Divergence, DivergenceParams]:
-    """The registered variant and its parameters (defaults filled, ranges checked).
+    """The registered variant and its parameters (defaults filled, ranges checked) from ``given``,
+    the call's variant keywords by name (:data:`~orda_tp.divergences.VARIANT_KEYWORDS`; None: not
+    given).
 
     A parameter the variant does not read is neither checked nor used: with ``unused="warn"``
-    (``distillation_loss``, as orda-kernel accepts it) it gives one :class:`IgnoredArgumentWarning`,
-    with ``unused="raise"`` (the logits-level losses) a ValueError.
+    (``distillation_loss``) it gives one :class:`IgnoredArgumentWarning`, with ``unused="raise"``
+    (the logits-level losses) a ValueError.
     """
     divergence = DIVERGENCES.get(kl_divergence) if isinstance(kl_divergence, str) else None
     if divergence is None:
         raise ValueError(f"kl_divergence must be one of {list(KL_VARIANTS)}, got {kl_divergence!r}")
-    if not divergence.parameters and kl_alpha is None and kl_beta is None and entropy_gate is None:
+    if not divergence.parameters and all(value is None for value in given.values()):
         return divergence, DivergenceParams()  # the common case: nothing to resolve
-    given = dict(zip(VARIANT_PARAMETERS, (kl_alpha, kl_beta, entropy_gate)))
+    reads = divergence.keywords
     for keyword, value in given.items():
-        if value is None or keyword in divergence.parameters:
+        if value is None or keyword in reads:
             continue
         if unused == "raise":
             raise ValueError(
                 f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
-                f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
+                f"(it reads {list(reads) or 'no parameters'}); leave {keyword}=None"
             )
         warnings.warn(
             f"{keyword}={value!r} is ignored: kl_divergence={divergence.name!r} reads {_reads(divergence)}; "
@@ -88,8 +83,7 @@ def resolve_divergence(
             IgnoredArgumentWarning,
             stacklevel=caller_stacklevel(),
         )
-        given[keyword] = None
-    return divergence, divergence.resolve(*given.values())
+    return divergence, divergence.resolve(given)
 
 
 class GradScalerLike(Protocol):
@@ -107,8 +101,8 @@ def check_precision(
     gradient_materialization_scale: object, grad_scaler: object
 ) -> tuple[float | Tensor | None, GradScalerLike | None]:
     """``gradient_materialization_scale``: None, a finite real > 0, or a one-element floating-point
-    tensor that does not require grad (orda-kernel's form, e.g. ``GradScaler.scale(torch.ones(()))``,
-    used on the device as it is: its value is never read). ``grad_scaler``: None or a GradScaler."""
+    tensor that does not require grad (e.g. ``GradScaler.scale(torch.ones(()))``, used on the
+    device as it is: its value is never read). ``grad_scaler``: None or a GradScaler."""
     scale: float | Tensor | None = None
     value = gradient_materialization_scale
     if isinstance(value, Tensor):
@@ -205,9 +199,8 @@ class LossOptions:
         values = {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.init}
         if values["config"] is not None:
             values = apply_loss_overrides(values, KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
-        divergence, params = resolve_divergence(
-            values["kl_divergence"], values["kl_alpha"], values["kl_beta"], values["entropy_gate"], unused="warn"
-        )
+        given = {keyword: values[keyword] for keyword in VARIANT_KEYWORDS}
+        divergence, params = resolve_divergence(values["kl_divergence"], given, unused="warn")
         for name, positive in _NUMBERS.items():
             if values[name] is not None or name not in _OPTIONAL:
                 values[name] = check_number(name, values[name], positive=positive)
@@ -217,9 +210,9 @@ class LossOptions:
             values["gradient_materialization_scale"], values["grad_scaler"] = check_precision(
                 values["gradient_materialization_scale"], values["grad_scaler"]
             )
-        # A parameter the variant does not read was warned about and is dropped.
-        for name in ("kl_alpha", "kl_beta", "entropy_gate"):
-            values[name] = values[name] if name in divergence.parameters else None
+        for keyword, value in given.items():
+            if value is not None and keyword not in divergence.keywords:
+                values[keyword] = None  # not read by the variant: warned about, and dropped
         values["kl_divergence"] = divergence.name
         values["ignore_index"] = check_ignore_index(values["ignore_index"])
         values["reduction"] = check_choice("reduction", values["reduction"], REDUCTIONS)
@@ -361,16 +354,20 @@ class LogitsOptions:
         *,
         temperature: object,
         kl_divergence: object,
-        kl_alpha: object,
-        kl_beta: object,
-        entropy_gate: object,
         ignore_index: object,
         chunk_rows: int,
         backend: object,
         tp_group: object,
         config: KernelConfig,
+        **variant_parameters: object,
     ) -> LogitsOptions:
-        divergence, params = resolve_divergence(kl_divergence, kl_alpha, kl_beta, entropy_gate)
+        """The options of a logits-level loss; ``variant_parameters``: its variant keywords as the
+        loss received them (``kl_alpha=``, …; None: not given), a keyword its variant does not read
+        raising."""
+        unknown = [keyword for keyword in variant_parameters if keyword not in VARIANT_KEYWORDS]
+        if unknown:
+            raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
+        divergence, params = resolve_divergence(kl_divergence, variant_parameters)
         return LogitsOptions(
             temperature=check_number("temperature", temperature, positive=True),
             divergence=divergence,
