@@ -25,8 +25,9 @@ from .checks import (
     check_number,
     is_int,
 )
-from .config import PROFILES, KernelConfig, apply_loss_overrides, spelled
+from .config import PROFILES, KernelConfig
 from .divergences import DIVERGENCES, KL_VARIANTS, VARIANT_KEYWORDS, Divergence, DivergenceParams, EntropyGate
+from .orda_kernel import apply_loss_overrides, own_config
 
 __all__ = [
     "BACKENDS",
@@ -35,7 +36,6 @@ __all__ = [
     "GradScalerLike",
     "LogitsOptions",
     "LossOptions",
-    "resolve_config",
     "resolve_divergence",
     "setting_text",
 ]
@@ -44,6 +44,7 @@ BACKENDS = ("auto", "triton", "torch", "reference")
 #: The logits-level losses read logits; "reference" builds them from hidden states.
 LOGITS_BACKENDS = ("auto", "torch", "triton")
 REDUCTIONS = ("mean", "sum", "none")
+PROFILE_NAMES = tuple(sorted(PROFILES))
 
 
 def _reads(divergence: Divergence) -> str:
@@ -128,43 +129,12 @@ def check_group(group: object) -> dist.ProcessGroup | None:
     return group
 
 
-def resolve_config(profile: object, config: object) -> KernelConfig:
-    """The profile's preset, or ``config`` when given (the profile name is still validated).
-
-    Each orda-kernel field of ``config`` that has no effect gives one ``IgnoredArgumentWarning``,
-    attributed to the caller's line. A ``config`` that still overrides loss keywords raises: the
-    entry point must apply them first (:func:`apply_loss_overrides`), or they would be ignored
-    without a word.
-    """
-    if not isinstance(profile, str) or profile not in PROFILES:
-        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
-    if config is None:
-        return PROFILES[profile]
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
-    overrides = config.loss_overrides()
-    if overrides:
-        raise ValueError(
-            f"{spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
-            f"pass {', '.join(overrides)} to the call instead"
-        )
-    ignored = config.ignored_fields()
-    if ignored:
-        for name, reason in ignored.items():
-            warnings.warn(
-                f"{spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
-                IgnoredArgumentWarning,
-                stacklevel=caller_stacklevel(),
-            )
-    return replace(config)
-
-
 @dataclass(frozen=True)
 class LossOptions:
     """The keywords of :func:`orda_tp.distillation_loss` (see its docstring and docs/reference.md),
     validated and normalized at construction; ``divergence``, ``params`` (the variant and its
     parameters, resolved once) and ``kernel_config`` (``config``, or the ``profile``'s preset) are
-    derived. A ``config`` that overrides loss keywords (orda-kernel's fields) replaces them first.
+    derived. orda-kernel's spellings in ``config`` are translated first (:mod:`orda_tp.orda_kernel`).
     """
 
     student_ce_weight: float = 1.0
@@ -198,7 +168,7 @@ class LossOptions:
     def __post_init__(self) -> None:
         values = {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.init}
         if values["config"] is not None:
-            values = apply_loss_overrides(values, KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
+            values = apply_loss_overrides(values, KEYWORD_DEFAULTS)  # a config's loss keywords win
         given = {keyword: values[keyword] for keyword in VARIANT_KEYWORDS}
         divergence, params = resolve_divergence(values["kl_divergence"], given, unused="warn")
         for name, positive in _NUMBERS.items():
@@ -219,7 +189,11 @@ class LossOptions:
         values["backend"] = check_choice("backend", values["backend"], BACKENDS)
         if any(values[name] is not None for name in PARALLEL_KEYWORDS):
             _check_parallel_keywords(values)
-        kernel_config = resolve_config(values["profile"], values["config"])
+        values["profile"] = check_choice("profile", values["profile"], PROFILE_NAMES)
+        config = values["config"]
+        if config is not None and not isinstance(config, KernelConfig):
+            raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+        kernel_config = PROFILES[values["profile"]] if config is None else own_config(config)
         if values["kl_teacher_temperature"] not in (None, values["kl_temperature"]) and divergence.cotrains_teacher:
             raise ValueError(
                 f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
