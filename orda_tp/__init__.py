@@ -11,7 +11,7 @@ logits the caller already holds.
 
 from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
 from .checks import IgnoredArgumentWarning
-from .config import PROFILES, ChunkSize, KernelConfig, begin_autotune_run, reset_autotune_cache
+from .config import PROFILES, ChunkSize, KernelConfig
 from .cross_vocab import (
     AlignedLikelihoodConfig,
     AlignedSpanLossOutput,
@@ -28,6 +28,7 @@ from .cross_vocab import (
 from .divergences import KL_VARIANTS, EntropyGate
 from .lm_head import DistillationHead, HeadOutput
 from .logits_losses import KDLoss, flash_ce_kd_loss
+from .orda_kernel import begin_autotune_run, reset_autotune_cache
 from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
 from .vocab_parallel import VocabParallel
 

@@ -9,6 +9,7 @@ a call (the teacher's kind, the vocabulary) is resolved by :class:`orda_tp.plan.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Literal, Protocol, TypeGuard
@@ -24,8 +25,9 @@ from .checks import (
     check_number,
     is_int,
 )
-from .config import PROFILES, KernelConfig, apply_loss_overrides, spelled
-from .divergences import DIVERGENCES, KL_VARIANTS, Divergence, DivergenceParams, EntropyGate
+from .config import PROFILES, KernelConfig
+from .divergences import DIVERGENCES, KL_VARIANTS, VARIANT_KEYWORDS, Divergence, DivergenceParams, EntropyGate
+from .orda_kernel import apply_loss_overrides, own_config
 
 __all__ = [
     "BACKENDS",
@@ -34,7 +36,6 @@ __all__ = [
     "GradScalerLike",
     "LogitsOptions",
     "LossOptions",
-    "resolve_config",
     "resolve_divergence",
     "setting_text",
 ]
@@ -43,44 +44,39 @@ BACKENDS = ("auto", "triton", "torch", "reference")
 #: The logits-level losses read logits; "reference" builds them from hidden states.
 LOGITS_BACKENDS = ("auto", "torch", "triton")
 REDUCTIONS = ("mean", "sum", "none")
-
-
-VARIANT_PARAMETERS = ("kl_alpha", "kl_beta", "entropy_gate")  # the order of Divergence.resolve's arguments
+PROFILE_NAMES = tuple(sorted(PROFILES))
 
 
 def _reads(divergence: Divergence) -> str:
     if not divergence.parameters:
-        return f"none of {', '.join(VARIANT_PARAMETERS)}"
-    return "only " + " and ".join(divergence.parameters)
+        return f"none of {', '.join(VARIANT_KEYWORDS)}"
+    return "only " + " and ".join(divergence.keywords)
 
 
 def resolve_divergence(
-    kl_divergence: object,
-    kl_alpha: object,
-    kl_beta: object,
-    entropy_gate: object,
-    *,
-    unused: Literal["raise", "warn"] = "raise",
+    kl_divergence: object, given: Mapping[str, object], *, unused: Literal["raise", "warn"] = "raise"
 ) -> tuple[Divergence, DivergenceParams]:
-    """The registered variant and its parameters (defaults filled, ranges checked).
+    """The registered variant and its parameters (defaults filled, ranges checked) from ``given``,
+    the call's variant keywords by name (:data:`~orda_tp.divergences.VARIANT_KEYWORDS`; None: not
+    given).
 
     A parameter the variant does not read is neither checked nor used: with ``unused="warn"``
-    (``distillation_loss``, as orda-kernel accepts it) it gives one :class:`IgnoredArgumentWarning`,
-    with ``unused="raise"`` (the logits-level losses) a ValueError.
+    (``distillation_loss``) it gives one :class:`IgnoredArgumentWarning`, with ``unused="raise"``
+    (the logits-level losses) a ValueError.
     """
     divergence = DIVERGENCES.get(kl_divergence) if isinstance(kl_divergence, str) else None
     if divergence is None:
         raise ValueError(f"kl_divergence must be one of {list(KL_VARIANTS)}, got {kl_divergence!r}")
-    if not divergence.parameters and kl_alpha is None and kl_beta is None and entropy_gate is None:
+    if not divergence.parameters and all(value is None for value in given.values()):
         return divergence, DivergenceParams()  # the common case: nothing to resolve
-    given = dict(zip(VARIANT_PARAMETERS, (kl_alpha, kl_beta, entropy_gate)))
+    reads = divergence.keywords
     for keyword, value in given.items():
-        if value is None or keyword in divergence.parameters:
+        if value is None or keyword in reads:
             continue
         if unused == "raise":
             raise ValueError(
                 f"{keyword}={value!r} is not used by kl_divergence={divergence.name!r} "
-                f"(it reads {list(divergence.parameters) or 'no parameters'}); leave {keyword}=None"
+                f"(it reads {list(reads) or 'no parameters'}); leave {keyword}=None"
             )
         warnings.warn(
             f"{keyword}={value!r} is ignored: kl_divergence={divergence.name!r} reads {_reads(divergence)}; "
@@ -88,8 +84,7 @@ def resolve_divergence(
             IgnoredArgumentWarning,
             stacklevel=caller_stacklevel(),
         )
-        given[keyword] = None
-    return divergence, divergence.resolve(*given.values())
+    return divergence, divergence.resolve(given)
 
 
 class GradScalerLike(Protocol):
@@ -107,8 +102,8 @@ def check_precision(
     gradient_materialization_scale: object, grad_scaler: object
 ) -> tuple[float | Tensor | None, GradScalerLike | None]:
     """``gradient_materialization_scale``: None, a finite real > 0, or a one-element floating-point
-    tensor that does not require grad (orda-kernel's form, e.g. ``GradScaler.scale(torch.ones(()))``,
-    used on the device as it is: its value is never read). ``grad_scaler``: None or a GradScaler."""
+    tensor that does not require grad (e.g. ``GradScaler.scale(torch.ones(()))``, used on the
+    device as it is: its value is never read). ``grad_scaler``: None or a GradScaler."""
     scale: float | Tensor | None = None
     value = gradient_materialization_scale
     if isinstance(value, Tensor):
@@ -134,43 +129,12 @@ def check_group(group: object) -> dist.ProcessGroup | None:
     return group
 
 
-def resolve_config(profile: object, config: object) -> KernelConfig:
-    """The profile's preset, or ``config`` when given (the profile name is still validated).
-
-    Each orda-kernel field of ``config`` that has no effect gives one ``IgnoredArgumentWarning``,
-    attributed to the caller's line. A ``config`` that still overrides loss keywords raises: the
-    entry point must apply them first (:func:`apply_loss_overrides`), or they would be ignored
-    without a word.
-    """
-    if not isinstance(profile, str) or profile not in PROFILES:
-        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
-    if config is None:
-        return PROFILES[profile]
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
-    overrides = config.loss_overrides()
-    if overrides:
-        raise ValueError(
-            f"{spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
-            f"pass {', '.join(overrides)} to the call instead"
-        )
-    ignored = config.ignored_fields()
-    if ignored:
-        for name, reason in ignored.items():
-            warnings.warn(
-                f"{spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
-                IgnoredArgumentWarning,
-                stacklevel=caller_stacklevel(),
-            )
-    return replace(config)
-
-
 @dataclass(frozen=True)
 class LossOptions:
     """The keywords of :func:`orda_tp.distillation_loss` (see its docstring and docs/reference.md),
     validated and normalized at construction; ``divergence``, ``params`` (the variant and its
     parameters, resolved once) and ``kernel_config`` (``config``, or the ``profile``'s preset) are
-    derived. A ``config`` that overrides loss keywords (orda-kernel's fields) replaces them first.
+    derived. orda-kernel's spellings in ``config`` are translated first (:mod:`orda_tp.orda_kernel`).
     """
 
     student_ce_weight: float = 1.0
@@ -204,10 +168,9 @@ class LossOptions:
     def __post_init__(self) -> None:
         values = {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.init}
         if values["config"] is not None:
-            values = apply_loss_overrides(values, KEYWORD_DEFAULTS)  # orda-kernel: a config's loss keywords win
-        divergence, params = resolve_divergence(
-            values["kl_divergence"], values["kl_alpha"], values["kl_beta"], values["entropy_gate"], unused="warn"
-        )
+            values = apply_loss_overrides(values, KEYWORD_DEFAULTS)  # a config's loss keywords win
+        given = {keyword: values[keyword] for keyword in VARIANT_KEYWORDS}
+        divergence, params = resolve_divergence(values["kl_divergence"], given, unused="warn")
         for name, positive in _NUMBERS.items():
             if values[name] is not None or name not in _OPTIONAL:
                 values[name] = check_number(name, values[name], positive=positive)
@@ -217,16 +180,20 @@ class LossOptions:
             values["gradient_materialization_scale"], values["grad_scaler"] = check_precision(
                 values["gradient_materialization_scale"], values["grad_scaler"]
             )
-        # A parameter the variant does not read was warned about and is dropped.
-        for name in ("kl_alpha", "kl_beta", "entropy_gate"):
-            values[name] = values[name] if name in divergence.parameters else None
+        for keyword, value in given.items():
+            if value is not None and keyword not in divergence.keywords:
+                values[keyword] = None  # not read by the variant: warned about, and dropped
         values["kl_divergence"] = divergence.name
         values["ignore_index"] = check_ignore_index(values["ignore_index"])
         values["reduction"] = check_choice("reduction", values["reduction"], REDUCTIONS)
         values["backend"] = check_choice("backend", values["backend"], BACKENDS)
         if any(values[name] is not None for name in PARALLEL_KEYWORDS):
             _check_parallel_keywords(values)
-        kernel_config = resolve_config(values["profile"], values["config"])
+        values["profile"] = check_choice("profile", values["profile"], PROFILE_NAMES)
+        config = values["config"]
+        if config is not None and not isinstance(config, KernelConfig):
+            raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+        kernel_config = PROFILES[values["profile"]] if config is None else own_config(config)
         if values["kl_teacher_temperature"] not in (None, values["kl_temperature"]) and divergence.cotrains_teacher:
             raise ValueError(
                 f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
@@ -361,16 +328,20 @@ class LogitsOptions:
         *,
         temperature: object,
         kl_divergence: object,
-        kl_alpha: object,
-        kl_beta: object,
-        entropy_gate: object,
         ignore_index: object,
         chunk_rows: int,
         backend: object,
         tp_group: object,
         config: KernelConfig,
+        **variant_parameters: object,
     ) -> LogitsOptions:
-        divergence, params = resolve_divergence(kl_divergence, kl_alpha, kl_beta, entropy_gate)
+        """The options of a logits-level loss; ``variant_parameters``: its variant keywords as the
+        loss received them (``kl_alpha=``, …; None: not given), a keyword its variant does not read
+        raising."""
+        unknown = [keyword for keyword in variant_parameters if keyword not in VARIANT_KEYWORDS]
+        if unknown:
+            raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
+        divergence, params = resolve_divergence(kl_divergence, variant_parameters)
         return LogitsOptions(
             temperature=check_number("temperature", temperature, positive=True),
             divergence=divergence,

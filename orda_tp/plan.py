@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from .config import KernelConfig
-from .divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
+from .divergences import LOG_VOCAB, Divergence, DivergenceParams, VariantFormulas, formulas_of
 from .divergences.expr import Expr, equal, greater, logical_and, where
 from .options import LogitsOptions, LossOptions
 from .records import LogitFamily
@@ -22,13 +22,15 @@ __all__ = ["UNSUPPORTED", "LossPlan", "StepKey", "check_sparse_teacher"]
 
 
 def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
-    """``params`` completed by what the variant reads of the global real vocabulary: ``log V``,
-    the normalizer of ``entropy_adaptive``'s gate (which needs V ≥ 2)."""
-    if divergence.name != "entropy_adaptive":
+    """``params`` completed by ``log V`` of the global real vocabulary where the variant reads it
+    (:attr:`Divergence.reads_log_vocab`: a normalizer, so V ≥ 2)."""
+    if not divergence.reads_log_vocab:
         return params
     if vocab_size < 2:
-        raise ValueError(f"kl_divergence='entropy_adaptive' needs a vocabulary of at least 2 columns, got {vocab_size}")
-    return DivergenceParams(params.alpha, params.beta, params.gate, math.log(vocab_size))
+        raise ValueError(
+            f"kl_divergence={divergence.name!r} needs a vocabulary of at least 2 columns, got {vocab_size}"
+        )
+    return params.with_entry(LOG_VOCAB, math.log(vocab_size))
 
 
 def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weight: float) -> None:

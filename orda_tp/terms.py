@@ -159,7 +159,7 @@ class ZLoss(StudentTerm):
 
 #: The registered terms, in the order of the output components.
 STUDENT_TERMS: tuple[type[StudentTerm], ...] = (CrossEntropy, ZLoss)
-#: A loss's components after ``loss``, in output order: orda-kernel's three, then the other terms.
+#: A loss's components after ``loss``, in output order: the CEs and the KL, then the other terms.
 COMPONENTS = ("student_ce", "teacher_ce", "kl", *(term.name for term in STUDENT_TERMS[1:]))
 
 

@@ -250,8 +250,7 @@ def block(seed: int) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Te
 def variant_trees(name: str) -> list[Expr]:
     """The variant's column terms and gradients."""
     divergence = get_divergence(name)
-    keywords = VARIANT_KWARGS[name]
-    params = divergence.resolve(keywords.get("kl_alpha"), keywords.get("kl_beta"), keywords.get("entropy_gate"))
+    params = divergence.resolve(VARIANT_KWARGS[name])
     exprs = [*divergence.column_terms(params), divergence.student_grad_expr(params)]
     if divergence.cotrains_teacher:
         exprs.append(divergence.teacher_grad_expr(params))

@@ -46,9 +46,8 @@ from orda_tp import (
     build_precomputed_span_teacher,
     distillation_loss,
 )
-from orda_tp.config import LOSS_OVERRIDES, apply_loss_overrides
 from orda_tp.engine.row_layout import row_layout
-from orda_tp.options import resolve_config
+from orda_tp.orda_kernel import LOSS_OVERRIDES, apply_loss_overrides, own_config
 
 from .distributed import run_distributed
 
@@ -258,7 +257,7 @@ def test_the_config_wins_and_a_replaced_keyword_warns() -> None:
 
 def test_an_unapplied_override_is_never_dropped_silently() -> None:
     with pytest.raises(ValueError, match=r"KernelConfig\(kl_weight=2.0, kl_beta=0.3\) overrides loss keywords"):
-        resolve_config("balanced", KernelConfig(kl_weight=2.0, kl_beta=0.3))
+        own_config(KernelConfig(kl_weight=2.0, kl_beta=0.3))
 
 
 def merged_call(hidden: Tensor, weight: Tensor, labels: Tensor, teacher: Any, **given: object) -> Any:

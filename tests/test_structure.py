@@ -35,7 +35,7 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("divergences", "records", "terms"),  # the variants, their expression language, records, student terms
     ("teachers",),  # the teacher descriptors
-    ("checks", "chunk_size", "config", "options"),  # a call's arguments, checked once
+    ("checks", "chunk_size", "config", "options", "orda_kernel"),  # a call's arguments, checked once
     ("plan",),  # which sides, terms, statistics and gradients a call needs
     ("kernels",),  # the Triton kernels and their generated functions; no engine
     ("parallel",),  # shards, the layout handshake, the record exchange; no engine, no variant

@@ -217,7 +217,7 @@ class PrecomputedSpanTeacher:
 
 @dataclass(frozen=True)
 class CrossVocabTeacher:
-    """orda-kernel's live span teacher: its hidden states ``hidden`` (BT_t, D_t), head ``weight``
+    """A live span teacher: its hidden states ``hidden`` (BT_t, D_t), head ``weight``
     (V_t, D_t) and ``labels`` (BT_t,) over its own vocabulary. Given to
     :func:`aligned_span_distillation_loss` in place of a :class:`PrecomputedSpanTeacher`, it is
     scored at each call, as :func:`build_precomputed_span_teacher` would score it on

@@ -24,6 +24,7 @@ follow the conventions of docs/variants.md, "Notation": ``0·log 0 = 0`` and ``p
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -32,10 +33,13 @@ from torch import Tensor
 from .expr import Expr, equal, expm1, greater, logical_and, row_names, where
 
 __all__ = [
+    "LOG_VOCAB",
     "Divergence",
     "DivergenceParams",
     "EntropyGate",
     "Finalized",
+    "Parameter",
+    "Real",
     "RowTargets",
     "VariantFormulas",
     "formulas_of",
@@ -72,17 +76,78 @@ class EntropyGate:
             raise ValueError(f"EntropyGate.scale must be > 0, got {self.scale!r}")
 
 
+LOG_VOCAB = "log_vocab"
+"""The key of ``log V`` (the global real vocabulary) in the parameters of a variant that reads it
+(:attr:`Divergence.reads_log_vocab`); the plan adds it."""
+
+
 @dataclass(frozen=True)
-class DivergenceParams:
-    """Hyper-parameters of a variant, resolved from the user's keywords and defaults.
+class DivergenceParams(Mapping[str, Hashable]):
+    """A variant's parameters by keyword (``"kl_alpha"``, …), resolved by :meth:`Divergence.resolve`
+    (defaults filled, values checked), in the variant's order, and :data:`LOG_VOCAB` where the
+    variant reads it. Frozen and hashable: a variant's trees are cached per parameters."""
 
-    ``log_vocab`` is ``log V`` of the global real vocabulary (the entropy gate's normalizer).
-    """
+    entries: tuple[tuple[str, Hashable], ...] = ()
 
-    alpha: float | None = None
-    beta: float | None = None
-    gate: EntropyGate | None = None
-    log_vocab: float = 0.0
+    def __getitem__(self, keyword: str) -> Hashable:
+        for name, value in self.entries:
+            if name == keyword:
+                return value
+        raise KeyError(keyword)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def real(self, keyword: str) -> float:
+        """The number under ``keyword`` (one of the variant's ``Real`` parameters, or ``log_vocab``)."""
+        value = self[keyword]
+        assert isinstance(value, float), (keyword, value)
+        return value
+
+    def with_entry(self, keyword: str, value: Hashable) -> DivergenceParams:
+        """These parameters with ``keyword`` set to ``value``."""
+        return DivergenceParams(tuple({**dict(self.entries), keyword: value}.items()))
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """A keyword argument of the loss that a variant reads: ``keyword``, the value a call that
+    leaves it None gets (``default``) and :meth:`check` (the value as given → the value used)."""
+
+    keyword: str
+    default: Hashable
+
+    def check(self, value: object, variant: str) -> Hashable:
+        """``value`` as the variant ``variant`` uses it; raises naming the keyword and the variant."""
+        raise NotImplementedError
+
+    def resolve(self, value: object, variant: str) -> Hashable:
+        return self.check(self.default if value is None else value, variant)
+
+
+@dataclass(frozen=True)
+class Real(Parameter):
+    """A finite real number from ``low`` to ``high`` (each bound open or closed), used as a float."""
+
+    low: float
+    high: float
+    low_open: bool
+    high_open: bool
+
+    def check(self, value: object, variant: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(
+                f"{self.keyword} must be a finite real number for kl_divergence={variant!r}, got {value!r}"
+            )
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        if not (above and below):
+            interval = f"{'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+            raise ValueError(f"{self.keyword} must lie in {interval} for kl_divergence={variant!r}, got {value!r}")
+        return float(value)
 
 
 @dataclass(frozen=True)
@@ -105,18 +170,26 @@ class Divergence:
     """Base of the KL variants; each subclass defines one variant once."""
 
     name: str = ""
-    parameters: tuple[str, ...] = ()
-    """The keyword arguments the variant reads (``kl_alpha``, ``kl_beta``, ``entropy_gate``)."""
+    parameters: tuple[Parameter, ...] = ()
+    """The keyword arguments the variant reads (``kl_alpha``, ``kl_beta``, ``entropy_gate``), in
+    the order they are checked, each with its default and its check."""
+    reads_log_vocab: bool = False
+    """True when ``finalize`` reads ``params[LOG_VOCAB]`` (entropy_adaptive's gate)."""
     cotrains_teacher: bool = False
     """True for mutual/cojeffreys: the KL also trains the teacher (no detach)."""
     needs_target: bool = False
     """True when the block sums need to know which column is the label (dkd)."""
     num_sums: int = 1
 
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        """Fill defaults and validate the parameters this variant uses (the keywords as given:
-        a bad type raises like a bad range)."""
-        return DivergenceParams()
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """The keywords of :attr:`parameters`."""
+        return tuple(parameter.keyword for parameter in self.parameters)
+
+    def resolve(self, given: Mapping[str, object]) -> DivergenceParams:
+        """The parameters this variant reads, from the call's keywords ``given`` (absent or None:
+        the default), each checked (a bad type raises like a bad range); other keywords unread."""
+        return DivergenceParams(tuple((p.keyword, p.resolve(given.get(p.keyword), self.name)) for p in self.parameters))
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         """The ``num_sums`` elementwise terms whose column sums round 2 collects."""
@@ -186,17 +259,3 @@ def power_gap(log_a: Expr, log_b: Expr, a: Expr, b: Expr, r: float) -> Expr:
     low = b * (expm1(r * d) - r * expm1(d))
     high = a * (expm1(-(1.0 - r) * d) - (1.0 - r) * expm1(-d))
     return zero_where_both_zero(where(greater(d, 0.0), high, low), a, b)
-
-
-def check_range(
-    name: str, value: object, low: float, high: float, *, low_open: bool, high_open: bool, variant: str
-) -> float:
-    """``value``, checked: raise a ValueError naming ``name`` unless it is a finite real in the interval."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite real number for kl_divergence={variant!r}, got {value!r}")
-    above = value > low if low_open else value >= low
-    below = value < high if high_open else value <= high
-    if not (above and below):
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must lie in {interval} for kl_divergence={variant!r}, got {value!r}")
-    return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
+from .base import Divergence, DivergenceParams, Finalized, Real, RowTargets, xlogratio
 from .expr import IS_TARGET, LOGP, LOGQ, Expr, P, Q, equal, row, where
 
 
@@ -26,26 +26,16 @@ class DecoupledKD(Divergence):
     """
 
     name = "dkd"
-    parameters = ("kl_alpha", "kl_beta")
+    parameters = tuple(
+        Real(keyword, 1.0, low=0.0, high=16.0, low_open=True, high_open=False) for keyword in ("kl_alpha", "kl_beta")
+    )
     needs_target = True
-
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        given_target = 1.0 if kl_alpha is None else kl_alpha
-        given_nontarget = 1.0 if kl_beta is None else kl_beta
-        target_weight = check_range(
-            "kl_alpha", given_target, 0.0, 16.0, low_open=True, high_open=False, variant=self.name
-        )
-        nontarget_weight = check_range(
-            "kl_beta", given_nontarget, 0.0, 16.0, low_open=True, high_open=False, variant=self.name
-        )
-        return DivergenceParams(alpha=float(target_weight), beta=float(nontarget_weight))
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         return (where(IS_TARGET, 0.0, xlogratio(Q, LOGQ, LOGP)),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        target_weight, nontarget_weight = params.alpha, params.beta
-        assert target_weight is not None and nontarget_weight is not None
+        target_weight, nontarget_weight = params.real("kl_alpha"), params.real("kl_beta")
         kl_rest = sums[:, 0]
         p_rest, q_rest = -torch.expm1(targets.logp_y), -torch.expm1(targets.logq_y)
         log_p_rest, log_q_rest = torch.log(p_rest), torch.log(q_rest)
@@ -64,8 +54,7 @@ class DecoupledKD(Divergence):
         return Finalized(value, consts)
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
-        target_weight, nontarget_weight = params.alpha, params.beta
-        assert target_weight is not None and nontarget_weight is not None
+        target_weight, nontarget_weight = params.real("kl_alpha"), params.real("kl_beta")
         p_y, q_y = row("p_y"), row("q_y")
         p_hat = P * row("inv_p_rest")
         q_hat = Q * row("inv_q_rest")

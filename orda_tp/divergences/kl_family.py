@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from .base import Divergence, DivergenceParams, EntropyGate, Finalized, RowTargets, xlogratio
+from .base import LOG_VOCAB, Divergence, DivergenceParams, EntropyGate, Finalized, Parameter, RowTargets, xlogratio
 from .expr import LOGP, LOGQ, Expr, P, Q, equal, row, where
 
 FORWARD_TERMS = xlogratio(Q, LOGQ, LOGP)
@@ -112,29 +114,39 @@ def weighted_expr(weight: Expr, value: Expr) -> Expr:
     return where(equal(weight, 0.0), 0.0, weight * value)
 
 
+@dataclass(frozen=True)
+class GateParameter(Parameter):
+    """An :class:`EntropyGate`."""
+
+    def check(self, value: object, variant: str) -> EntropyGate:
+        if not isinstance(value, EntropyGate):
+            raise TypeError(f"{self.keyword} must be an EntropyGate or None, got {type(value).__name__}")
+        return value
+
+
+def gate_of(params: DivergenceParams) -> EntropyGate:
+    """The resolved ``entropy_gate`` of ``params``."""
+    gate = params["entropy_gate"]
+    assert isinstance(gate, EntropyGate)
+    return gate
+
+
 class EntropyAdaptive(Divergence):
     """``D = γ·KL(q‖p) + (1−γ)·KL(p‖q)``, with the detached gate
     ``γ = a_min + (a_max − a_min)·σ((H(q)/log V − τ)/scale)``, ``H(q) = −Σ q log q``."""
 
     name = "entropy_adaptive"
-    parameters = ("entropy_gate",)
+    parameters = (GateParameter("entropy_gate", EntropyGate()),)
+    reads_log_vocab = True
     num_sums = 3
-
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        if gate is None:
-            gate = EntropyGate()
-        if not isinstance(gate, EntropyGate):
-            raise TypeError(f"entropy_gate must be an EntropyGate or None, got {type(gate).__name__}")
-        return DivergenceParams(gate=gate)
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         entropy = -where(equal(Q, 0.0), 0.0, Q * LOGQ)
         return (FORWARD_TERMS, REVERSE_TERMS, entropy)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        gate = params.gate
-        assert gate is not None
-        normalized_entropy = sums[:, 2] / params.log_vocab
+        gate = gate_of(params)
+        normalized_entropy = sums[:, 2] / params.real(LOG_VOCAB)
         gamma = gate.alpha_min + (gate.alpha_max - gate.alpha_min) * torch.sigmoid(
             (normalized_entropy - gate.tau) / gate.scale
         )
@@ -146,5 +158,5 @@ class EntropyAdaptive(Divergence):
         return weighted_expr(gamma, P - Q) + weighted_expr(1.0 - gamma, reverse_kl_grad(row("reverse")))
 
     def infinite_without_support(self, params: DivergenceParams) -> bool:
-        gate = params.gate  # γ = 1 on every row only when a_min = a_max = 1: then no reverse term
-        return gate is None or not gate.alpha_min == gate.alpha_max == 1.0
+        gate = gate_of(params)  # γ = 1 on every row only when a_min = a_max = 1: then no reverse term
+        return not gate.alpha_min == gate.alpha_max == 1.0

@@ -6,10 +6,12 @@ They share the power mean ``A = Σ a^r b^{1−r}`` (``a, b`` = p, q in some orde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, power_gap, zero_where_both_zero
+from .base import Divergence, DivergenceParams, Finalized, Real, RowTargets, power_gap, zero_where_both_zero
 from .expr import LOGP, LOGQ, Expr, P, Q, absolute, equal, exp, expm1, greater, less, row, where
 
 
@@ -22,84 +24,71 @@ class AlphaDivergence(Divergence):
     """``D = (1 − Σ p^α q^{1−α}) / (α(1−α))``, ``∂D/∂u = (A·p − p^α q^{1−α}) / (1−α)``."""
 
     name = "alpha_divergence"
-    parameters = ("kl_alpha",)
-
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        given = 0.5 if kl_alpha is None else kl_alpha
-        alpha = check_range("kl_alpha", given, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
-        return DivergenceParams(alpha=float(alpha))
+    parameters = (Real("kl_alpha", 0.5, low=0.0, high=1.0, low_open=True, high_open=True),)
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
-        assert params.alpha is not None
-        return (power_gap(LOGP, LOGQ, P, Q, params.alpha),)
+        return (power_gap(LOGP, LOGQ, P, Q, params.real("kl_alpha")),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        alpha = params.alpha
-        assert alpha is not None
+        alpha = params.real("kl_alpha")
         a_minus_one = sums[:, 0]
         return Finalized(-a_minus_one / (alpha * (1.0 - alpha)), {"A": 1.0 + a_minus_one})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
-        alpha = params.alpha
-        assert alpha is not None
+        alpha = params.real("kl_alpha")
         return (row("A") * P - power_product(LOGP, LOGQ, P, Q, alpha)) / (1.0 - alpha)
 
 
-def resolve_renyi_order(kl_alpha: object, variant: str) -> DivergenceParams:
-    given = 0.5 if kl_alpha is None else kl_alpha
-    order = check_range("kl_alpha", given, 0.0, 2.0, low_open=True, high_open=False, variant=variant)
-    if abs(order - 1.0) < 0.01:
-        raise ValueError(
-            f"kl_alpha (the Rényi order r) must satisfy |r − 1| >= 0.01 for kl_divergence={variant!r}, got {order!r}; "
-            "use kl_divergence='forward' or 'reverse' for the r → 1 limit"
-        )
-    return DivergenceParams(alpha=float(order))
+@dataclass(frozen=True)
+class RenyiOrder(Real):
+    """The order ``r`` in (0, 2], away from the ``r → 1`` limit (where the ``1/(r − 1)`` of ``D``
+    cancels catastrophically)."""
+
+    def check(self, value: object, variant: str) -> float:
+        order = super().check(value, variant)
+        if abs(order - 1.0) < 0.01:
+            raise ValueError(
+                f"{self.keyword} (the Rényi order r) must satisfy |r − 1| >= 0.01 for kl_divergence={variant!r}, "
+                f"got {value!r}; use kl_divergence='forward' or 'reverse' for the r → 1 limit"
+            )
+        return order
+
+
+RENYI_ORDER = RenyiOrder("kl_alpha", 0.5, low=0.0, high=2.0, low_open=True, high_open=False)
 
 
 class Renyi(Divergence):
     """``D = D_r(q‖p) = log(Σ q^r p^{1−r}) / (r−1)``, ``∂D/∂u = p − q^r p^{1−r} / A``."""
 
     name = "renyi"
-    parameters = ("kl_alpha",)
-
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        return resolve_renyi_order(kl_alpha, self.name)
+    parameters = (RENYI_ORDER,)
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
-        assert params.alpha is not None
-        return (power_gap(LOGQ, LOGP, Q, P, params.alpha),)
+        return (power_gap(LOGQ, LOGP, Q, P, params.real("kl_alpha")),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        order = params.alpha
-        assert order is not None
+        order = params.real("kl_alpha")
         return Finalized(torch.log1p(sums[:, 0]) / (order - 1.0), {"A": 1.0 + sums[:, 0]})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
-        assert params.alpha is not None
-        return P - power_product(LOGQ, LOGP, Q, P, params.alpha) / row("A")
+        return P - power_product(LOGQ, LOGP, Q, P, params.real("kl_alpha")) / row("A")
 
 
 class RenyiReverse(Divergence):
     """``D = D_r(p‖q) = log(Σ p^r q^{1−r}) / (r−1)``, ``∂D/∂u = r/(r−1)·(p^r q^{1−r}/A − p)``."""
 
     name = "renyi_reverse"
-    parameters = ("kl_alpha",)
-
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        return resolve_renyi_order(kl_alpha, self.name)
+    parameters = (RENYI_ORDER,)
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
-        assert params.alpha is not None
-        return (power_gap(LOGP, LOGQ, P, Q, params.alpha),)
+        return (power_gap(LOGP, LOGQ, P, Q, params.real("kl_alpha")),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        order = params.alpha
-        assert order is not None
+        order = params.real("kl_alpha")
         return Finalized(torch.log1p(sums[:, 0]) / (order - 1.0), {"A": 1.0 + sums[:, 0]})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
-        order = params.alpha
-        assert order is not None
+        order = params.real("kl_alpha")
         return order / (order - 1.0) * (power_product(LOGP, LOGQ, P, Q, order) / row("A") - P)
 
 
@@ -124,7 +113,7 @@ def ab_gradient_terms(log_p: Expr, log_q: Expr, p: Expr, alpha: float, beta: flo
     return where(equal(p, 0.0), 0.0, where(less(absolute(exponent), 1.0), near, far))
 
     def infinite_without_support(self, params: DivergenceParams) -> bool:
-        return params.alpha is not None and params.alpha > 1.0
+        return params.real("kl_alpha") > 1.0
 
 
 class ABDivergence(Divergence):
@@ -132,27 +121,19 @@ class ABDivergence(Divergence):
     ``∂D/∂u = (h − p·Σh)/β`` with ``h = p^α (p^β − q^β)``."""
 
     name = "abkd"
-    parameters = ("kl_alpha", "kl_beta")
+    parameters = tuple(
+        Real(keyword, 0.5, low=0.05, high=2.0, low_open=False, high_open=False) for keyword in ("kl_alpha", "kl_beta")
+    )
     num_sums = 2
 
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        given_alpha = 0.5 if kl_alpha is None else kl_alpha
-        given_beta = 0.5 if kl_beta is None else kl_beta
-        alpha = check_range("kl_alpha", given_alpha, 0.05, 2.0, low_open=False, high_open=False, variant=self.name)
-        beta = check_range("kl_beta", given_beta, 0.05, 2.0, low_open=False, high_open=False, variant=self.name)
-        return DivergenceParams(alpha=float(alpha), beta=float(beta))
-
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
-        alpha, beta = params.alpha, params.beta
-        assert alpha is not None and beta is not None
+        alpha, beta = params.real("kl_alpha"), params.real("kl_beta")
         return (ab_gap(LOGP, LOGQ, P, Q, alpha, beta), ab_gradient_terms(LOGP, LOGQ, P, alpha, beta))
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
-        alpha, beta = params.alpha, params.beta
-        assert alpha is not None and beta is not None
+        alpha, beta = params.real("kl_alpha"), params.real("kl_beta")
         return Finalized(-sums[:, 0] / (alpha * beta), {"h_sum": sums[:, 1]})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
-        alpha, beta = params.alpha, params.beta
-        assert alpha is not None and beta is not None
+        alpha, beta = params.real("kl_alpha"), params.real("kl_beta")
         return (ab_gradient_terms(LOGP, LOGQ, P, alpha, beta) - P * row("h_sum")) / beta

@@ -31,6 +31,11 @@ DIVERGENCES: dict[str, Divergence] = {
 
 KL_VARIANTS: tuple[str, ...] = tuple(DIVERGENCES)
 
+#: The loss keywords the variants read, each once, in the order of the variants that first read them.
+VARIANT_KEYWORDS: tuple[str, ...] = tuple(
+    dict.fromkeys(keyword for variant in DIVERGENCES.values() for keyword in variant.keywords)
+)
+
 
 def get_divergence(name: object) -> Divergence:
     """The registered variant called ``name``; a ValueError listing the variants otherwise."""

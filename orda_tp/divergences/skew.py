@@ -10,7 +10,7 @@ import math
 
 from torch import Tensor
 
-from .base import Divergence, DivergenceParams, Finalized, RowTargets, check_range, xlogratio
+from .base import Divergence, DivergenceParams, Finalized, Real, RowTargets, xlogratio
 from .expr import LOGP, LOGQ, Expr, P, Q, equal, exp, logaddexp, row, where
 
 
@@ -25,18 +25,12 @@ def ratio_product(log_x: Expr, log_y: Expr, log_m: Expr, x: Expr) -> Expr:
 
 
 class SkewBase(Divergence):
-    parameters = ("kl_beta",)
+    parameters = (Real("kl_beta", 0.5, low=0.0, high=1.0, low_open=True, high_open=True),)
     num_sums = 2
-
-    def resolve(self, kl_alpha: object, kl_beta: object, gate: object) -> DivergenceParams:
-        given = 0.5 if kl_beta is None else kl_beta
-        beta = check_range("kl_beta", given, 0.0, 1.0, low_open=True, high_open=True, variant=self.name)
-        return DivergenceParams(beta=float(beta))
 
     @staticmethod
     def beta(params: DivergenceParams) -> float:
-        assert params.beta is not None
-        return params.beta
+        return params.real("kl_beta")
 
 
 class SkewForward(SkewBase):

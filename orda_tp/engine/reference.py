@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..divergences import DivergenceParams
+from ..divergences import LOG_VOCAB, DivergenceParams, EntropyGate
 from ..plan import LossPlan
 from ..teachers.source import TeacherBlocks
 from ..terms import COMPONENTS, STUDENT_TERMS
@@ -46,13 +46,11 @@ def _dkd(logp: Tensor, logq: Tensor, labels: Tensor, params: DivergenceParams) -
     log_p_hat = torch.log_softmax(torch.where(target, neg_inf, logp), dim=-1)
     log_q_hat = torch.log_softmax(torch.where(target, neg_inf, logq), dim=-1)
     nckd = _kl(log_q_hat.exp(), log_q_hat, log_p_hat)
-    assert params.alpha is not None and params.beta is not None
-    return params.alpha * tckd + params.beta * nckd
+    return params.real("kl_alpha") * tckd + params.real("kl_beta") * nckd
 
 
 def _abkd(p: Tensor, q: Tensor, params: DivergenceParams) -> Tensor:
-    a, b = params.alpha, params.beta
-    assert a is not None and b is not None
+    a, b = params.real("kl_alpha"), params.real("kl_beta")
     bracket = p**a * q**b - a / (a + b) * p ** (a + b) - b / (a + b) * q ** (a + b)
     return -bracket.sum(-1) / (a * b)
 
@@ -79,12 +77,6 @@ def _skew_js(p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, beta: float) -> T
     return (1 - beta) * _skew(p, q, logp, logq, beta)[0] + beta * _skew(p, q, logp, logq, beta)[1]
 
 
-def _given(value: float | None) -> float:
-    """A parameter that the variant reads (its ``resolve`` filled it in)."""
-    assert value is not None
-    return value
-
-
 def reference_divergence(name: str, logp: Tensor, logq: Tensor, labels: Tensor, params: DivergenceParams) -> Tensor:
     """Per-row ``D(p, q)`` of variant ``name`` from its definition (autograd-differentiable).
 
@@ -99,13 +91,13 @@ def reference_divergence(name: str, logp: Tensor, logq: Tensor, labels: Tensor, 
         "jeffreys": lambda: forward + reverse,
         "cojeffreys": lambda: forward + reverse,
         "mutual": lambda: _kl(q.detach(), logq.detach(), logp) + _kl(p.detach(), logp.detach(), logq),
-        "alpha_divergence": lambda: _alpha_divergence(p, q, _given(params.alpha)),
-        "skew_forward": lambda: _skew(p, q, logp, logq, _given(params.beta))[0],
-        "skew_reverse": lambda: _skew(p, q, logp, logq, _given(params.beta))[1],
-        "skew_js": lambda: _skew_js(p, q, logp, logq, _given(params.beta)),
+        "alpha_divergence": lambda: _alpha_divergence(p, q, params.real("kl_alpha")),
+        "skew_forward": lambda: _skew(p, q, logp, logq, params.real("kl_beta"))[0],
+        "skew_reverse": lambda: _skew(p, q, logp, logq, params.real("kl_beta"))[1],
+        "skew_js": lambda: _skew_js(p, q, logp, logq, params.real("kl_beta")),
         "entropy_adaptive": lambda: _entropy_adaptive(forward, reverse, q, logq, params),
-        "renyi": lambda: _renyi(logq, logp, _given(params.alpha)),
-        "renyi_reverse": lambda: _renyi(logp, logq, _given(params.alpha)),
+        "renyi": lambda: _renyi(logq, logp, params.real("kl_alpha")),
+        "renyi_reverse": lambda: _renyi(logp, logq, params.real("kl_alpha")),
         "dkd": lambda: _dkd(logp, logq, labels, params),
         "abkd": lambda: _abkd(p, q, params),
         "triangular": lambda: _triangular(p, q),
@@ -114,11 +106,11 @@ def reference_divergence(name: str, logp: Tensor, logq: Tensor, labels: Tensor, 
 
 
 def _entropy_adaptive(forward: Tensor, reverse: Tensor, q: Tensor, logq: Tensor, params: DivergenceParams) -> Tensor:
-    gate = params.gate
-    assert gate is not None
+    gate = params["entropy_gate"]
+    assert isinstance(gate, EntropyGate)
     entropy = -_where_zero(q == 0, q * logq).sum(-1).detach()
     gamma = gate.alpha_min + (gate.alpha_max - gate.alpha_min) * torch.sigmoid(
-        (entropy / params.log_vocab - gate.tau) / gate.scale
+        (entropy / params.real(LOG_VOCAB) - gate.tau) / gate.scale
     )
     return _where_zero(gamma == 0, gamma * forward) + _where_zero(gamma == 1, (1 - gamma) * reverse)
 

@@ -21,8 +21,7 @@ from pathlib import Path
 from types import FunctionType
 from typing import Protocol
 
-from ..config import EntropyGate
-from ..divergences import get_divergence
+from ..divergences import VARIANT_KEYWORDS, get_divergence
 from ..divergences.expr import Expr
 from . import variant_terms
 from .variant_terms import GeneratedFunction
@@ -47,16 +46,14 @@ class RowStep(Protocol):
 
 
 def kernel_source(
-    kernel: str,
-    kl_divergence: str | None = None,
-    *,
-    kl_alpha: float | None = None,
-    kl_beta: float | None = None,
-    entropy_gate: EntropyGate | None = None,
-    row_step: RowStep | None = None,
+    kernel: str, kl_divergence: str | None = None, *, row_step: RowStep | None = None, **variant_parameters: object
 ) -> str:
     """The source of ``kernel`` (one of :data:`KERNELS`), with the generated functions of the
-    variant ``kl_divergence`` (its parameters as the loss takes them) or of ``row_step``."""
+    variant ``kl_divergence`` (its parameters as the loss takes them: ``kl_alpha=``, …) or of
+    ``row_step``."""
+    unknown = [keyword for keyword in variant_parameters if keyword not in VARIANT_KEYWORDS]
+    if unknown:
+        raise TypeError(f"kernel_source() got an unexpected keyword argument {unknown[0]!r}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
     if kl_divergence is not None and kernel not in ("sums", "grads"):
@@ -66,25 +63,16 @@ def kernel_source(
     if row_step is not None and kernel != "rows":
         raise ValueError(f"row_step is for the rows kernel, not {kernel}")
     sections = [_section(_where(function), _text(function)) for function in _jit_closure(kernel)]
-    for generated in _generated(kernel, kl_divergence, kl_alpha, kl_beta, entropy_gate, row_step):
+    for generated in _generated(kernel, kl_divergence, variant_parameters, row_step):
         sections.append(_section(f"generated: {generated.path}", generated.text))
     return "\n\n".join(sections)
 
 
 def print_kernel(
-    kernel: str,
-    kl_divergence: str | None = None,
-    *,
-    kl_alpha: float | None = None,
-    kl_beta: float | None = None,
-    entropy_gate: EntropyGate | None = None,
-    row_step: RowStep | None = None,
+    kernel: str, kl_divergence: str | None = None, *, row_step: RowStep | None = None, **variant_parameters: object
 ) -> None:
     """Print :func:`kernel_source` (same arguments)."""
-    text = kernel_source(
-        kernel, kl_divergence, kl_alpha=kl_alpha, kl_beta=kl_beta, entropy_gate=entropy_gate, row_step=row_step
-    )
-    print(text)
+    print(kernel_source(kernel, kl_divergence, row_step=row_step, **variant_parameters))
 
 
 def _section(title: str, text: str) -> str:
@@ -152,12 +140,7 @@ def _where(function: FunctionType) -> str:
 
 
 def _generated(
-    kernel: str,
-    kl_divergence: str | None,
-    kl_alpha: float | None,
-    kl_beta: float | None,
-    entropy_gate: EntropyGate | None,
-    row_step: RowStep | None,
+    kernel: str, kl_divergence: str | None, variant_parameters: dict[str, object], row_step: RowStep | None
 ) -> list[GeneratedFunction]:
     """The generated functions the kernel is passed for this variant or row step."""
     if row_step is not None:
@@ -165,7 +148,7 @@ def _generated(
     if kl_divergence is None:
         return []
     divergence = get_divergence(kl_divergence)
-    params = divergence.resolve(kl_alpha, kl_beta, entropy_gate)
+    params = divergence.resolve(variant_parameters)
     if kernel == "sums":
         return [variant_terms.column_terms(divergence, params)]
     sides = ("student", "teacher") if divergence.cotrains_teacher else ("student",)

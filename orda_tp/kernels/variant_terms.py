@@ -56,8 +56,7 @@ class GeneratedFunction:
 
 def _variant(divergence: Divergence, params: DivergenceParams) -> str:
     """``kl_divergence='…'`` and the keywords the variant reads, as a call would give them."""
-    values = {"kl_alpha": params.alpha, "kl_beta": params.beta, "entropy_gate": params.gate}
-    keywords = [f"{key}={values[key]!r}" for key in divergence.parameters]
+    keywords = [f"{keyword}={params[keyword]!r}" for keyword in divergence.keywords]
     return ", ".join([f"kl_divergence={divergence.name!r}", *keywords])
 
 

@@ -38,8 +38,8 @@ class PrecomputedTeacher(TeacherSource):
     The tensors' version counters are recorded here; a cache modified in place afterwards is
     rejected when the loss reads it. A tensor without a version counter (made under
     ``torch.inference_mode()``) cannot be watched: it is refused unless
-    ``trust_cache_immutability=True`` promises that it stays unchanged (orda-kernel's meaning; the
-    other tensors are still watched).
+    ``trust_cache_immutability=True`` promises that it stays unchanged (the other tensors are still
+    watched).
     """
 
     logits: torch.Tensor | None = None
@@ -252,14 +252,15 @@ class PrecomputedTeacher(TeacherSource):
         return self._rows_shifted_locally
 
     def prepare_logits(self, dtype: torch.dtype) -> PrecomputedTeacher:
-        """orda-kernel's method: a descriptor whose cached logits are ``dtype`` and contiguous
-        (``self`` when they already are), with the same ``trust_cache_immutability`` and
-        ``logits_temperature``; a logits cache only.
+        """A descriptor whose cached logits are ``dtype`` and contiguous (``self`` when they already
+        are), with the same ``trust_cache_immutability`` and ``logits_temperature``; a logits cache
+        only.
 
-        As in orda-kernel, a cast to another dtype first shifts each row by its largest finite
-        value (softmax and the cross-entropy do not see a shift per row), so that a narrower dtype
-        neither overflows nor spends its precision on the row's offset; finite values below the
-        dtype's range become its lowest finite value. NaN and ±inf stay as they are. The shift is
+        As orda-kernel converts a cache (bitwise alike for finite and −inf values), a cast to another
+        dtype first shifts each row by its largest finite value (softmax and the cross-entropy do
+        not see a shift per row), so that a narrower dtype neither overflows nor spends its
+        precision on the row's offset; finite values below the dtype's range become its lowest
+        finite value. NaN and ±inf stay as they are. The shift is
         taken over the columns the tensor holds: on a DTensor the whole row; plain logits of one
         vocabulary shard are shifted by the shard's own maximum, which the tensor-parallel loss
         rejects (cast such a shard with ``logits.to(dtype)`` instead). Made outside inference
@@ -305,8 +306,7 @@ def _savable(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 def _shift_rows_and_cast(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``logits − m`` per row, ``m`` the row's largest finite value (0 for a row with none),
-    finite results clamped at ``dtype``'s lowest finite value, cast to ``dtype``: orda-kernel's
-    conversion of a cache (for a cache of finite values and −inf, bitwise the same)."""
+    finite results clamped at ``dtype``'s lowest finite value, cast to ``dtype``."""
     finite = torch.isfinite(logits)
     top = torch.where(finite, logits, float("-inf")).amax(dim=-1, keepdim=True)
     shifted = logits - torch.where(torch.isneginf(top), 0.0, top)

@@ -103,7 +103,7 @@ class TeacherSource:
     routing); ``trainable``: whether a loss term may send it a gradient (a descriptor that is not
     is a cache: its tensors are watched for in-place changes, :meth:`check_unmodified`, and its
     values checked where they are read, :meth:`checked_values`); ``default_ce_weight``:
-    ``teacher_ce_weight`` when the call leaves it None (orda-kernel trains a tied teacher's CE).
+    ``teacher_ce_weight`` when the call leaves it None.
     """
 
     kind: str

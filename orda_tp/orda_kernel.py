@@ -1,0 +1,270 @@
+"""orda-kernel 0.1.0's spellings, and their translation into orda_tp's own options.
+
+A call that orda-kernel 0.1.0 takes is taken here. What it spells differently is read here and
+nowhere else; a loss's options translate it once, when they are built
+(``orda_tp.options.LossOptions``), and the rest of the package reads only orda_tp's own options:
+
+- ``KernelConfig``'s loss-keyword fields (:data:`LOSS_OVERRIDES`) replace the call's keywords of
+  the same name (:func:`apply_loss_overrides`);
+- its fields without effect here (``max_fused_size``, ``autotune``, ``refresh_autotune``) are
+  checked as orda-kernel checks them, then dropped with an ``IgnoredArgumentWarning``
+  (:func:`own_config`);
+- ``None`` for ``chunk_size``, ``grad_weight_accumulation`` and ``assume_valid_labels`` is the
+  default;
+- ``ChunkSize.nrows(n)``, ``.dynamic()``, ``.fast()`` and ``.is_dynamic``, ``.is_fast``, ``.value``;
+- :func:`reset_autotune_cache` and :func:`begin_autotune_run`: no-ops.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, TypeVar
+
+from .checks import IgnoredArgumentWarning, caller_stacklevel, check_flag, is_int
+from .divergences.base import EntropyGate
+
+__all__ = [
+    "LOSS_OVERRIDES",
+    "ChunkSizeSpellings",
+    "OrdaKernelFields",
+    "apply_loss_overrides",
+    "begin_autotune_run",
+    "chunk_size_constructors",
+    "own_config",
+    "reset_autotune_cache",
+    "spelled",
+]
+
+T = TypeVar("T")
+C = TypeVar("C", bound="OrdaKernelFields")
+MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
+NONE_MEANS_DEFAULT = ("chunk_size", "grad_weight_accumulation", "assume_valid_labels")
+
+_ROLE = "orda_kernel"  # metadata key: what an orda-kernel field does here
+_NO_AUTOTUNER = "orda_tp autotunes nothing at run time (its Triton kernels take their tiles from a fixed table)"
+_OWN_TILES = (
+    "orda_tp's Triton kernels tile a chunk's columns themselves and the torch backend's column block is vocab_block"
+)
+
+
+def _loss_keyword() -> Any:
+    """A field that overrides the loss keyword of the same name (:func:`apply_loss_overrides`)."""
+    return field(default=None, metadata={_ROLE: "loss keyword"})
+
+
+def _ignored(reason: str) -> Any:
+    """A field accepted and checked as orda-kernel checks it, without effect here (``reason``)."""
+    return field(default=None, metadata={_ROLE: "ignored", "reason": reason})
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class OrdaKernelFields:
+    """The fields of ``KernelConfig`` that only orda-kernel spells (a base of ``KernelConfig``),
+    keyword-only; ``None`` leaves each unset.
+
+    - ``max_fused_size`` (a power of two ≤ 32768), ``autotune`` (a bool or ``"Max"``),
+      ``refresh_autotune`` (a bool): orda-kernel's Triton tile and autotuner settings; checked as
+      there, ignored here with one ``IgnoredArgumentWarning`` per use.
+    - ``kl_weight``, ``kl_temperature``, ``kl_teacher_temperature``, ``kl_divergence``,
+      ``kl_alpha``, ``kl_beta``, ``entropy_gate``: override the call's keyword of the same name
+      (:func:`apply_loss_overrides`); their values are checked as the call's keywords are.
+    """
+
+    max_fused_size: int | None = _ignored(_OWN_TILES)
+    autotune: bool | str | None = _ignored(_NO_AUTOTUNER)
+    refresh_autotune: bool | None = _ignored(_NO_AUTOTUNER)
+    kl_weight: float | None = _loss_keyword()
+    kl_temperature: float | None = _loss_keyword()
+    kl_teacher_temperature: float | None = _loss_keyword()
+    kl_divergence: str | None = _loss_keyword()
+    kl_alpha: float | None = _loss_keyword()
+    kl_beta: float | None = _loss_keyword()
+    entropy_gate: EntropyGate | None = _loss_keyword()
+
+    def __repr__(self) -> str:
+        """``KernelConfig(...)`` with orda_tp's own fields first, then these."""
+        ordered = sorted(fields(self), key=lambda spec: _ROLE in spec.metadata)
+        return (
+            f"{type(self).__name__}(" + ", ".join(f"{spec.name}={getattr(self, spec.name)!r}" for spec in ordered) + ")"
+        )
+
+    def _fill_orda_kernel_nones(self) -> None:
+        """orda-kernel's ``None`` ("the profile's value") for :data:`NONE_MEANS_DEFAULT`: the
+        field's default."""
+        for spec in fields(self):
+            if spec.name in NONE_MEANS_DEFAULT and getattr(self, spec.name) is None:
+                default = spec.default if spec.default_factory is MISSING else spec.default_factory()
+                object.__setattr__(self, spec.name, default)
+
+    def _check_orda_kernel_fields(self) -> None:
+        """The fields, checked as orda-kernel checks them (at the call there, when built here)."""
+        size = self.max_fused_size
+        power_of_two = is_int(size) and 0 < int(size) <= MAX_FUSED_SIZE and int(size) & (int(size) - 1) == 0
+        if size is not None and not power_of_two:
+            raise ValueError(
+                f"KernelConfig.max_fused_size must be a power of two <= {MAX_FUSED_SIZE} or None, got {size!r}"
+            )
+        autotune = self.autotune
+        if not (autotune is None or isinstance(autotune, bool) or (isinstance(autotune, str) and autotune == "Max")):
+            raise ValueError(f"KernelConfig.autotune must be a bool, 'Max' or None, got {autotune!r}")
+        if self.refresh_autotune is not None:
+            check_flag("KernelConfig.refresh_autotune", self.refresh_autotune)
+        if self.entropy_gate is not None and not isinstance(self.entropy_gate, EntropyGate):
+            raise TypeError(
+                f"KernelConfig.entropy_gate must be an EntropyGate or None, got {type(self.entropy_gate).__name__}"
+            )
+
+    def loss_overrides(self) -> dict[str, object]:
+        """The loss keywords this config overrides, by name (the fields that are not None)."""
+        return {name: getattr(self, name) for name in LOSS_OVERRIDES if getattr(self, name) is not None}
+
+    def without_loss_overrides(self: C) -> C:
+        """This config with no loss keyword overridden."""
+        return replace(self, **dict.fromkeys(LOSS_OVERRIDES))
+
+    def ignored_fields(self) -> dict[str, str]:
+        """The fields set here that have no effect, each with the reason."""
+        return {
+            spec.name: spec.metadata["reason"]
+            for spec in fields(self)
+            if spec.metadata.get(_ROLE) == "ignored" and getattr(self, spec.name) is not None
+        }
+
+
+LOSS_OVERRIDES = tuple(spec.name for spec in fields(OrdaKernelFields) if spec.metadata.get(_ROLE) == "loss keyword")
+
+
+def spelled(config: OrdaKernelFields, names: Iterable[str]) -> str:
+    """``KernelConfig(name=value, ...)`` of ``config``'s fields ``names``."""
+    return "KernelConfig(" + ", ".join(f"{name}={getattr(config, name)!r}" for name in names) + ")"
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Equality of plain keyword values (numbers, strings, gates, None); anything else differs."""
+    plain = (type(None), int, float, str, EntropyGate)
+    return isinstance(a, plain) and isinstance(b, plain) and a == b
+
+
+def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, object]:
+    """The keywords of a ``distillation_loss`` call (or ``DistillationLoss`` construction) with
+    orda-kernel's precedence applied: a loss keyword that ``keywords["config"]`` sets
+    (:data:`LOSS_OVERRIDES`) replaces the call's keyword of the same name, whatever the call gave,
+    and the returned ``config`` no longer carries it.
+
+    ``defaults``: the keywords' default values. A keyword the call gave (not its default) that the
+    config replaces by another value gives one ``IgnoredArgumentWarning``, attributed to the
+    caller's line. The values are checked afterwards, as the call's keywords.
+    """
+    merged = dict(keywords)
+    config = merged.get("config")
+    if not isinstance(config, OrdaKernelFields) or not config.loss_overrides():
+        return merged
+    for name, value in config.loss_overrides().items():
+        given = merged[name]
+        if not _same_value(given, defaults[name]) and not _same_value(given, value):
+            warnings.warn(
+                f"{name}={given!r} is ignored: config={spelled(config, [name])} overrides it (as in orda-kernel); "
+                f"leave {name} at its default ({defaults[name]!r}) to silence this warning",
+                IgnoredArgumentWarning,
+                stacklevel=caller_stacklevel(),
+            )
+        merged[name] = value
+    merged["config"] = config.without_loss_overrides()
+    return merged
+
+
+def own_config(config: C) -> C:
+    """``config`` in orda_tp's own spelling: each field without effect here gives one
+    ``IgnoredArgumentWarning``, attributed to the caller's line, and is dropped. A loss keyword
+    that ``config`` still overrides raises: the entry point must apply it first
+    (:func:`apply_loss_overrides`), or it would be ignored without a word."""
+    overrides = config.loss_overrides()
+    if overrides:
+        raise ValueError(
+            f"{spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
+            f"pass {', '.join(overrides)} to the call instead"
+        )
+    ignored = config.ignored_fields()
+    for name, reason in ignored.items():
+        warnings.warn(
+            f"{spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
+            IgnoredArgumentWarning,
+            stacklevel=caller_stacklevel(),
+        )
+    return replace(config, **dict.fromkeys(ignored)) if ignored else config
+
+
+class ChunkSizeSpellings:
+    """orda-kernel's read-only properties of a ``ChunkSize`` (a base of it); its constructors are
+    installed by :func:`chunk_size_constructors`."""
+
+    nrows: int | None
+    fast: bool
+
+    @property
+    def is_dynamic(self) -> bool:
+        """The rows per chunk are chosen for the call (no ``nrows``, not ``fast``); not the
+        ``dynamic`` field, which only matters with an ``nrows``."""
+        return self.nrows is None and not self.fast
+
+    @property
+    def is_fast(self) -> bool:
+        """``fast``."""
+        return self.fast
+
+    @property
+    def value(self) -> int:
+        """The fixed ``nrows`` (``TypeError`` when there is none)."""
+        if self.nrows is None:
+            raise TypeError(f"{self!r} has no nrows value")
+        return self.nrows
+
+
+class _ClassConstructor:
+    """A ``ChunkSize`` field name that is also an orda-kernel constructor: read on the class it is
+    the constructor (``ChunkSize.nrows(512)``); an instance keeps its fields in its ``__dict__``,
+    which a descriptor without ``__set__`` does not shadow (``ChunkSize(nrows=512).nrows == 512``)."""
+
+    def __init__(self, build: Callable[..., object]) -> None:
+        self.build = build
+        self.__doc__ = build.__doc__
+
+    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., object]:
+        return self.build
+
+
+def chunk_size_constructors(cls: type[T]) -> type[T]:
+    """Install orda-kernel's constructors on the ``ChunkSize`` class ``cls``, under its field
+    names (after ``@dataclass``, which would read them as the fields' defaults)."""
+    make: Callable[..., T] = cls
+
+    def exact_rows(n: int) -> T:
+        """``ChunkSize.nrows(n)``: exactly ``n`` rows per chunk (at most the call's rows), never
+        lowered to fit a workspace: ``ChunkSize(nrows=n, dynamic=False)``."""
+        return make(nrows=n, dynamic=False)
+
+    def workspace_rows() -> T:
+        """``ChunkSize.dynamic()``: rows per chunk from the workspace: ``ChunkSize()``."""
+        return make()
+
+    def fast_rows() -> T:
+        """``ChunkSize.fast()``: four times the workspace and the minimum rows: ``ChunkSize(fast=True)``."""
+        return make(fast=True)
+
+    for name, build in (("nrows", exact_rows), ("dynamic", workspace_rows), ("fast", fast_rows)):
+        setattr(cls, name, _ClassConstructor(build))
+    return cls
+
+
+def reset_autotune_cache() -> None:
+    """orda-kernel's ``reset_autotune_cache()`` clears its autotuner's winners, in memory and on
+    disk. orda_tp autotunes nothing at run time (its Triton kernels take their tiles from a fixed
+    table), so there is nothing to clear: a no-op, kept so that ported code runs. The ``triton``
+    backend's generated kernel sources (``ORDA_TP_KERNEL_CACHE``) are not tuning state and stay."""
+
+
+def begin_autotune_run() -> None:
+    """orda-kernel's ``begin_autotune_run()`` starts a new autotuning run (shapes are tuned again
+    once per run). orda_tp autotunes nothing at run time: a no-op, kept so that ported code runs."""
