@@ -99,6 +99,18 @@ def test_renormalized_cache_refuses_variants_infinite_without_support(variant: s
     assert torch.isfinite(out.loss)
 
 
+def test_a_renormalized_cache_refuses_renyi_reverse_of_order_above_one() -> None:
+    """``D_r(p‖q)`` reads ``q^{1−r}``: +inf where q = 0 < p once r > 1, finite below."""
+    problem = make_problem(rows=4, vocab=VOCAB, seed=3)
+    ids, logprobs = topk_of(problem.teacher_logits, K)
+    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, tail="renormalize")
+    call = {"kl_weight": 1.0, "kl_divergence": "renyi_reverse"}
+    with pytest.raises(ValueError, match="kl_divergence='renyi_reverse' is \\+inf on every row .* tail='uniform'"):
+        orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, cache, **call, kl_alpha=1.5)
+    out = orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, cache, **call, kl_alpha=0.6)
+    assert torch.isfinite(out.loss)
+
+
 def test_the_cache_is_read_in_chunks_never_densified() -> None:
     """The walk asks the cache for one chunk's rows at a time (7 here), never for all 16."""
     from orda_tp.teachers.topk import TopKBlocks

@@ -91,6 +91,10 @@ class RenyiReverse(Divergence):
         order = params.real("kl_alpha")
         return order / (order - 1.0) * (power_product(LOGP, LOGQ, P, Q, order) / row("A") - P)
 
+    def infinite_without_support(self, params: DivergenceParams) -> bool:
+        # q^{1−r} = +inf where q = 0 < p for r > 1.
+        return params.real("kl_alpha") > 1.0
+
 
 def ab_gap(log_p: Expr, log_q: Expr, p: Expr, q: Expr, alpha: float, beta: float) -> Expr:
     """Elementwise ``p^α q^β − α/(α+β)·p^{α+β} − β/(α+β)·q^{α+β}`` (≤ 0 by weighted AM–GM).
@@ -111,9 +115,6 @@ def ab_gradient_terms(log_p: Expr, log_q: Expr, p: Expr, alpha: float, beta: flo
     near = -exp((alpha + beta) * log_p) * expm1(exponent)
     far = exp((alpha + beta) * log_p) - exp(alpha * log_p + beta * log_q)
     return where(equal(p, 0.0), 0.0, where(less(absolute(exponent), 1.0), near, far))
-
-    def infinite_without_support(self, params: DivergenceParams) -> bool:
-        return params.real("kl_alpha") > 1.0
 
 
 class ABDivergence(Divergence):
