@@ -340,7 +340,9 @@ class LogitsOptions:
         raising."""
         unknown = [keyword for keyword in variant_parameters if keyword not in VARIANT_KEYWORDS]
         if unknown:
-            raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
+            raise TypeError(
+                f"got an unexpected keyword argument {unknown[0]!r} (the variant keywords are {list(VARIANT_KEYWORDS)})"
+            )
         divergence, params = resolve_divergence(kl_divergence, variant_parameters)
         return LogitsOptions(
             temperature=check_number("temperature", temperature, positive=True),

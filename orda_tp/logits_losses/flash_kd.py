@@ -127,9 +127,6 @@ def flash_ce_kd_loss(
         options = LogitsOptions.resolve(
             temperature=temperature,
             kl_divergence="forward",
-            kl_alpha=None,
-            kl_beta=None,
-            entropy_gate=None,
             ignore_index=ignore_index,
             chunk_rows=0,
             backend=backend,

@@ -199,8 +199,9 @@ class KDLoss(nn.Module):
     student's logits receive a gradient. ``teacher_logits`` may also be a top-k cache,
     ``PrecomputedTeacher(topk_ids=(N, k), topk_logprobs=(N, k), tail=...)`` with one row per label
     (global ids; the whole cache on every rank under tensor parallelism): the loss is that on the
-    dense teacher it stands for (docs/guide.md, "Top-k teacher caches"). ``token_weights`` (the labels' shape, keyword
-    only): per-token weights ``w_i`` of the rows' KL, ``Σ_valid w_i·T²·D / N`` (N unchanged).
+    dense teacher it stands for (docs/guide.md, "Top-k teacher caches"). ``token_weights`` (the
+    labels' shape, keyword only): per-token weights ``w_i`` of the rows' KL, ``Σ_valid w_i·T²·D / N``
+    (N unchanged).
 
     - ``temperature``: ``T`` (finite, > 0), applied to both sides; the loss carries ``T²``.
     - ``fp32_upcast``: accepted for compatibility; statistics are always fp32 (fp64 for fp64
@@ -215,9 +216,11 @@ class KDLoss(nn.Module):
       workspace (``KernelConfig``). Every path,
       tensor-parallel included, walks rows in chunks and never holds more than one chunk's fp32
       logits.
-    - ``kl_divergence``, ``kl_alpha``, ``kl_beta``, ``entropy_gate``: any of the 15 variants, as
+    - ``kl_divergence`` and its parameters, ``**variant_parameters`` (``kl_alpha``, ``kl_beta``,
+      ``entropy_gate``: :data:`orda_tp.divergences.VARIANT_KEYWORDS`): any of the 15 variants, as
       in :func:`orda_tp.distillation_loss` (``mutual``/``cojeffreys`` give their value and the
-      student's gradient; the teacher is never trained here).
+      student's gradient; the teacher is never trained here). A keyword the variant does not read
+      raises a ValueError, one no variant reads a TypeError.
     - ``backend``: "auto" (the Triton kernels on CUDA, else chunked torch), "torch" or "triton".
     """
 
@@ -230,24 +233,20 @@ class KDLoss(nn.Module):
         chunk_size: int = 0,
         *,
         kl_divergence: str = "forward",
-        kl_alpha: float | None = None,
-        kl_beta: float | None = None,
-        entropy_gate: EntropyGate | None = None,
         backend: str = "auto",
+        **variant_parameters: float | EntropyGate | None,
     ) -> None:
         super().__init__()
         self._fp32_upcast = check_flag("fp32_upcast", fp32_upcast)
         self.options = LogitsOptions.resolve(
             temperature=temperature,
             kl_divergence=kl_divergence,
-            kl_alpha=kl_alpha,
-            kl_beta=kl_beta,
-            entropy_gate=entropy_gate,
             ignore_index=ignore_index,
             chunk_rows=check_count("chunk_size", chunk_size, 0),
             backend=backend,
             tp_group=tp_group,
             config=KernelConfig(),
+            **variant_parameters,
         )
 
     @property
