@@ -30,10 +30,9 @@ from .config import KernelConfig
 from .divergences import EntropyGate
 from .engine.block_math import select_backend
 from .engine.fused import ChunkedProblem, chunked_loss
-from .engine.fused_grads import GemmPolicy
 from .engine.logits import statistics_dtype
 from .engine.reference import reference_loss
-from .engine.row_layout import default_workspace_mib
+from .engine.row_groups import GemmPolicy, default_workspace_mib
 from .engine.row_walk import RowWalk
 from .kernels import is_available
 from .options import GradScalerLike, LossOptions, setting_text

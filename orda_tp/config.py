@@ -40,9 +40,9 @@ class KernelConfig(OrdaKernelFields):
       are merged exactly as the records of tensor-parallel shards are (the Triton kernels tile the
       columns themselves).
     - ``workspace_mib``: ``None`` (default): the workspace grows with the device
-      (:func:`orda_tp.engine.row_layout.default_workspace_mib`: on CUDA 2048, 1024 or 512 MiB, the largest
+      (:func:`orda_tp.engine.row_groups.default_workspace_mib`: on CUDA 2048, 1024 or 512 MiB, the largest
       that is at most 1/16 of the free memory; elsewhere 448), and the layout is the measured
-      fastest that fits it (:data:`orda_tp.engine.row_layout.LAYOUT_COSTS`), at least 256 rows
+      fastest that fits it (:data:`orda_tp.engine.row_groups.LAYOUT_COSTS`), at least 256 rows
       per chunk; an int: the workspace in MiB, a hard cap, the fastest measured layout within it.
     - ``grad_weight_accumulation``: the dtype in which a head weight's gradient is summed over
       row groups: ``"fp32"`` (an fp32 buffer of the weight's size), ``"compute"`` (the weight's
@@ -63,7 +63,7 @@ class KernelConfig(OrdaKernelFields):
       ``num_chunks``). A row count asked for this way or by ``num_chunks`` is lowered to fit an
       explicit ``workspace_mib`` when ``chunk_size.dynamic``, as a given ``nrows`` is.
 
-    How the chunking fields become rows per chunk and per group: ``orda_tp.engine.row_layout``.
+    How the chunking fields become rows per chunk and per group: ``orda_tp.engine.row_groups``.
     orda-kernel's other fields, keyword-only, come from :class:`~orda_tp.orda_kernel.OrdaKernelFields`.
     """
 

@@ -296,7 +296,7 @@ def _check_parallel_keywords(values: dict[str, object]) -> None:
 class LogitsOptions:
     """The validated keywords every logits-level loss shares (each loss checks its own sizes).
 
-    ``chunk_rows``: rows per chunk, 0 for the default workspace (``engine.row_layout.row_layout``);
+    ``chunk_rows``: rows per chunk, 0 for the default workspace (``engine.row_groups.row_layout``);
     ``config.vocab_block``: columns per block of the torch backend.
     """
 

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..engine.fused_grads import scale_by_upstream
 from ..engine.logits import LogitGrads, PairedLogits, StoredLogits
+from ..engine.row_groups import scale_by_upstream
 from ..engine.row_walk import GradTarget, walk_rows
 from ..engine.stats import RowStats
 from ..teachers.source import TeacherBlocks

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..engine.block_math import select_backend
 from ..engine.logits import LogitsSource
-from ..engine.row_layout import row_layout
+from ..engine.row_groups import row_layout
 from ..engine.row_walk import GradTarget, RowRange, RowWalk, row_ranges, walk_rows
 from ..engine.stats import RowStats
 from ..options import LogitsOptions

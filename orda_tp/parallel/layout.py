@@ -251,7 +251,7 @@ class LocalShard:
     the shards lie in rank order), its teacher's columns where a separate head must match,
     ``vocab_size`` (None: every column is real), whether its hidden states hold only its rows
     (sequence parallelism), its default chunk workspace in MiB (None: the device's,
-    :func:`orda_tp.engine.row_layout.default_workspace_mib`), and the tensors besides the labels
+    :func:`orda_tp.engine.row_groups.default_workspace_mib`), and the tensors besides the labels
     that every rank must hold alike (``replicated``, named for the error)."""
 
     head: HeadShard
