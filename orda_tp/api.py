@@ -208,8 +208,10 @@ def _run(
         check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
     valid = local.labels != options.ignore_index
     denominator = valid.sum().clamp_min(1) if local.denominator is None else local.denominator
-    inputs = (local.student_hidden, local.weight, *local.teacher.head_inputs())
-    teacher_blocks = local.teacher.block_source(layout.vocab_start, layout.vocab_size)
+    teacher_hidden, teacher_weight, teacher_logits, teacher_blocks = local.teacher.logits_inputs(
+        layout.vocab_start, layout.vocab_size
+    )
+    inputs = (local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits)
     block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))
     with torch.autocast(device.type, enabled=False):
         if block_math is None:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from .config import KernelConfig
-from .divergences import LOG_VOCAB, Divergence, DivergenceParams, VariantFormulas, formulas_of
+from .divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
 from .divergences.expr import Expr, equal, greater, logical_and, where
 from .options import LogitsOptions, LossOptions
 from .records import LogitFamily
@@ -19,18 +19,6 @@ from .teachers import TeacherSource
 from .terms import RAW_STUDENT, RAW_TEACHER, STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 
 __all__ = ["UNSUPPORTED", "LossPlan", "StepKey", "check_sparse_teacher"]
-
-
-def with_vocabulary(divergence: Divergence, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
-    """``params`` completed by ``log V`` of the global real vocabulary where the variant reads it
-    (:attr:`Divergence.reads_log_vocab`: a normalizer, so V ≥ 2)."""
-    if not divergence.reads_log_vocab:
-        return params
-    if vocab_size < 2:
-        raise ValueError(
-            f"kl_divergence={divergence.name!r} needs a vocabulary of at least 2 columns, got {vocab_size}"
-        )
-    return params.with_entry(LOG_VOCAB, math.log(vocab_size))
 
 
 def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weight: float) -> None:
@@ -160,6 +148,7 @@ class LossPlan:
     teacher_temperature: float
     divergence: Divergence | None
     params: DivergenceParams
+    vocab_size: int  # the global real vocabulary
     reduction: str
     ignore_index: int
     teacher_kind: str  # "tied", "separate", "precomputed_logits", "precomputed_hidden" or "precomputed_topk"
@@ -188,6 +177,12 @@ class LossPlan:
     kl_sums_in_gradient_pass: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        # What the formulas read of the global real vocabulary: the terms' 1/V (inf for an empty
+        # vocabulary, which the call's checks refuse) and log V where the variant reads it.
+        inv_vocab = 1.0 / self.vocab_size if self.vocab_size else math.inf
+        object.__setattr__(self, "term_scalars", {**self.term_scalars, "inv_vocab": inv_vocab})
+        if self.divergence is not None and self.divergence.reads_log_vocab:
+            object.__setattr__(self, "params", self.divergence.with_log_vocab(self.params, self.vocab_size))
         computes_kl = self.kl_weight > 0 and self.divergence is not None
         teacher_trains = self.teacher_trainable and (
             self.teacher_role == "cotrained" or (self.teacher_role == "trained" and self.teacher_ce_weight > 0)
@@ -271,10 +266,12 @@ class LossPlan:
             role = "trained"
         else:
             role = "frozen"
-        weights = (
-            f"teacher_ce_weight={teacher_ce_weight}, kl_weight={options.kl_weight}, kl_divergence={divergence.name!r}"
-        )
-        teacher.check_role(role, weights)
+        if teacher.mode is not None and teacher.mode != role:  # the role the descriptor asserts
+            weights = f"teacher_ce_weight={teacher_ce_weight}, kl_weight={options.kl_weight}"
+            raise ValueError(
+                f"{type(teacher).__name__}.mode={teacher.mode!r} but the loss weights make the teacher {role!r} "
+                f"({weights}, kl_divergence={divergence.name!r})"
+            )
         # The registered terms whose weight is > 0, each with its nonzero parameters.
         terms = [
             term(frozenset(name for name in term.parameters if getattr(options, name)))
@@ -285,14 +282,14 @@ class LossPlan:
         return LossPlan(
             student_terms=tuple(terms),
             term_weights=tuple(getattr(options, term.weight) for term in terms),
-            # 1/V (inf for an empty vocabulary, which the call's checks refuse)
-            term_scalars={**scalars, "inv_vocab": 1.0 / vocab_size if vocab_size else math.inf},
+            term_scalars=scalars,
             teacher_ce_weight=teacher_ce_weight,
             kl_weight=options.kl_weight,
             student_temperature=options.kl_temperature,
             teacher_temperature=teacher_temperature,
             divergence=divergence,
-            params=with_vocabulary(divergence, options.params, vocab_size),
+            params=options.params,
+            vocab_size=vocab_size,
             reduction=options.reduction,
             ignore_index=options.ignore_index,
             teacher_kind=teacher.kind,
@@ -312,13 +309,14 @@ class LossPlan:
         return LossPlan(
             student_terms=(CrossEntropy(),) if student_ce_weight > 0 else (),
             term_weights=(student_ce_weight,) if student_ce_weight > 0 else (),
-            term_scalars={"inv_vocab": 1.0 / vocab_size if vocab_size else math.inf},
+            term_scalars={},
             teacher_ce_weight=0.0,
             kl_weight=1.0,
             student_temperature=options.temperature,
             teacher_temperature=options.temperature,
             divergence=options.divergence,
-            params=with_vocabulary(options.divergence, options.params, vocab_size),
+            params=options.params,
+            vocab_size=vocab_size,
             reduction=reduction,
             ignore_index=options.ignore_index,
             teacher_kind=teacher_kind,

@@ -1,7 +1,8 @@
 """The shape of the code, kept as the engine was simplified to (docs/architecture.md, "Reading a call").
 
 - One ``distillation_loss`` call (forward and backward, reverse KL, tied teacher, 8 × 64 rows) runs
-  named functions of at most 14 files and 64 functions of orda_tp on each backend, so that a reader
+  named functions of at most 12 files and 55 functions of orda_tp on the torch backend (56 on the
+  Triton backend, whose launches take one more helper), so that a reader
   follows it top to bottom: api → options → plan → row walker → block math / kernels.
 - No module of orda_tp is over 400 lines, no function over 60 lines (its docstring aside).
 - No import circle between orda_tp's modules (imports inside functions and ``TYPE_CHECKING``
@@ -25,8 +26,8 @@ import torch
 import orda_tp
 
 PACKAGE = Path(orda_tp.__file__).parent
-# 61: api.checked_options, which makes a keyword that fails on one rank of a group raise on every rank.
-MAX_CALL_FILES, MAX_CALL_FUNCTIONS = 14, 64
+MAX_CALL_FILES = 12
+MAX_CALL_FUNCTIONS = {"torch": 55, "triton": 56}
 # A function's length is its body's: the signature (28 keywords for distillation_loss) and the
 # docstring are not counted.
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
@@ -107,7 +108,7 @@ def test_one_call_reads_top_to_bottom(backend: str) -> None:
     files, functions = traced_call(backend)
     listing = "\n".join(f"{file}: {name}" for file, name in sorted(functions))
     assert len(files) <= MAX_CALL_FILES, f"{len(files)} files: {sorted(files)}"
-    assert len(functions) <= MAX_CALL_FUNCTIONS, f"{len(functions)} functions:\n{listing}"
+    assert len(functions) <= MAX_CALL_FUNCTIONS[backend], f"{len(functions)} functions:\n{listing}"
 
 
 def _modules() -> Iterator[tuple[str, ast.Module, int]]:

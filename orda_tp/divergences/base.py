@@ -78,7 +78,7 @@ class EntropyGate:
 
 LOG_VOCAB = "log_vocab"
 """The key of ``log V`` (the global real vocabulary) in the parameters of a variant that reads it
-(:attr:`Divergence.reads_log_vocab`); the plan adds it."""
+(:attr:`Divergence.reads_log_vocab`); the plan adds it (:meth:`Divergence.with_log_vocab`)."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,13 @@ class Divergence:
         """The parameters this variant reads, from the call's keywords ``given`` (absent or None:
         the default), each checked (a bad type raises like a bad range); other keywords unread."""
         return DivergenceParams(tuple((p.keyword, p.resolve(given.get(p.keyword), self.name)) for p in self.parameters))
+
+    def with_log_vocab(self, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
+        """``params`` completed by ``log V`` of the global real vocabulary, for a variant that
+        :attr:`reads_log_vocab` (a normalizer: V ≥ 2)."""
+        if vocab_size < 2:
+            raise ValueError(f"kl_divergence={self.name!r} needs a vocabulary of at least 2 columns, got {vocab_size}")
+        return params.with_entry(LOG_VOCAB, math.log(vocab_size))
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
         """The ``num_sums`` elementwise terms whose column sums round 2 collects."""

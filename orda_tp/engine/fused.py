@@ -94,7 +94,10 @@ def _call_layout(problem: ChunkedProblem, head: HeadTensors, statistics: torch.d
     if plan.teacher_receives_grad:
         teacher_weight = head.weight if plan.tied_head else head.teacher_weight
         operands += [t for t in (head.teacher_hidden, teacher_weight) if t is not None]
-    staging_dtype = problem.gemms.staging_dtype(operands, statistics)
+    # Logit gradients are staged in bf16 where every GEMM operand is a bf16 CUDA tensor (the kernels
+    # write them once, in bf16), else in the statistics dtype.
+    bf16 = statistics == torch.float32 and all(t.is_cuda and t.dtype == torch.bfloat16 for t in operands)
+    staging_dtype = torch.bfloat16 if bf16 else statistics
     staged_bytes = (2 if plan.teacher_receives_grad else 1) * staging_dtype.itemsize if gradients else 0
     logit_bytes = (2 if plan.needs_teacher_logits else 1) * statistics.itemsize
     rows = row_layout(

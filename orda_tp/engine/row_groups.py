@@ -21,9 +21,9 @@ A group's staged ``dS`` (rows × real local columns) feeds ``dh[rows] += dS·W``
 ``dW += dSᵀ·h[rows]`` (and the same for the teacher's tensors): two GEMMs per side and group, but
 one ``dW += [dS_s; dS_t]ᵀ·[h_s; h_t]`` for a tied head that both sides train (one pass over ``dW``,
 both contributions summed in the GEMM's fp32 accumulator): the staging holds the teacher's rows
-after the student's (``LogitGrads.stacked``). Logit gradients are staged in
-:meth:`GemmPolicy.staging_dtype`: bf16 for bf16 operands on CUDA (the kernels write them once, in
-bf16), otherwise in the statistics dtype. fp16 operands then meet an fp32 staging through a
+after the student's (``LogitGrads.stacked``). Logit gradients are staged in the call's staging
+dtype (``engine.fused``'s call layout): bf16 for bf16 operands on CUDA (the kernels write them
+once, in bf16), otherwise in the statistics dtype. fp16 operands then meet an fp32 staging through a
 ``scale`` (``gradient_materialization_scale``, or the GradScaler's scale) that keeps the small
 gradients out of fp16's subnormal range, lowered on the device where it would push the largest
 gradient past fp16's range; the product is divided by it. Without a scale fp16 gradient GEMMs run
@@ -32,8 +32,7 @@ in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -250,38 +249,14 @@ def allocate_buffers(
     return GradientBuffers(*buffers)
 
 
-@contextmanager
-def full_precision_reductions() -> Iterator[None]:
-    """Within it, cuBLAS may not reduce split-K partial sums in bf16/fp16 (torch allows that by
-    default for bf16/fp16 outputs): a gradient GEMM then rounds once, to its output, as its fp32-output
-    counterpart on a vocabulary shard does."""
-    flags = torch.backends.cuda.matmul
-    saved = (flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction)
-    flags.allow_bf16_reduced_precision_reduction = False
-    flags.allow_fp16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
-
-
 @dataclass(frozen=True)
 class GemmPolicy:
     """How staged logit gradients meet the gradient GEMMs: ``scale`` for fp16 materialization."""
 
     scale: float | Tensor | None = None
 
-    @staticmethod
-    def staging_dtype(operands: Sequence[Tensor], statistics: torch.dtype) -> torch.dtype:
-        """The dtype logit gradients are staged in for the gradient GEMMs with ``operands`` (the
-        head weights and hidden states they meet): bf16 when every operand is a bf16 CUDA tensor,
-        else the statistics dtype."""
-        if statistics == torch.float32 and all(t.is_cuda and t.dtype == torch.bfloat16 for t in operands):
-            return torch.bfloat16
-        return statistics
-
     def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor, beta: float) -> None:
-        """``target = beta·target + staged · operand`` with ``staged`` in :meth:`staging_dtype` and
+        """``target = beta·target + staged · operand`` with ``staged`` in the call's staging dtype and
         ``beta`` 1 (add) or 0 (overwrite: ``target`` is not read, so it may hold anything, NaN
         included).
 
@@ -339,7 +314,14 @@ def run_gradient_gemms(
         )
     end, columns = begin + staged.student.shape[0], staged.student.shape[1]
     weight_beta = 0.0 if begin == 0 else 1.0
-    with full_precision_reductions():
+    # cuBLAS may not reduce split-K partial sums in bf16/fp16 here (torch allows it for bf16/fp16
+    # outputs): a gradient GEMM then rounds once, to its output, as its fp32-output counterpart on
+    # a vocabulary shard does.
+    flags = torch.backends.cuda.matmul
+    saved = (flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction)
+    flags.allow_bf16_reduced_precision_reduction = False
+    flags.allow_fp16_reduced_precision_reduction = False
+    try:
         for logit_grads, hidden, weight, hidden_grad, weight_grad in sides:
             if hidden_grad is not None:
                 gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns], beta=0.0)
@@ -351,6 +333,8 @@ def run_gradient_gemms(
             both = torch.cat([head.student_hidden.detach()[begin:end], head.teacher_hidden.detach()[begin:end]])
             rows = torch.where(valid.repeat(2)[:, None], both, 0.0)
             gemms.accumulate(buffers.weight[:columns], staged.stacked.T, rows, beta=weight_beta)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 
 def scale_by_upstream(grads: Sequence[Tensor], upstream: Tensor) -> None:

@@ -10,7 +10,16 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .source import ExpectedShape, ShardReader, TeacherBlocks, TeacherSource, ValueCheck, check_tensor, columns
+from .source import (
+    ExpectedShape,
+    LogitsInputs,
+    ShardReader,
+    TeacherBlocks,
+    TeacherSource,
+    ValueCheck,
+    check_tensor,
+    columns,
+)
 from .topk import TAILS, TopKBlocks, check_topk_values, tail_values
 
 try:
@@ -139,13 +148,17 @@ class PrecomputedTeacher(TeacherSource):
 
     trainable: ClassVar[bool] = False
 
-    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Either the cached logits or the cached hidden and head (a trusted inference tensor as an
-        ordinary tensor over the same memory, see :func:`_savable`)."""
+    def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
+        """The cached logits, the cached hidden and head (a trusted inference tensor as an ordinary
+        tensor over the same memory, see :func:`_savable`), or a top-k cache's blocks."""
         hidden, weight, logits = self.teacher_hidden, self.teacher_weight, self.logits
-        return _savable(hidden), _savable(weight), _savable(logits)
+        return LogitsInputs(
+            _savable(hidden), _savable(weight), _savable(logits), self.block_source(vocab_start, vocab_size)
+        )
 
     def block_source(self, vocab_start: int, vocab_size: int) -> TeacherBlocks | None:
+        """A top-k cache's blocks over the local columns from global column ``vocab_start`` of a real
+        vocabulary of ``vocab_size`` columns (None for the other kinds)."""
         if self.topk_ids is None or self.topk_logprobs is None:
             return None
         logprobs = _savable(self.topk_logprobs)

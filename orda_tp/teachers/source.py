@@ -13,6 +13,7 @@ from torch import Tensor, nn
 __all__ = [
     "TEACHER_MODES",
     "ExpectedShape",
+    "LogitsInputs",
     "SeparateTeacher",
     "ShardReader",
     "SparseLogits",
@@ -86,6 +87,17 @@ class TeacherBlocks(Protocol):
         ...
 
 
+class LogitsInputs(NamedTuple):
+    """Where a teacher's logits come from: ``hidden`` through a head (``weight``, None for the
+    student's own), stored ``logits``, or ``blocks`` the teacher forms itself (a top-k cache);
+    the fields that do not apply are None."""
+
+    hidden: Tensor | None
+    weight: Tensor | None
+    logits: Tensor | None
+    blocks: TeacherBlocks | None
+
+
 class ValueCheck(NamedTuple):
     """A teacher tensor whose values a check reads: finite everywhere, or finite or −inf
     (``allow_neg_inf``, a logits cache where −inf marks an impossible token)."""
@@ -117,20 +129,17 @@ class TeacherSource:
     #: Whether its logits are a head product (``teacher_logit_softcap`` caps them), not a cache of
     #: logits or log-probabilities (taken as already capped).
     reads_head: bool = True
+    #: The role ("trained", "frozen", "cotrained") the descriptor asserts, or None: the plan raises
+    #: where the loss weights give it another (``TiedTeacher.mode``).
+    mode: str | None = None
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
         raise NotImplementedError
 
-    def head_inputs(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """``(hidden, head weight, logits)``: the head is None when it is the student's own; all
-        three None when the teacher forms its logits itself (:meth:`block_source`)."""
+    def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
+        """Where its logits come from over this device's local columns, whose first is global
+        column ``vocab_start`` of a real vocabulary of ``vocab_size`` columns."""
         raise NotImplementedError
-
-    def block_source(self, vocab_start: int, vocab_size: int) -> TeacherBlocks | None:
-        """The teacher's blocks when it forms its logits itself (else None: :meth:`head_inputs`),
-        over this device's local columns, whose first is global column ``vocab_start`` of a
-        real vocabulary of ``vocab_size`` columns."""
-        return None
 
     def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         """The shapes its tensors must have, in the order they are checked, given the student's
@@ -146,9 +155,6 @@ class TeacherSource:
     def vocab_columns(self) -> int | None:
         """The vocabulary columns of its own head or logits (None: it reads the student's head)."""
         return None
-
-    def check_role(self, role: str, weights: str) -> None:
-        """Raise if the descriptor asserts another role than the one the loss ``weights`` give."""
 
     def checked_values(self, real_columns: int) -> list[ValueCheck]:
         """The cached values a host check reads (``real_columns``: its local real columns)."""
@@ -217,20 +223,14 @@ class TiedTeacher(TeacherSource):
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [("hidden", self.hidden)]
 
-    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        return self.hidden, None, None
+    def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
+        return LogitsInputs(self.hidden, None, None, None)
 
     def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         return [ExpectedShape("teacher.hidden", self.hidden, (rows, width), "same shape as student_hidden")]
 
     def localized(self, reader: ShardReader) -> TiedTeacher:
         return TiedTeacher(reader.hidden(self.hidden, "teacher.hidden"), self.mode)
-
-    def check_role(self, role: str, weights: str) -> None:
-        if self.mode is not None and self.mode != role:
-            raise ValueError(
-                f"TiedTeacher.mode={self.mode!r} but the loss weights make the teacher {role!r} ({weights})"
-            )
 
 
 @dataclass(frozen=True)
@@ -254,8 +254,8 @@ class SeparateTeacher(TeacherSource):
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [("hidden", self.hidden), ("weight", self.weight)]
 
-    def head_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        return self.hidden, self.weight, None
+    def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
+        return LogitsInputs(self.hidden, self.weight, None, None)
 
     def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         depth = self.hidden.shape[1]
