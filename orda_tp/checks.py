@@ -47,8 +47,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class IgnoredArgumentWarning(UserWarning):
-    """A keyword that has no effect on this call was given, and is ignored (orda-kernel accepts
-    it silently): e.g. ``kl_alpha`` with a variant that reads no ``kl_alpha``."""
+    """A keyword that has no effect on this call was given, and is ignored: e.g. ``kl_alpha`` with
+    a variant that reads no ``kl_alpha``."""
 
 
 def is_int(value: object) -> TypeGuard[Integral]:

@@ -22,7 +22,7 @@ __all__ = ["UNSUPPORTED", "LossPlan", "StepKey", "check_sparse_teacher"]
 
 
 def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weight: float) -> None:
-    """A cache of logits already divided by ``tempered`` is used as it is (as orda-kernel does):
+    """A cache of logits already divided by ``tempered`` is used as it is:
     it cannot give the teacher CE (``LSE(t) − t_y`` on raw logits), nor another temperature."""
     if teacher_ce_weight > 0:
         raise ValueError(

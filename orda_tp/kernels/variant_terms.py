@@ -17,10 +17,10 @@ what differs between variants, and between the row steps of a call, reaches them
 - ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.engine.row_formulas``),
   over the tuples of its (R,) inputs and its runtime floats.
 
-Triton reads a function's source from its file, so each function's module is written to the
-kernel cache (:mod:`.cache`) as ``sums_terms_<variant>_<hash>.py``, ``partition_sums_<hash>.py``,
-``grads_student_<variant>_<hash>.py``, ``grads_teacher_<variant>_<hash>.py`` or
-``rows_<inputs>_<hash>.py`` and run from the verified text.
+Each function's module runs from its text in memory (:func:`.cache.load_generated_module`), named
+``sums_terms_<variant>_<hash>``, ``partition_sums_<hash>``, ``grads_student_<variant>_<hash>``,
+``grads_teacher_<variant>_<hash>`` or ``rows_<inputs>_<hash>``; a file is written only under
+``ORDA_TP_KERNEL_CACHE``, where that is set.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ STEM_LIMIT = 48  # the characters of a row step's inputs kept in its file name
 @dataclass(frozen=True)
 class GeneratedFunction:
     """A generated ``@triton.jit`` function (``function``, to pass as a kernel's constexpr
-    argument), the text of its module and the cache file that holds it."""
+    argument), the text of its module and the filename it runs under (a pseudo-filename, or its
+    file under ``ORDA_TP_KERNEL_CACHE``)."""
 
     function: object
     name: str
