@@ -57,8 +57,8 @@ EXEMPT = {
     "lm_head.py:DistillationHead.from_linear": BUILT_BY_THE_USER,
     "options.py:resolve_divergence": "its second raise (a parameter the variant does not read) is raised with "
     "unused='raise' only, by KDLoss's constructor; the first is reached",
-    "options.py:resolve_config": "its third raise (a config that still overrides loss keywords) guards the "
-    "entry points, which apply a config's loss keywords first; the others are reached",
+    "options.py:LogitsOptions.resolve": "its raise (a keyword no variant reads) is KDLoss's constructor's: "
+    + BUILT_BY_THE_USER,
     "parallel/local_shards.py:_localize": "its tp_group-against-mesh check needs a second process group of other "
     "ranks than the mesh's (test_tensor_parallel's DTensor workers cover it); the others are reached",
     "parallel/local_shards.py:DTensorShards.head": "needs a 2-D mesh (a teacher head sharded on another mesh "
