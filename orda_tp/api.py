@@ -43,7 +43,14 @@ from .parallel.shard_exchange import ShardExchange
 from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
 
-__all__ = ["DistillationLoss", "DistillationLossOutput", "agreed_call", "distillation_loss", "is_available"]
+__all__ = [
+    "DistillationLoss",
+    "DistillationLossOutput",
+    "agreed_call",
+    "call_text",
+    "distillation_loss",
+    "is_available",
+]
 
 TeacherArgument = TeacherSource | TeacherHead
 Checked = TypeVar("Checked")  # what a front door's checks return beside its share of the call
@@ -151,17 +158,13 @@ def _one_device_inputs(
     return local, LocalShard(head=HeadShard("weight", weight, 0), labels=labels, vocab_size=options.vocab_size)
 
 
-def _call_text(options: LossOptions, teacher: TeacherSource, num_valid_tokens: object, token_weights: object) -> str:
-    """A tensor-parallel call's settings, which every rank must share: the keywords, the teacher
-    descriptor and the per-call arguments."""
-    return "\n".join(
-        [
-            options.settings_text,
-            teacher.settings_text(),
-            f"token_weights={'<given>' if token_weights is not None else None}",
-            f"num_valid_tokens={setting_text(num_valid_tokens)}",
-        ]
-    )
+def call_text(settings: str, teacher: str, token_weights: object, denominator: tuple[str, object]) -> str:
+    """A tensor-parallel call's settings, which every rank must share, as ``name=value`` lines: its
+    keywords' ``settings``, its ``teacher``'s, whether ``token_weights`` were given, and its given
+    denominator ``(name, value)`` (a tensor by its presence: it is never read)."""
+    name, value = denominator
+    weights = f"token_weights={'<given>' if token_weights is not None else None}"
+    return "\n".join([settings, teacher, weights, f"{name}={setting_text(value)}"])
 
 
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
@@ -192,7 +195,9 @@ def _run(
         call_group(weight, options.tp_group) if sharded else None,
         lambda: checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights),
         options.kernel_config.host_checks,
-        lambda: _call_text(options, teacher, num_valid_tokens, token_weights),
+        lambda: call_text(
+            options.settings_text, teacher.settings_text(), token_weights, ("num_valid_tokens", num_valid_tokens)
+        ),
     )
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     config, device = plan.config, local.student_hidden.device

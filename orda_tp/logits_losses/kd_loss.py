@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..api import agreed_call
+from ..api import agreed_call, call_text
 from ..checks import (
     check_count,
     check_denominator,
@@ -28,7 +28,7 @@ from ..checks import (
 from ..config import HOST_WORKSPACE_MIB, KernelConfig
 from ..divergences import EntropyGate
 from ..engine.logits import StoredLogits, statistics_dtype
-from ..options import LogitsOptions, setting_text
+from ..options import LogitsOptions
 from ..parallel.dtensor import MeshAxis
 from ..parallel.layout import HeadShard, LocalShard, fail_on_every_rank
 from ..plan import LossPlan, check_sparse_teacher
@@ -130,13 +130,11 @@ def _kd_loss(
         group,
         lambda: _check_call(options, student_logits, teacher_logits, labels, num_batch_labels, token_weights, axis),
         options.config.host_checks,
-        lambda: "\n".join(
-            [
-                options.settings_text,
-                "teacher_logits=<tensor>" if cache is None else cache.settings_text(),
-                f"token_weights={'<given>' if token_weights is not None else None}",
-                f"num_batch_labels={setting_text(num_batch_labels)}",
-            ]
+        lambda: call_text(
+            options.settings_text,
+            "teacher_logits=<tensor>" if cache is None else cache.settings_text(),
+            token_weights,
+            ("num_batch_labels", num_batch_labels),
         ),
     )
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
