@@ -40,7 +40,7 @@ from .logits import LogitGrads, TeacherBlock
 from .row_formulas import RowProgram
 from .stats import GradRows
 
-__all__ = ["TritonBlockMath", "scale_in_place"]
+__all__ = ["TritonBlockMath", "grid_launcher", "scale_in_place"]
 
 MERGE_BLOCK_R = 128
 ROWS_BLOCK_R = 128
@@ -50,7 +50,7 @@ SCALE_PROGRAMS = 1056  # 8 per SM of an H200 (132 SMs): each strides over the bl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launch(kernel: KernelInterface[Any], launch_grid: tuple[int, ...]) -> Callable[..., object]:
+def grid_launcher(kernel: KernelInterface[Any], launch_grid: tuple[int, ...]) -> Callable[..., object]:
     """``kernel[launch_grid]``, called with torch tensors and Python numbers (the kernels'
     annotations give their arguments' types inside the kernel)."""
     launcher: Callable[..., object] = kernel[launch_grid]
@@ -126,7 +126,7 @@ class TritonBlockMath:
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         cap_values, capped = _caps(caps)
-        _launch(partition_kernel, launch)(
+        grid_launcher(partition_kernel, launch)(
             student, other, labels, partial, rows, cols, student.stride(0), stride_t, col_start, per_split,
             cap_values, sparse, tuple(1.0 / family.temperature for family in families),
             READS_TEACHER=tuple(family.side == "teacher" for family in families),
@@ -151,7 +151,7 @@ class TritonBlockMath:
         shards' gathered records) in one launch (see ``records.merge_stacked_partition_records``)."""
         splits, rows, width = stacked.shape
         merged = torch.empty(rows, width, dtype=torch.float32, device=stacked.device)
-        _launch(merge_kernel, (triton.cdiv(max(rows, 1), MERGE_BLOCK_R),))(
+        grid_launcher(merge_kernel, (triton.cdiv(max(rows, 1), MERGE_BLOCK_R),))(
             stacked, merged, rows, splits, NUM_FAMILIES=num_families, WIDTH=width, BLOCK_R=MERGE_BLOCK_R
         )
         return PartitionRecord.unpack(merged, num_families)
@@ -171,7 +171,7 @@ class TritonBlockMath:
         out = torch.empty(launch[1], rows, terms.outputs, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap))
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
-        _launch(sums_kernel, launch)(
+        grid_launcher(sums_kernel, launch)(
             student, other, labels, lse_u, lse_v, out, rows, cols, student.stride(0), stride_t,
             lse_u.stride(0), lse_v.stride(0), col_start, per_split, cap_values, sparse,
             (1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature),
@@ -195,7 +195,7 @@ class TritonBlockMath:
         count = values[program.inputs[0]].shape[0]
         out = torch.empty(count, len(program.exprs), dtype=like.dtype, device=like.device)
         formulas = variant_terms.row_step(program.inputs, program.scalars, program.exprs)
-        _launch(rows_kernel, (triton.cdiv(max(count, 1), ROWS_BLOCK_R),))(
+        grid_launcher(rows_kernel, (triton.cdiv(max(count, 1), ROWS_BLOCK_R),))(
             out,
             count,
             tuple((values[name], values[name].stride(0)) for name in program.inputs),
@@ -232,7 +232,7 @@ class TritonBlockMath:
         if terms is not None:
             sums = torch.empty(launch[1], n_rows, num_sums, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap if teacher is not None else None))
-        _launch(grads_kernel, launch)(
+        grid_launcher(grads_kernel, launch)(
             student, other, labels, rows.packed, out.student, out_t, sums, n_rows, cols, student.stride(0),
             stride_t, out.student.stride(0), out_t.stride(0), col_start, per_split, cap_values, sparse,
             (1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature), plan.kl_grad_weights,
@@ -263,4 +263,4 @@ def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:
         count = tensor.numel()
         if count:
             programs = min(triton.cdiv(count, SCALE_BLOCK), SCALE_PROGRAMS)
-            _launch(scale_kernel, (programs,))(tensor, factor, count, BLOCK=SCALE_BLOCK)
+            grid_launcher(scale_kernel, (programs,))(tensor, factor, count, BLOCK=SCALE_BLOCK)

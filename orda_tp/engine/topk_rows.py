@@ -1,0 +1,99 @@
+"""The k largest scaled logits of each row and its log-partition, merged block by block.
+
+A row's top-k is ordered by value, largest first, and among equal values by column, lowest first
+(``−0.0`` counts as ``+0.0``): the order is a total order on (value, column), so the result is the
+same whichever blocks, chunks or ranks the columns were split into. :class:`TopKRows` holds the
+candidates seen so far; two of them merge with :func:`merge_topk` (two stable sorts: by column,
+then by value), and their log-partitions with ``logaddexp``. Where a row has fewer than ``k``
+columns, the missing entries hold :data:`UNSEEN` (value ``−inf``), after every column.
+
+The Triton kernel (:mod:`orda_tp.kernels.topk`) orders the same pairs as one int64 key each
+(:func:`decode_keys` reads them back): the fp32 value's bits, made monotone, above the
+complemented column, so that a larger key is a larger value or an equal value at a lower column.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["UNSEEN", "TopKRows", "block_topk", "decode_keys", "kernel_topk", "merge_topk"]
+
+#: The id of an entry that stands for no column (a row with fewer than ``k`` columns).
+UNSEEN = -1
+_LAST_ID = torch.iinfo(torch.int64).max  # UNSEEN's place in the column order: after every column
+_LOW_WORD = 0xFFFFFFFF
+
+
+class TopKRows(NamedTuple):
+    """Rows' best ``k`` candidates so far: ``values`` (rows, k) scaled logits, largest first;
+    ``ids`` (rows, k) int64 global columns (:data:`UNSEEN` where none); ``log_partition`` (rows,)
+    ``LSE`` of the scaled logits of the columns seen."""
+
+    values: Tensor
+    ids: Tensor
+    log_partition: Tensor
+
+
+def merge_topk(parts: list[TopKRows], k: int) -> TopKRows:
+    """The best ``k`` of the candidates of ``parts`` (disjoint columns of the same rows), in the
+    module's order, and their log-partitions combined (``LSE`` of the parts' ``LSE``)."""
+    values = torch.cat([part.values for part in parts], dim=1)
+    ids = torch.cat([part.ids for part in parts], dim=1)
+    by_id = torch.where(ids == UNSEEN, _LAST_ID, ids).argsort(dim=1, stable=True)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = torch.where(values == 0, 0.0, values).argsort(dim=1, descending=True, stable=True)[:, :k]
+    log_partition = torch.stack([part.log_partition for part in parts]).logsumexp(dim=0)
+    return TopKRows(values.gather(1, by_value), ids.gather(1, by_value), log_partition)
+
+
+def block_topk(logits: Tensor, first_id: int, k: int) -> TopKRows:
+    """The best ``k`` columns of a block of scaled ``logits`` (rows, width) whose column 0 is global
+    id ``first_id`` (a stable sort: equal values keep their column order), with ``UNSEEN`` entries
+    where ``width < k``, and the block's log-partition."""
+    rows, width = logits.shape
+    order = torch.where(logits == 0, 0.0, logits).argsort(dim=1, descending=True, stable=True)[:, :k]
+    values = logits.gather(1, order)
+    ids = order + first_id
+    if width < k:
+        values = torch.cat([values, values.new_full((rows, k - width), float("-inf"))], dim=1)
+        ids = torch.cat([ids, ids.new_full((rows, k - width), UNSEEN)], dim=1)
+    return TopKRows(values, ids, logits.logsumexp(dim=1))
+
+
+def decode_keys(keys: Tensor, first_id: int) -> tuple[Tensor, Tensor]:
+    """The fp32 values and global ids of the kernel's int64 ``keys``: the high word holds the
+    value's bits made monotone (negative bit patterns with all but the sign flipped), the low word
+    ``2³² − 1 − column``; the key ``INT64_MIN`` is :data:`UNSEEN`."""
+    high = (keys >> 32).to(torch.int32)
+    values = torch.where(high >= 0, high, high ^ 0x7FFFFFFF).view(torch.float32)
+    ids = _LOW_WORD - (keys & _LOW_WORD) + first_id
+    unseen = keys == torch.iinfo(torch.int64).min
+    return values.masked_fill(unseen, float("-inf")), ids.masked_fill(unseen, UNSEEN)
+
+
+#: The kernel's group of columns ranked by their best element, its block of columns per step and
+#: its warps per row (measured on an H200: docs/benchmarks.md).
+KERNEL_GROUP, KERNEL_BLOCK, KERNEL_WARPS = 16, 4096, 8
+
+
+def kernel_topk(logits: Tensor, k: int, first_id: int, inv_temperature: float, cap: float | None) -> TopKRows:
+    """The Triton kernel's best ``k`` of (rows, columns) ``logits`` (columns contiguous; any float
+    dtype, read as fp32), scaled by ``cap`` and ``inv_temperature``, column 0 being ``first_id``."""
+    from ..kernels.topk import topk_kernel  # imports triton: only where it runs
+    from .triton_math import grid_launcher
+
+    rows, columns = logits.shape
+    width = max(2, 1 << (k - 1).bit_length())  # the kernel's K: a power of two
+    keys = torch.empty(rows, width, dtype=torch.int64, device=logits.device)
+    log_partition = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        block = max(KERNEL_BLOCK, width * KERNEL_GROUP)
+        grid_launcher(topk_kernel, (rows,))(
+            logits, logits.stride(0), columns, keys, log_partition, inv_temperature, 1.0 if cap is None else cap,
+            HAS_CAP=cap is not None, K=width, GROUP=KERNEL_GROUP, BLOCK=block, num_warps=KERNEL_WARPS,
+        )  # fmt: skip
+    values, ids = decode_keys(keys[:, :k], first_id)
+    return TopKRows(values, ids, log_partition)

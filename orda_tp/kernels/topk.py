@@ -1,0 +1,96 @@
+"""Each row's ``K`` largest scaled logits and its log-partition, in one pass over its columns.
+
+One program per row reads the row's fp32 logits in blocks of ``BLOCK`` columns, scales them
+(soft-cap ``c·tanh(x/c)``, then ``/T``), updates the online log-partition (``m``, ``z``) and keeps
+the ``K`` best *groups*: runs of ``GROUP`` columns ranked by their largest element. The row's
+``K`` best columns lie in its ``K`` best groups (each group ahead of a column's own holds an
+element ahead of it), so a second, short pass reads those ``K·GROUP`` columns again and takes
+their top ``K``. The sorts run on int64 keys (:func:`order_keys`) ordered as
+:mod:`orda_tp.engine.topk_rows` orders (value, column) pairs, so the result has its tie order;
+a group's key is its best element's. ``K`` and ``GROUP`` are powers of two, ``BLOCK ≥ K·GROUP``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .block_io import softcap
+from .partition import online_lse_update
+
+__all__ = ["order_keys", "topk_kernel"]
+
+#: The key of no column, below every column's.
+NO_KEY: tl.constexpr = tl.constexpr(-(2**63))
+
+
+@triton.jit
+def order_keys(x: tl.tensor, columns: tl.tensor, ok: tl.tensor) -> tl.tensor:
+    """int64 keys of fp32 values ``x`` at local ``columns`` (``NO_KEY`` where not ``ok``): the
+    value's bits, negative patterns with all but the sign flipped (monotone; ``−0.0`` as
+    ``+0.0``), above ``2³² − 1 − column``."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    monotone = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    keys = (monotone << 32) | (0xFFFFFFFF - columns.to(tl.int64))
+    return tl.where(ok, keys, NO_KEY)
+
+
+@triton.jit
+def scaled_logits(
+    row_ptr: tl.tensor,
+    columns: tl.tensor,
+    ok: tl.tensor,
+    inv_temperature: tl.tensor,
+    cap: tl.tensor,
+    HAS_CAP: tl.constexpr,
+) -> tl.tensor:
+    """The row's logits at ``columns`` in fp32, soft-capped and divided by the temperature
+    (``−inf`` where not ``ok``)."""
+    x = tl.load(row_ptr + columns, mask=ok, other=0.0).to(tl.float32)
+    if HAS_CAP:
+        x = softcap(x, cap)
+    return tl.where(ok, x * inv_temperature, float("-inf"))
+
+
+@triton.jit
+def merged_keys(a: tl.tensor, b: tl.tensor, K: tl.constexpr) -> tl.tensor:
+    """The ``K`` largest of two (K,) key vectors."""
+    return tl.topk(tl.reshape(tl.join(a, b), [2 * K]), K)
+
+
+@triton.jit
+def topk_kernel(
+    logits_ptr: tl.tensor,
+    row_stride: tl.tensor,
+    columns: tl.tensor,
+    keys_ptr: tl.tensor,
+    log_partition_ptr: tl.tensor,
+    inv_temperature: tl.tensor,
+    cap: tl.tensor,
+    HAS_CAP: tl.constexpr,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    """Row ``program_id(0)`` of the (rows, ``columns``) logits: its ``K`` best keys, largest first,
+    into ``keys`` (rows, K) and ``LSE`` of its scaled logits into ``log_partition`` (rows,)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    best_groups = tl.full([K], NO_KEY, tl.int64)
+    m = tl.full([1], float("-inf"), tl.float32)
+    z = tl.zeros([1], tl.float32)
+    for start in tl.range(0, columns, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        ok = offsets < columns
+        x = scaled_logits(row_ptr, offsets, ok, inv_temperature, cap, HAS_CAP)
+        m, z = online_lse_update(m, z, tl.reshape(x, [1, BLOCK]))
+        group_keys = tl.max(tl.reshape(order_keys(x, offsets, ok), [BLOCK // GROUP, GROUP]), axis=1)
+        if tl.max(group_keys, axis=0) > tl.min(best_groups, axis=0):
+            best_groups = merged_keys(best_groups, tl.topk(group_keys, K), K)
+    group_starts = ((0xFFFFFFFF - (best_groups & 0xFFFFFFFF)) // GROUP) * GROUP
+    offsets = group_starts[:, None] + tl.arange(0, GROUP)[None, :]
+    ok = (best_groups != NO_KEY)[:, None] & (offsets < columns)
+    x = scaled_logits(row_ptr, offsets, ok, inv_temperature, cap, HAS_CAP)
+    best = tl.topk(tl.reshape(order_keys(x, offsets, ok), [K * GROUP]), K)
+    tl.store(keys_ptr + row * K + tl.arange(0, K), best)
+    tl.store(log_partition_ptr + row + tl.arange(0, 1), m + tl.log(z))
