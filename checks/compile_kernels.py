@@ -27,6 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import orda_tp  # noqa: E402
+from orda_tp import topk_extraction  # noqa: E402
 from orda_tp.engine import block_math, triton_math  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -67,13 +68,20 @@ def captured_launches(call: Callable[[], object]) -> list[Launch]:
 
         return record
 
-    saved = triton_math._launch, block_math.unavailable_reason
-    triton_math._launch, block_math.unavailable_reason = recorder, lambda *args, **kwargs: None
+    def available(*args: object, **kwargs: object) -> None:
+        return None
+
+    patched = [(triton_math, "grid_launcher", recorder), (block_math, "unavailable_reason", available),
+               (topk_extraction, "unavailable_reason", available)]  # fmt: skip
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, value in patched:
+        setattr(module, name, value)
     block_math.select_backend.cache_clear()
     try:
         call()
     finally:
-        triton_math._launch, block_math.unavailable_reason = saved
+        for module, name, value in saved:
+            setattr(module, name, value)
         block_math.select_backend.cache_clear()
     return list(launches.values())
 
@@ -96,8 +104,8 @@ def subnormal_exponentials(ptx: str) -> int:
 
 def calls() -> dict[str, Callable[[], object]]:
     """Representative calls: a tied KD with every student term and soft-caps, a separate teacher
-    with a co-training variant, a top-k cache, the logits-level KDLoss, and backward's in-place
-    scaling."""
+    with a co-training variant, a top-k cache, the logits-level KDLoss, a teacher's top-k
+    extraction, and backward's in-place scaling."""
     generator = torch.Generator().manual_seed(0)
     rows, hidden, vocab = 48, 32, 3000
     student = (torch.randn(rows, hidden, generator=generator) / 2).requires_grad_()
@@ -128,12 +136,19 @@ def calls() -> dict[str, Callable[[], object]]:
         loss.backward()
         return loss
 
+    def teacher_topk() -> object:  # the outputs are never written: their log-partition may be anything
+        try:
+            return orda_tp.teacher_topk(teacher_hidden, teacher_weight, 64, temperature=2.0, logit_softcap=30.0,
+                                        backend="triton")  # fmt: skip
+        except ValueError:
+            return None
+
     def scale() -> object:  # what backward runs on CUDA gradient buffers (torch's foreach on the CPU)
         triton_math.scale_in_place([torch.empty(1000, dtype=torch.bfloat16)], torch.tensor(0.5))
         return None
 
     return {"tied KD + terms + caps": tied_terms, "separate mutual": separate_mutual, "top-64 skew_js": topk_skew,
-            "KDLoss": kd_loss, "backward's scale": scale}  # fmt: skip
+            "KDLoss": kd_loss, "teacher top-64": teacher_topk, "backward's scale": scale}  # fmt: skip
 
 
 def main() -> int:

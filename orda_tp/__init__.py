@@ -30,6 +30,7 @@ from .lm_head import DistillationHead, HeadOutput
 from .logits_losses import KDLoss, flash_ce_kd_loss
 from .orda_kernel import begin_autotune_run, reset_autotune_cache
 from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
+from .topk_extraction import TeacherTopK, teacher_topk, teacher_topk_of_logits
 from .vocab_parallel import VocabParallel
 
 __version__ = "0.1.0"
@@ -60,6 +61,7 @@ __all__ = [
     "PrecomputedTeacher",
     "SeparateTeacher",
     "TeacherHead",
+    "TeacherTopK",
     "TiedTeacher",
     "VocabParallel",
     "begin_autotune_run",
@@ -67,4 +69,6 @@ __all__ = [
     "flash_ce_kd_loss",
     "is_available",
     "reset_autotune_cache",
+    "teacher_topk",
+    "teacher_topk_of_logits",
 ]
