@@ -132,7 +132,10 @@ def sweep(device: torch.device, args: argparse.Namespace) -> None:
 
 
 def tensor_parallel(args: argparse.Namespace) -> bool:
-    """Each rank's extraction from its uneven, padded shard equals the single-device one."""
+    """Each rank's extraction from its uneven, padded shard equals the single-device one: the same
+    ids (a pair of swapped ids only at a tie within fp32 rounding: cuBLAS may round a shard's GEMM
+    differently), log-probabilities within fp32 rounding (the log-partition is merged from the
+    ranks' parts), and bitwise the same result on every rank."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", 0 if args.shared_gpu else rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -149,10 +152,18 @@ def tensor_parallel(args: argparse.Namespace) -> bool:
             shard = w[start : start + sizes[rank]]
             split = teacher_topk(h, shard, k, vocab_size=vocab, tp_group=dist.group.WORLD, backend=backend,
                                  temperature=1.5)  # fmt: skip
-            same = bool((split.ids == single.ids).all()) and bool((split.logprobs == single.logprobs).all())
-            ok &= same
+            error = float((split.logprobs - single.logprobs).abs().max())
+            moved = split.ids != single.ids
+            near_ties = bool((single.logprobs[moved] - split.logprobs[moved]).abs().le(1e-5).all())
+            packed = torch.cat([split.ids.double(), split.logprobs.double()], dim=1).cpu()
+            gathered = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(gathered, packed)
+            ranks_agree = all(torch.equal(part, gathered[0]) for part in gathered)
+            passed = error <= 1e-5 and near_ties and ranks_agree
+            ok &= passed
             if rank == 0:
-                emit(part="tp", world=world, backend=backend, k=k, identical=same)
+                emit(part="tp", world=world, backend=backend, k=k, moved_ids=int(moved.sum()), max_abs_error=error,
+                     ranks_agree=ranks_agree, passed=passed)  # fmt: skip
     dist.destroy_process_group()
     return ok
 

@@ -283,7 +283,7 @@ def _local_topk(
     (begin, end), real, first_id = rows, layout.real_local_columns, layout.vocab_start
     if real == 0:  # a shard of padding only
         empty = torch.full((end - begin, s.k), float("-inf"), dtype=dtype, device=device)
-        return TopKRows(empty, torch.full_like(empty, UNSEEN, dtype=torch.int64), empty[:, 0])
+        return TopKRows(empty, torch.full_like(empty, UNSEEN, dtype=torch.int64), empty[:, 0])  # log_sum: -inf
     if s.backend == "triton":
         return kernel_topk(source.kernel(begin, end), s.k, first_id, 1.0 / s.temperature, s.logit_softcap)
     width = real if s.backend == "reference" else min(s.config.vocab_block, real)
@@ -309,7 +309,7 @@ def _merged_across(local: TopKRows, k: int, group: dist.ProcessGroup) -> TopKRow
     """Every rank's candidates and log-partitions of the same rows, gathered in one all-gather of
     ``(rows, 2k + 1)`` int64 and merged (the same on every rank)."""
     dtype = local.values.dtype
-    packed = torch.cat([_as_int64(local.values), local.ids, _as_int64(local.log_partition[:, None])], dim=1)
+    packed = torch.cat([_as_int64(local.values), local.ids, _as_int64(local.log_sum[:, None])], dim=1)
     parts = [
         TopKRows(_from_int64(part[:, :k], dtype), part[:, k : 2 * k], _from_int64(part[:, 2 * k], dtype))
         for part in all_gather_rows(packed, group)
@@ -334,7 +334,7 @@ def _extract(
         if layout.group is not None:
             found = _merged_across(found, k, layout.group)
         ids[begin:end], log_partition[begin:end] = found.ids, found.log_partition
-        logprobs[begin:end] = found.values - found.log_partition[:, None]
+        logprobs[begin:end] = (found.values - found.values[:, :1]) - found.log_sum[:, None]
     bad = ~torch.isfinite(log_partition)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])

@@ -4,8 +4,11 @@ A row's top-k is ordered by value, largest first, and among equal values by colu
 (``−0.0`` counts as ``+0.0``): the order is a total order on (value, column), so the result is the
 same whichever blocks, chunks or ranks the columns were split into. :class:`TopKRows` holds the
 candidates seen so far; two of them merge with :func:`merge_topk` (two stable sorts: by column,
-then by value), and their log-partitions with ``logaddexp``. Where a row has fewer than ``k``
-columns, the missing entries hold :data:`UNSEEN` (value ``−inf``), after every column.
+then by value). A row's log-partition is held relative to its best value ``m = values[:, 0]``:
+``log_sum = log Σ_j e^{t_j − m}`` (so ``LSE = m + log_sum``), which keeps the log-probability
+``t − LSE = (t − m) − log_sum`` of a peaked row as exact as ``log_softmax``'s, never the difference
+of two large, rounded numbers. Where a row has fewer than ``k`` columns, the missing entries hold
+:data:`UNSEEN` (value ``−inf``), after every column.
 
 The Triton kernel (:mod:`orda_tp.kernels.topk`) orders the same pairs as one int64 key each
 (:func:`decode_keys` reads them back): the fp32 value's bits, made monotone, above the
@@ -29,30 +32,38 @@ _LOW_WORD = 0xFFFFFFFF
 
 class TopKRows(NamedTuple):
     """Rows' best ``k`` candidates so far: ``values`` (rows, k) scaled logits, largest first;
-    ``ids`` (rows, k) int64 global columns (:data:`UNSEEN` where none); ``log_partition`` (rows,)
-    ``LSE`` of the scaled logits of the columns seen."""
+    ``ids`` (rows, k) int64 global columns (:data:`UNSEEN` where none); ``log_sum`` (rows,)
+    ``log Σ_j e^{t_j − values[:, 0]}`` over the scaled logits ``t`` of the columns seen."""
 
     values: Tensor
     ids: Tensor
-    log_partition: Tensor
+    log_sum: Tensor
+
+    @property
+    def log_partition(self) -> Tensor:
+        """``LSE_j t_j`` of the columns seen."""
+        return self.values[:, 0] + self.log_sum
 
 
 def merge_topk(parts: list[TopKRows], k: int) -> TopKRows:
     """The best ``k`` of the candidates of ``parts`` (disjoint columns of the same rows), in the
-    module's order, and their log-partitions combined (``LSE`` of the parts' ``LSE``)."""
+    module's order, and their log-partitions combined: ``log_sum = LSE_p (m_p − m + log_sum_p)``
+    with ``m = max_p m_p`` the merged best value."""
     values = torch.cat([part.values for part in parts], dim=1)
     ids = torch.cat([part.ids for part in parts], dim=1)
     by_id = torch.where(ids == UNSEEN, _LAST_ID, ids).argsort(dim=1, stable=True)
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
     by_value = torch.where(values == 0, 0.0, values).argsort(dim=1, descending=True, stable=True)[:, :k]
-    log_partition = torch.stack([part.log_partition for part in parts]).logsumexp(dim=0)
-    return TopKRows(values.gather(1, by_value), ids.gather(1, by_value), log_partition)
+    best = torch.stack([part.values[:, 0] for part in parts])
+    shifts = torch.where(best == float("-inf"), float("-inf"), best - best.amax(dim=0))  # a part of no column: -inf
+    log_sum = (torch.stack([part.log_sum for part in parts]) + shifts).logsumexp(dim=0)
+    return TopKRows(values.gather(1, by_value), ids.gather(1, by_value), log_sum)
 
 
 def block_topk(logits: Tensor, first_id: int, k: int) -> TopKRows:
     """The best ``k`` columns of a block of scaled ``logits`` (rows, width) whose column 0 is global
     id ``first_id`` (a stable sort: equal values keep their column order), with ``UNSEEN`` entries
-    where ``width < k``, and the block's log-partition."""
+    where ``width < k``, and the block's log-partition (``logits`` is consumed: shifted in place)."""
     rows, width = logits.shape
     order = torch.where(logits == 0, 0.0, logits).argsort(dim=1, descending=True, stable=True)[:, :k]
     values = logits.gather(1, order)
@@ -60,7 +71,7 @@ def block_topk(logits: Tensor, first_id: int, k: int) -> TopKRows:
     if width < k:
         values = torch.cat([values, values.new_full((rows, k - width), float("-inf"))], dim=1)
         ids = torch.cat([ids, ids.new_full((rows, k - width), UNSEEN)], dim=1)
-    return TopKRows(values, ids, logits.logsumexp(dim=1))
+    return TopKRows(values, ids, logits.sub_(values[:, :1]).logsumexp(dim=1))
 
 
 def decode_keys(keys: Tensor, first_id: int) -> tuple[Tensor, Tensor]:
@@ -88,12 +99,12 @@ def kernel_topk(logits: Tensor, k: int, first_id: int, inv_temperature: float, c
     rows, columns = logits.shape
     width = max(2, 1 << (k - 1).bit_length())  # the kernel's K: a power of two
     keys = torch.empty(rows, width, dtype=torch.int64, device=logits.device)
-    log_partition = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    log_sum = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         block = max(KERNEL_BLOCK, width * KERNEL_GROUP)
         grid_launcher(topk_kernel, (rows,))(
-            logits, logits.stride(0), columns, keys, log_partition, inv_temperature, 1.0 if cap is None else cap,
+            logits, logits.stride(0), columns, keys, log_sum, inv_temperature, 1.0 if cap is None else cap,
             HAS_CAP=cap is not None, K=width, GROUP=KERNEL_GROUP, BLOCK=block, num_warps=KERNEL_WARPS,
         )  # fmt: skip
     values, ids = decode_keys(keys[:, :k], first_id)
-    return TopKRows(values, ids, log_partition)
+    return TopKRows(values, ids, log_sum)

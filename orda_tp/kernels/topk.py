@@ -64,7 +64,7 @@ def topk_kernel(
     row_stride: tl.tensor,
     columns: tl.tensor,
     keys_ptr: tl.tensor,
-    log_partition_ptr: tl.tensor,
+    log_sum_ptr: tl.tensor,
     inv_temperature: tl.tensor,
     cap: tl.tensor,
     HAS_CAP: tl.constexpr,
@@ -73,7 +73,8 @@ def topk_kernel(
     BLOCK: tl.constexpr,
 ) -> None:
     """Row ``program_id(0)`` of the (rows, ``columns``) logits: its ``K`` best keys, largest first,
-    into ``keys`` (rows, K) and ``LSE`` of its scaled logits into ``log_partition`` (rows,)."""
+    into ``keys`` (rows, K) and ``log Σ_j e^{t_j − m}`` of its scaled logits ``t`` (``m`` their
+    maximum, the best key's value) into ``log_sum`` (rows,)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     best_groups = tl.full([K], NO_KEY, tl.int64)
@@ -93,4 +94,4 @@ def topk_kernel(
     x = scaled_logits(row_ptr, offsets, ok, inv_temperature, cap, HAS_CAP)
     best = tl.topk(tl.reshape(order_keys(x, offsets, ok), [K * GROUP]), K)
     tl.store(keys_ptr + row * K + tl.arange(0, K), best)
-    tl.store(log_partition_ptr + row + tl.arange(0, 1), m + tl.log(z))
+    tl.store(log_sum_ptr + row + tl.arange(0, 1), tl.log(z))
