@@ -8,8 +8,8 @@ One command on one GPU (``python benchmarks/topk_extract.py``), three parts:
 2. ``time``: at BT = 8192, H = 4096, V = 128256, k = 64 (bf16), the extraction against one logits
    GEMM in cuBLAS (``h @ Wᵀ``, bf16 out) and against ``log_softmax((h @ Wᵀ).float()).topk(k)``;
    the median of ``--repeats`` runs after warm-up, and the peak memory each adds to its inputs.
-3. ``sweep``: the kernel's group, block and warps (:data:`orda_tp.engine.topk_rows.KERNEL_GROUP` …)
-   on one chunk of fp32 logits, to choose them.
+3. ``sweep`` (run before ``time``, which then uses the fastest): the kernel's group, block and
+   warps (:data:`orda_tp.engine.topk_rows.KERNEL_GROUP` …) on one chunk of fp32 logits.
 
 Under ``torchrun --nproc-per-node N`` (``--tp``; gloo, every rank on ``cuda:0`` with
 ``--shared-gpu``) it checks instead that each rank's extraction from its vocabulary shard (uneven,
@@ -52,6 +52,12 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def fp64_logprobs(logits: torch.Tensor, temperature: float, cap: float | None) -> torch.Tensor:
+    """``log_softmax(cap(z)/T)`` of fp64 ``logits``."""
+    scaled = (logits if cap is None else cap * torch.tanh(logits / cap)) / temperature
+    return torch.log_softmax(scaled, dim=-1)
+
+
 def check(device: torch.device) -> bool:
     """The Triton kernel's extraction equals the fp64 torch backend's on every problem."""
     ok = True
@@ -75,12 +81,17 @@ def check(device: torch.device) -> bool:
             # The kernel ranks the fp32 logits of the GEMM: the fp64 ranking of those same values.
             logits = logits_mm(h, w[:vocab], torch.float32).double()
             want = teacher_topk_of_logits(logits, k, backend="torch", **options)
-        same_ids = bool((got.ids == want.ids).all())
+        # Ids may swap only at a tie within fp32 rounding (the kernel's fp32 soft-cap and scaling
+        # against the fp64 ones): every id's value, read from the fp64 log-softmax, must be where
+        # the kernel put it, and the values must be the oracle's position by position.
+        moved = int((got.ids != want.ids).sum())
         error = float((got.logprobs.double() - want.logprobs).abs().max())
-        passed = same_ids and error <= 2e-5
+        true_values = fp64_logprobs(logits.double()[:, :vocab], temperature, cap).gather(1, got.ids)
+        misplaced = float((got.logprobs.double() - true_values).abs().max())
+        passed = error <= 2e-5 and misplaced <= 2e-5
         ok &= passed
         emit(part="check", rows=rows, columns=columns, vocab=vocab, k=k, dtype=str(dtype), ties=ties,
-             same_ids=same_ids, max_abs_error=error, passed=passed)  # fmt: skip
+             moved_ids=moved, max_abs_error=error, max_id_value_error=misplaced, passed=passed)  # fmt: skip
     return ok
 
 
@@ -111,24 +122,30 @@ def time_extraction(device: torch.device, args: argparse.Namespace) -> None:
     emit(part="time", run="torch_topk_1024_rows", ms=round(ms, 3), per_8192_rows_ms=round(8 * ms, 3))
 
 
-def sweep(device: torch.device, args: argparse.Namespace) -> None:
-    """The kernel's settings on one 1024-row chunk of fp32 logits (the extraction's chunk)."""
+def sweep(device: torch.device, args: argparse.Namespace) -> tuple[int, int, int]:
+    """The kernel's settings on one 1024-row chunk of fp32 logits (the extraction's chunk); the
+    fastest (group, block, warps) that finds the same ids."""
     h = torch.randn(1024, args.hidden, device=device, dtype=torch.bfloat16)
     w = (torch.randn(args.vocab, args.hidden, device=device) / args.hidden**0.5).to(torch.bfloat16)
     chunk = torch.mm(h, w.T, out_dtype=torch.float32)
     want = topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None)
     chosen = (topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS)
-    for group in (8, 16, 32):
-        for block in (2048, 4096, 8192):
-            for warps in (4, 8, 16):
+    timings: dict[tuple[int, int, int], float] = {}
+    for group in (4, 8, 16, 32):
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (2, 4, 8):
                 if block // group < args.k:
                     continue
                 topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS = group, block, warps
-                got = topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None)
-                same = bool((got.ids == want.ids).all())
+                same = bool((topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None).ids == want.ids).all())
                 ms, _ = timed(lambda: topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None), args.repeats)
                 emit(part="sweep", group=group, block=block, warps=warps, ms=round(ms, 3), same_ids=same)
+                if same:
+                    timings[(group, block, warps)] = ms
     topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS = chosen
+    best = min(timings, key=timings.__getitem__)
+    emit(part="sweep", fastest=best, ms=round(timings[best], 3), current=chosen, current_ms=round(timings[chosen], 3))
+    return best
 
 
 def tensor_parallel(args: argparse.Namespace) -> bool:
@@ -185,10 +202,12 @@ def main() -> int:
     device = torch.device("cuda")
     parts = args.parts.split(",")
     ok = check(device) if "check" in parts else True
+    if "sweep" in parts:  # the timing then runs with the fastest settings
+        topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS = sweep(device, args)
     if "time" in parts:
+        settings = (topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS)
+        emit(part="time", kernel_group_block_warps=settings)
         time_extraction(device, args)
-    if "sweep" in parts:
-        sweep(device, args)
     emit(part="summary", check_passed=ok, device=torch.cuda.get_device_name(), torch=torch.__version__)
     return 0 if ok else 1
 

@@ -10,6 +10,7 @@ import torch
 
 import orda_tp
 from orda_tp.topk_cache import CacheSettings, TopKCacheReader, TopKCacheWriter, head_digest, shard_name
+from orda_tp.topk_cache.writer import stored_logprobs
 from orda_tp.topk_extraction import TeacherTopK
 
 pytest.importorskip("safetensors")
@@ -40,7 +41,7 @@ def _write(directory: Path, topk: TeacherTopK, settings: CacheSettings, start: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_round_trip_is_the_input_rounded_to_the_stored_dtype(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_round_trip_is_the_input_rounded_down_to_the_stored_dtype(tmp_path: Path, dtype: torch.dtype) -> None:
     topk = _topk()
     _write(tmp_path, topk, _settings(logprob_dtype=dtype))
     reader = TopKCacheReader(tmp_path)
@@ -49,7 +50,7 @@ def test_round_trip_is_the_input_rounded_to_the_stored_dtype(tmp_path: Path, dty
     ids, logprobs = reader.rows(0, ROWS)
     assert ids.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert torch.equal(ids, topk.ids)
-    assert torch.equal(logprobs, topk.logprobs.to(dtype).float())
+    assert torch.equal(logprobs, stored_logprobs(topk.logprobs, dtype).float())
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / shard_name(7)), framework="pt") as handle:
@@ -80,7 +81,7 @@ def test_disjoint_writers_make_one_cache(tmp_path: Path) -> None:
         TopKCacheReader(tmp_path)
     _write(tmp_path, TeacherTopK(topk.ids[:17], topk.logprobs[:17], topk.log_partition[:17]), settings)
     ids, logprobs = TopKCacheReader(tmp_path).rows(0, ROWS)
-    assert torch.equal(ids, topk.ids) and torch.equal(logprobs, topk.logprobs.half().float())
+    assert torch.equal(ids, topk.ids) and torch.equal(logprobs, stored_logprobs(topk.logprobs, torch.float16).float())
 
 
 def test_a_writer_never_writes_over_another_writers_shards(tmp_path: Path) -> None:
@@ -257,3 +258,30 @@ def test_a_cached_teacher_gives_the_in_memory_teachers_loss(tmp_path: Path, dtyp
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
     if dtype == torch.float16:
         assert not torch.equal(cached[0], in_memory[0])  # the fp16 rounding is seen, and small
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_peaked_teacher_is_stored_without_mass_above_one(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A teacher whose top 8 hold nearly all the mass: its rows whose rounding to nearest would
+    hold more than the whole mass are stored rounded toward −inf (each value within one unit of
+    ``dtype`` below the input), the others to nearest, and the loss reads the cache."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(50, 32, generator=generator), 2 * torch.randn(300, 32, generator=generator)
+    top = orda_tp.teacher_topk(hidden, weight, 8)
+    settings = CacheSettings(vocab_size=300, k=8, logprob_dtype=dtype)
+    with TopKCacheWriter(tmp_path, settings) as writer:
+        writer.append(top)
+    ids, logprobs = TopKCacheReader(tmp_path).rows(0, 50)
+    assert torch.equal(ids, top.ids)
+    nearest = top.logprobs.to(dtype).float()
+    over = torch.exp(nearest.double()).sum(1) > 1
+    assert bool(over.any()) and bool((~over).any())
+    assert torch.equal(logprobs[~over], nearest[~over])
+    assert bool((logprobs[over] <= top.logprobs[over]).all())
+    gap = top.logprobs[over] - logprobs[over]
+    assert bool((gap <= top.logprobs[over].abs() * torch.finfo(dtype).eps + 6e-8).all())
+    assert float(torch.exp(logprobs.double()).sum(1).max()) <= 1 + 8 * torch.finfo(torch.float32).eps
+    assert float(torch.exp(top.logprobs.to(dtype).double()).sum(1).max()) > 1 + 8 * torch.finfo(torch.float32).eps
+    labels = torch.randint(0, 300, (50,), generator=generator)
+    teacher = TopKCacheReader(tmp_path).teacher(0, 50)
+    assert torch.isfinite(orda_tp.distillation_loss(hidden, weight / 2, labels, teacher, kl_weight=1.0).loss)

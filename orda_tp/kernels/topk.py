@@ -6,8 +6,12 @@ the ``K`` best *groups*: runs of ``GROUP`` columns ranked by their largest eleme
 ``K`` best columns lie in its ``K`` best groups (each group ahead of a column's own holds an
 element ahead of it), so a second, short pass reads those ``K·GROUP`` columns again and takes
 their top ``K``. The sorts run on int64 keys (:func:`order_keys`) ordered as
-:mod:`orda_tp.engine.topk_rows` orders (value, column) pairs, so the result has its tie order;
-a group's key is its best element's. ``K`` and ``GROUP`` are powers of two, ``BLOCK ≥ K·GROUP``.
+:mod:`orda_tp.engine.topk_rows` orders (value, column) pairs, so the result has its tie order. A
+group's key is its best value above its first column, formed for the ``BLOCK/GROUP`` groups only
+(the fp32 maximum of each group costs one comparison a column; an int64 key a column costs ten):
+a group ranks ahead of another when its best value is larger, or equal at a lower column, so
+every group ahead of a column's own still holds an element ahead of that column.
+``K`` and ``GROUP`` are powers of two, ``BLOCK ≥ K·GROUP``.
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ def topk_kernel(
         ok = offsets < columns
         x = scaled_logits(row_ptr, offsets, ok, inv_temperature, cap, HAS_CAP)
         m, z = online_lse_update(m, z, tl.reshape(x, [1, BLOCK]))
-        group_keys = tl.max(tl.reshape(order_keys(x, offsets, ok), [BLOCK // GROUP, GROUP]), axis=1)
+        group_starts = start + tl.arange(0, BLOCK // GROUP) * GROUP
+        group_best = tl.max(tl.reshape(x, [BLOCK // GROUP, GROUP]), axis=1)
+        group_keys = order_keys(group_best, group_starts, group_starts < columns)
         if tl.max(group_keys, axis=0) > tl.min(best_groups, axis=0):
             best_groups = merged_keys(best_groups, tl.topk(group_keys, K), K)
     group_starts = ((0xFFFFFFFF - (best_groups & 0xFFFFFFFF)) // GROUP) * GROUP

@@ -22,11 +22,14 @@ shard under a shard's name; a restarted writer with ``resume=True`` continues af
 Rows are buffered and written every ``rows_per_shard`` rows and on close; the rows appended before
 an exception inside ``with`` are written too (every appended row is complete and checked).
 
-The stored log-probabilities are the input rounded to nearest in ``logprob_dtype`` (a value below
-float16's range, −65504, becomes −inf: a probability that is 0 in float32 too); −inf (no mass)
-stays −inf. float16 is the default: against a float32 cache it moves the loss by < 1e-7 and its
-gradients by < 1e-4 (norm-wise; bfloat16: 4e-6 and 7e-4), below the 1.8e-3 that rounding the
-student's inputs to bfloat16 costs (``benchmarks/topk_cache_dtype.py``, V = 32000, k ≤ 128).
+The stored log-probabilities are the input rounded to nearest in ``logprob_dtype``, except in a
+row whose rounded mass would exceed 1 (a peaked teacher's), which is rounded toward −inf
+(:func:`~.writer.stored_logprobs`: :class:`~orda_tp.PrecomputedTeacher` refuses a mass above 1);
+a value below float16's range, −65504, becomes −inf (a probability that is 0 in float32 too);
+−inf (no mass) stays −inf. float16
+is the default: against a float32 cache it moves the loss and its gradients far less than rounding
+the student's inputs to bfloat16 does, and about ten times less than bfloat16 storage
+(``benchmarks/topk_cache_dtype.py``, V = 32000, k ≤ 128).
 
 :class:`TopKCacheReader` checks every shard's header, size and settings and that the shards
 tile ``[0, num_tokens)``; it reads the rows asked for from the memory-mapped files and

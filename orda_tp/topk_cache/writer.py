@@ -17,7 +17,38 @@ try:
 except ImportError as error:  # pragma: no cover - the extra is missing
     raise ImportError("orda_tp.topk_cache needs safetensors: pip install 'orda_tp[cache]'") from error
 
-__all__ = ["TopKCacheWriter"]
+__all__ = ["TopKCacheWriter", "rounded_down", "stored_logprobs"]
+
+_SMALLEST_NEGATIVE = -32767  # int16 bits 0x8001: the negative float16 / bfloat16 closest to 0
+
+
+def stored_logprobs(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
+    """``logprobs`` (rows, k) as stored in ``dtype``: rounded to nearest, except in the rows whose
+    rounded mass ``Σ e^l`` would exceed 1 (a peaked teacher's top-k holds nearly all the mass; to
+    nearest its k values can sum past 1 by ``Σ p·|l|·2⁻¹¹`` in float16, which
+    :class:`~orda_tp.PrecomputedTeacher` refuses), which are rounded toward −inf (:func:`rounded_down`)."""
+    stored = logprobs.to(dtype)
+    over = torch.exp(stored.double()).sum(dim=1) > 1
+    if bool(over.any()):
+        stored[over] = rounded_down(logprobs[over], dtype)
+    return stored
+
+
+def rounded_down(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
+    """``logprobs`` (≤ 0) in ``dtype``, rounded toward −inf: each stored probability is at most
+    the given one, so a row's mass never rounds above what it was. For the 16-bit dtypes the next
+    value down from a nonpositive ``y`` is its bits plus one (sign and magnitude), from ``±0`` the
+    smallest negative subnormal; values below the dtype's range become −inf."""
+    stored = logprobs.to(dtype)
+    if dtype not in (torch.float16, torch.bfloat16):
+        return (
+            stored
+            if dtype == logprobs.dtype
+            else stored.where(stored.to(logprobs.dtype) <= logprobs, stored.nextafter(stored.new_tensor(float("-inf"))))
+        )
+    bits = stored.view(torch.int16)
+    lower = torch.where(stored == 0, torch.full_like(bits, _SMALLEST_NEGATIVE), bits + 1).view(dtype)
+    return torch.where(stored.to(logprobs.dtype) > logprobs, lower, stored)
 
 
 def _check_rows(ids: object, logprobs: object, settings: CacheSettings) -> tuple[Tensor, Tensor]:
@@ -96,7 +127,7 @@ class TopKCacheWriter:
         else:
             raise TypeError(f"append takes a TeacherTopK or (ids, logprobs), got {type(topk).__name__}")
         ids, logprobs = _check_rows(ids, logprobs, self.settings)
-        self._buffer.append((ids.to(self.settings.ids_dtype), logprobs.to(self.settings.logprob_dtype)))
+        self._buffer.append((ids.to(self.settings.ids_dtype), stored_logprobs(logprobs, self.settings.logprob_dtype)))
         self._buffered += ids.shape[0]
         while self._buffered >= self.rows_per_shard:
             self._flush(self.rows_per_shard)
