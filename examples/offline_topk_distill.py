@@ -10,7 +10,8 @@ train a tensor-parallel student from it, and check that this is the same trainin
    of the cache that holds the teacher's prediction at that position (whose label is token ``t + 1``).
 2. The teacher: a tiny ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig`` (seeded, nothing is
    downloaded), pre-trained briefly with plain cross-entropy so that its top-k is not noise. It is replicated
-   on every rank; its LM head is split along the vocabulary, each rank keeping its shard (rank order).
+   on every rank, and each rank reads only its shard of the LM head (rows split along the vocabulary, in rank
+   order), as a tensor-parallel teacher would hold it.
 3. Phase "write": every rank runs the teacher over the corpus, batch by batch, and extracts each row's top-k
    log-probabilities with ``orda_tp.teacher_topk(hidden, head_shard, k, tp_group=...)``: each rank reads its
    shard of the head, the candidates are merged in one all-gather per chunk, and every rank gets the
@@ -25,12 +26,13 @@ train a tensor-parallel student from it, and check that this is the same trainin
    teacher rows read from the cache with ``reader.teacher(start, stop, tail="uniform")`` (the cached
    probabilities, the missing mass spread evenly over the other ids: a normalized teacher). The cache's
    settings are checked against the student's vocabulary and ``k`` first (``reader.check``).
-5. The check: the same student initialization trained the same steps on the same batches with the teacher
-   online (``teacher_topk`` of the same teacher computed in memory every step, fp32) gives the same losses
-   within the cache's fp16 rounding (relative 2⁻¹¹ per stored log-probability); the script prints both
-   losses per step and ``check PASS`` (or ``check FAIL``, exiting 1 on every rank).
+5. The checks: the cache's rows are the extraction's and nothing else (the same ids, the log-probabilities
+   rounded to fp16); and the same student initialization trained the same steps on the same batches with the
+   teacher online (``teacher_topk`` of the same teacher computed in memory every step, fp32) gives the same
+   losses within the cache's fp16 rounding (relative 2⁻¹¹ per stored log-probability). The script prints
+   both losses per step and ``check PASS`` (or ``check FAIL``, exiting 1 on every rank).
 
-Needs transformers (tested with 5.24.0). Only rank 0 prints.
+Needs transformers (tested with 5.24.0). About 10 s with 2 ranks on two CPU cores. Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -110,19 +112,20 @@ def make_corpus(args: argparse.Namespace) -> Batch:
     return sample_batch(make_language(args.vocab, seed=args.seed), args.sequences, args.seq, seed=args.seed + 1)
 
 
-def corpus_batches(corpus: Batch, batch: int) -> list[CorpusBatch]:
-    """The corpus in batches of ``batch`` sequences, in order; row offsets are ``sequence · seq + position``."""
-    seq = corpus.inputs.shape[1]
+def corpus_batches(corpus: Batch, batch: int, device: torch.device) -> list[CorpusBatch]:
+    """The corpus in batches of ``batch`` sequences, in order, on ``device``; a batch's rows in the cache are
+    ``[start, stop)``, the offset of a token being ``sequence · seq + position``."""
+    inputs, labels, seq = corpus.inputs.to(device), corpus.labels.to(device), corpus.inputs.shape[1]
     return [
-        CorpusBatch(corpus.inputs[i : i + batch], corpus.labels[i : i + batch], i * seq, (i + batch) * seq)
-        for i in range(0, corpus.inputs.shape[0], batch)
+        CorpusBatch(inputs[i : i + batch], labels[i : i + batch], i * seq, (i + batch) * seq)
+        for i in range(0, inputs.shape[0], batch)
     ]
 
 
 # ---- models ------------------------------------------------------------------------------------
 
 
-def tiny_llama(vocab: int, hidden: int, layers: int, max_seq: int, seed: int) -> LlamaForCausalLM:
+def tiny_llama(vocab: int, hidden: int, layers: int, max_seq: int, seed: int, device: torch.device) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` from a config (nothing downloaded), randomly initialized from ``seed``, with its
     own LM head (untied, so that the head can be split along the vocabulary alone)."""
     config = LlamaConfig(
@@ -136,7 +139,7 @@ def tiny_llama(vocab: int, hidden: int, layers: int, max_seq: int, seed: int) ->
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(device)
 
 
 def final_hidden(model: LlamaForCausalLM, inputs: Tensor) -> Tensor:
@@ -150,8 +153,8 @@ def pretrain_teacher(teacher: LlamaForCausalLM, args: argparse.Namespace, runtim
     language = make_language(args.vocab, seed=args.seed)
     for step in range(args.teacher_steps):
         batch = sample_batch(language, 16, args.seq, seed=(args.seed << 32) + 1000 + step)
-        logits = teacher(input_ids=batch.inputs, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
+        logits = teacher(input_ids=batch.inputs.to(runtime.device), use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.to(runtime.device).flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -165,7 +168,9 @@ def pretrain_teacher(teacher: LlamaForCausalLM, args: argparse.Namespace, runtim
 def build_student(args: argparse.Namespace, runtime: Runtime) -> LlamaForCausalLM:
     """The student (always the same initialization): its ``lm_head`` a ``DistillationHead`` around the same
     weight, split along the vocabulary over the ranks by ``VocabParallel``."""
-    student = tiny_llama(args.vocab, args.student_hidden, layers=1, max_seq=args.seq, seed=args.seed + 2)
+    student = tiny_llama(
+        args.vocab, args.student_hidden, layers=1, max_seq=args.seq, seed=args.seed + 2, device=runtime.device
+    )
     student.lm_head = orda_tp.DistillationHead.from_linear(
         student.lm_head, kl_weight=args.kl_weight, kl_temperature=args.temperature, teacher_ce_weight=0.0
     )
@@ -204,7 +209,7 @@ def write_cache(
 ) -> float:
     """Phase "write": every rank extracts every batch's top-k (the head split over the ranks); rank 0 appends it
     to the cache, in corpus order from offset 0. Returns the mean probability mass the top-k holds."""
-    mass = torch.zeros(())
+    mass = torch.zeros((), device=runtime.device)
     with contextlib.ExitStack() as stack:
         writer = None
         if runtime.rank == 0:
@@ -263,11 +268,11 @@ def check_rows(
     ids of ``reader.rows`` equal the online ones and the log-probabilities equal theirs rounded to fp16."""
     rows, exact = 0, True
     for batch in batches:
-        ids, logprobs = reader.rows(batch.start, batch.stop)
+        ids, logprobs = (rows.to(runtime.device) for rows in reader.rows(batch.start, batch.stop))
         online = teacher_topk(teacher, batch.inputs, args.k, runtime)
         exact &= torch.equal(ids, online.ids) and torch.equal(logprobs, online.logprobs.to(STORED_DTYPE).float())
         rows += ids.shape[0]
-    passed = bool(all_reduce(torch.tensor(int(exact)), dist.ReduceOp.MIN, runtime))
+    passed = bool(all_reduce(torch.tensor(int(exact), device=runtime.device), dist.ReduceOp.MIN, runtime))
     verdict = "PASS" if passed else "FAIL"
     runtime.log(f"cache rows {verdict}: ids and fp16-rounded log-probabilities equal the online ones on {rows} rows")
     return passed
@@ -279,7 +284,9 @@ def check_losses(cached: list[float], online: list[float], runtime: Runtime) -> 
     relative = [abs(c - o) / abs(o) for c, o in zip(cached, online)]
     for step, (c, o, r) in enumerate(zip(cached, online, relative), start=1):
         runtime.log(f"step {step:3d} | loss from cache {c:.8f} | teacher online {o:.8f} | rel diff {r:.2e}")
-    worst = all_reduce(torch.tensor(max(relative), dtype=torch.float64), dist.ReduceOp.MAX, runtime).item()
+    worst = all_reduce(
+        torch.tensor(max(relative), dtype=torch.float64, device=runtime.device), dist.ReduceOp.MAX, runtime
+    ).item()
     passed = worst <= CHECK_TOLERANCE
     runtime.log(
         f"losses {'PASS' if passed else 'FAIL'}: max_rel_diff {worst:.3e} tol {CHECK_TOLERANCE:.3e} "
@@ -297,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab % runtime.world_size != 0:
         raise SystemExit(f"--vocab ({args.vocab}) must be a multiple of the world size ({runtime.world_size})")
     began = time.perf_counter()
-    batches = corpus_batches(make_corpus(args), args.batch)
-    teacher = tiny_llama(args.vocab, args.teacher_hidden, layers=2, max_seq=args.seq, seed=args.seed)
+    batches = corpus_batches(make_corpus(args), args.batch, runtime.device)
+    teacher = tiny_llama(
+        args.vocab, args.teacher_hidden, layers=2, max_seq=args.seq, seed=args.seed, device=runtime.device
+    )
     runtime.log(
         f"offline top-k distillation: TP = {runtime.world_size} on {runtime.device} | vocab {args.vocab} "
         f"({args.vocab // runtime.world_size} head rows per rank) | corpus {args.sequences} x {args.seq} tokens | "
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     rows_ok = check_rows(reader, teacher, batches, args, runtime)
     cached = train_student(
         build_student(args, runtime),
-        lambda batch: reader.teacher(batch.start, batch.stop, tail=TAIL),
+        lambda batch: reader.teacher(batch.start, batch.stop, tail=TAIL, device=runtime.device),
         batches,
         args,
     )
