@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2, help="student learning rate (AdamW)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.teacher_steps < 0:
+        parser.error(f"--teacher-steps must be >= 0, got {args.teacher_steps}")
     if args.sequences % args.batch != 0:
         parser.error(f"--sequences ({args.sequences}) must be a multiple of --batch ({args.batch})")
     return args
@@ -182,7 +184,7 @@ def build_student(args: argparse.Namespace, runtime: Runtime) -> LlamaForCausalL
 # ---- the teacher's top-k -----------------------------------------------------------------------
 
 
-def teacher_topk(teacher: LlamaForCausalLM, inputs: Tensor, k: int, runtime: Runtime) -> orda_tp.TeacherTopK:
+def extract_topk(teacher: LlamaForCausalLM, inputs: Tensor, k: int, runtime: Runtime) -> orda_tp.TeacherTopK:
     """The teacher's top-``k`` log-probabilities at every position of ``inputs``, ``(batch · seq, k)`` rows in
     row-major order, from its final hidden states and this rank's vocabulary shard of its head."""
     with torch.no_grad():
@@ -192,20 +194,25 @@ def teacher_topk(teacher: LlamaForCausalLM, inputs: Tensor, k: int, runtime: Run
     return orda_tp.teacher_topk(hidden.reshape(-1, hidden.shape[-1]), head_shard, k, tp_group=runtime.group)
 
 
-def cache_settings(teacher: LlamaForCausalLM, args: argparse.Namespace) -> CacheSettings:
-    """What the cache holds: log-probabilities of the untempered, uncapped teacher, named by its head's digest."""
+def cache_settings(teacher_name: str, args: argparse.Namespace) -> CacheSettings:
+    """What the cache holds: log-probabilities of the untempered, uncapped teacher ``teacher_name``."""
     return CacheSettings(
         vocab_size=args.vocab,
         k=args.k,
         temperature=1.0,
         logit_softcap=None,
-        teacher=head_digest(teacher.lm_head.weight),
+        teacher=teacher_name,
         logprob_dtype=STORED_DTYPE,
     )
 
 
 def write_cache(
-    teacher: LlamaForCausalLM, batches: list[CorpusBatch], directory: Path, args: argparse.Namespace, runtime: Runtime
+    teacher: LlamaForCausalLM,
+    settings: CacheSettings,
+    batches: list[CorpusBatch],
+    directory: Path,
+    args: argparse.Namespace,
+    runtime: Runtime,
 ) -> float:
     """Phase "write": every rank extracts every batch's top-k (the head split over the ranks); rank 0 appends it
     to the cache, in corpus order from offset 0. Returns the mean probability mass the top-k holds."""
@@ -213,9 +220,9 @@ def write_cache(
     with contextlib.ExitStack() as stack:
         writer = None
         if runtime.rank == 0:
-            writer = stack.enter_context(TopKCacheWriter(directory, cache_settings(teacher, args), start=0))
+            writer = stack.enter_context(TopKCacheWriter(directory, settings, start=0))
         for batch in batches:
-            topk = teacher_topk(teacher, batch.inputs, args.k, runtime)
+            topk = extract_topk(teacher, batch.inputs, args.k, runtime)
             mass += topk.logprobs.exp().sum(dim=1).sum()
             if writer is not None:
                 writer.append(topk)
@@ -269,7 +276,7 @@ def check_rows(
     rows, exact = 0, True
     for batch in batches:
         ids, logprobs = (rows.to(runtime.device) for rows in reader.rows(batch.start, batch.stop))
-        online = teacher_topk(teacher, batch.inputs, args.k, runtime)
+        online = extract_topk(teacher, batch.inputs, args.k, runtime)
         exact &= torch.equal(ids, online.ids) and torch.equal(logprobs, online.logprobs.to(STORED_DTYPE).float())
         rows += ids.shape[0]
     passed = bool(all_reduce(torch.tensor(int(exact), device=runtime.device), dist.ReduceOp.MIN, runtime))
@@ -315,20 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     pretrain_teacher(teacher, args, runtime)
     directory = shared_cache_dir(args.cache_dir, runtime)
-    mass = write_cache(teacher, batches, directory, args, runtime)
+    teacher_name = head_digest(teacher.lm_head.weight)  # names the teacher (and its training) the cache is of
+    mass = write_cache(teacher, cache_settings(teacher_name, args), batches, directory, args, runtime)
     reader = TopKCacheReader(directory)
     runtime.log(
         f"write: {reader.num_tokens} tokens x top-{args.k} in {directory} | mean top-k mass {mass:.4f} | "
         f"{time.perf_counter() - began:.1f} s"
     )
-    # The student's settings: a cache of another vocabulary, k, temperature or teacher raises here.
-    reader.check(
-        vocab_size=args.vocab,
-        k=args.k,
-        temperature=1.0,
-        logit_softcap=None,
-        teacher=head_digest(teacher.lm_head.weight),
-    )
+    # The student's settings: a cache of another vocabulary, k, temperature or teacher raises here (a job
+    # without the teacher at hand passes teacher=None, or the name it was written with).
+    reader.check(vocab_size=args.vocab, k=args.k, temperature=1.0, logit_softcap=None, teacher=teacher_name)
     rows_ok = check_rows(reader, teacher, batches, args, runtime)
     cached = train_student(
         build_student(args, runtime),
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     online = train_student(
         build_student(args, runtime),
-        lambda batch: teacher_topk(teacher, batch.inputs, args.k, runtime).teacher(tail=TAIL),
+        lambda batch: extract_topk(teacher, batch.inputs, args.k, runtime).teacher(tail=TAIL),
         batches,
         args,
     )
