@@ -32,7 +32,8 @@ train a tensor-parallel student from it, and check that this is the same trainin
    losses within the cache's fp16 rounding (relative 2⁻¹¹ per stored log-probability). The script prints
    both losses per step and ``check PASS`` (or ``check FAIL``, exiting 1 on every rank).
 
-Needs transformers (tested with 5.24.0). About 10 s with 2 ranks on two CPU cores. Only rank 0 prints.
+Needs transformers (tested with 5.24.0) and safetensors for the cache (``pip install -e '.[cache]'``). About 10 s
+with 2 ranks on two CPU cores. Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -241,6 +242,11 @@ def shared_cache_dir(requested: Path | None, runtime: Runtime) -> Path:
     return Path(paths[0])
 
 
+def disk_mib(directory: Path) -> float:
+    """The size of the files in ``directory``, in MiB."""
+    return sum(path.stat().st_size for path in directory.iterdir() if path.is_file()) / 2**20
+
+
 # ---- training ----------------------------------------------------------------------------------
 
 
@@ -326,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     mass = write_cache(teacher, cache_settings(teacher_name, args), batches, directory, args, runtime)
     reader = TopKCacheReader(directory)
     runtime.log(
-        f"write: {reader.num_tokens} tokens x top-{args.k} in {directory} | mean top-k mass {mass:.4f} | "
+        f"write: {reader.num_tokens} tokens x top-{args.k} in {directory} ({disk_mib(directory):.2f} MiB) | "
+        f"mean top-k mass {mass:.4f} | "
         f"{time.perf_counter() - began:.1f} s"
     )
     # The student's settings: a cache of another vocabulary, k, temperature or teacher raises here (a job
