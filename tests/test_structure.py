@@ -42,7 +42,16 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("parallel",),  # shards, the layout handshake, the record exchange; no engine, no variant
     ("engine",),  # the row walk, its block math (torch | Triton), the autograd Functions, the oracle
     ("api",),  # distillation_loss, DistillationLoss
-    ("cross_vocab", "integrations", "lm_head", "logits_losses", "topk_extraction", "vocab_parallel", ""),  # the callers
+    (
+        "cross_vocab",
+        "integrations",
+        "lm_head",
+        "logits_losses",
+        "topk_cache",
+        "topk_extraction",
+        "vocab_parallel",
+        "",
+    ),  # the callers
 )
 
 
