@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orda_tp  # noqa: E402
 from launch.data import Batch, make_language, sample_batch  # noqa: E402
 from launch.distill import Runtime, all_reduce, init_runtime, positive_int  # noqa: E402
-from orda_tp.topk_cache import CacheSettings, TopKCacheReader, TopKCacheWriter, head_digest  # noqa: E402
+from orda_tp.topk_cache import CacheSettings, TopKCacheReader, TopKCacheWriter, head_digest, stored_logprobs  # noqa: E402
 
 STORED_DTYPE = torch.float16  # the cache's log-probabilities
 # fp16 keeps 11 significant bits: each stored log-probability is within 2⁻¹¹ of its value, relatively. The losses
@@ -278,12 +278,15 @@ def check_rows(
     runtime: Runtime,
 ) -> bool:
     """The cache holds what the extraction returns, rounded to its dtype and nothing else: on every batch, the
-    ids of ``reader.rows`` equal the online ones and the log-probabilities equal theirs rounded to fp16."""
+    ids of ``reader.rows`` equal the online ones and the log-probabilities equal theirs as the writer rounds
+    them to fp16 (``stored_logprobs``: to nearest, or toward −inf in a row whose mass would round above 1)."""
     rows, exact = 0, True
     for batch in batches:
         ids, logprobs = (rows.to(runtime.device) for rows in reader.rows(batch.start, batch.stop))
         online = extract_topk(teacher, batch.inputs, args.k, runtime)
-        exact &= torch.equal(ids, online.ids) and torch.equal(logprobs, online.logprobs.to(STORED_DTYPE).float())
+        exact &= torch.equal(ids, online.ids) and torch.equal(
+            logprobs, stored_logprobs(online.logprobs.cpu(), STORED_DTYPE).to(logprobs)
+        )
         rows += ids.shape[0]
     passed = bool(all_reduce(torch.tensor(int(exact), device=runtime.device), dist.ReduceOp.MIN, runtime))
     verdict = "PASS" if passed else "FAIL"

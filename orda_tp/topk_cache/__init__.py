@@ -41,7 +41,7 @@ returns ids as int64 and log-probabilities as float32 (the exact upcast of the s
 
 from .reader import OPEN_SHARDS, TopKCacheReader
 from .shards import FORMAT, FORMAT_VERSION, LOGPROB_DTYPES, CacheSettings, head_digest, shard_name
-from .writer import TopKCacheWriter
+from .writer import TopKCacheWriter, stored_logprobs
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "LOGPROB_DTYPES", "OPEN_SHARDS", "CacheSettings", "TopKCacheReader"]
-__all__ += ["TopKCacheWriter", "head_digest", "shard_name"]
+__all__ += ["TopKCacheWriter", "head_digest", "shard_name", "stored_logprobs"]
