@@ -28,7 +28,7 @@ row whose rounded mass would exceed 1 (a peaked teacher's), which is rounded tow
 a value below float16's range, −65504, becomes −inf (a probability that is 0 in float32 too);
 −inf (no mass) stays −inf. float16
 is the default: against a float32 cache it moves the loss and its gradients far less than rounding
-the student's inputs to bfloat16 does, and about ten times less than bfloat16 storage
+the student's inputs to bfloat16 does, and about eight times less than bfloat16 storage
 (``benchmarks/topk_cache_dtype.py``, V = 32000, k ≤ 128).
 
 :class:`TopKCacheReader` checks every shard's header, size and settings and that the shards
