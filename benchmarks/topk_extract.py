@@ -131,9 +131,9 @@ def sweep(device: torch.device, args: argparse.Namespace) -> tuple[int, int, int
     want = topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None)
     chosen = (topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS)
     timings: dict[tuple[int, int, int], float] = {}
-    for group in (4, 8, 16, 32):
-        for block in (1024, 2048, 4096, 8192):
-            for warps in (2, 4, 8):
+    for group in (2, 4, 8, 16):
+        for block in (256, 512, 1024, 2048, 4096):
+            for warps in (1, 2, 4, 8):
                 if block // group < args.k:
                     continue
                 topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS = group, block, warps

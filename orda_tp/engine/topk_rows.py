@@ -87,7 +87,7 @@ def decode_keys(keys: Tensor, first_id: int) -> tuple[Tensor, Tensor]:
 
 #: The kernel's group of columns ranked by their best element, its block of columns per step and
 #: its warps per row (measured on an H200: docs/benchmarks.md).
-KERNEL_GROUP, KERNEL_BLOCK, KERNEL_WARPS = 4, 1024, 2
+KERNEL_GROUP, KERNEL_BLOCK, KERNEL_WARPS = 4, 512, 1
 
 
 def kernel_topk(logits: Tensor, k: int, first_id: int, inv_temperature: float, cap: float | None) -> TopKRows:
