@@ -55,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.nn.functional as F
@@ -512,6 +512,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def emit(line: dict[str, Any], record_file: IO[str] | None) -> None:
+    """One JSON line to stdout and, with ``--out``, to ``train_step.jsonl`` (flushed)."""
+    text = json.dumps(line)
+    print(text, flush=True)
+    if record_file is not None:
+        record_file.write(text + "\n")
+        record_file.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = SMALL_SIZES if args.small else GPU_SIZES
@@ -521,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(sizes, device, teacher, args.topk)
     methods = [m for m in METHODS if args.methods is None or m.name in args.methods]
     lines: list[dict[str, Any]] = [{"environment": versions(device), "vocab": sizes.vocab, "seq": sizes.seq}]
-    print(json.dumps(lines[0]), flush=True)
+    record_file = None
+    if args.out:  # each line written as it comes: a run stopped at a time limit keeps what it measured
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        record_file = (Path(args.out) / "train_step.jsonl").open("w")
+    emit(lines[0], record_file)
     refs = References()
     for compiled in (False, True) if args.compile else (False,):
         for method in methods:
@@ -529,11 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             if record["status"] == "skipped":
                 print(f"skip {method.name}: {record['reason']}", flush=True)
             lines.append(record)
-            print(json.dumps(record), flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_step.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+            emit(record, record_file)
+    if record_file is not None:
+        record_file.close()
     if not args.small:
         return 0
     failures = check(lines[1:])
