@@ -39,6 +39,7 @@ from .config import KernelConfig
 from .engine.logits import logits_mm, softcapped, statistics_dtype
 from .engine.topk_rows import UNSEEN, TopKRows, block_topk, kernel_topk, merge_topk
 from .kernels import unavailable_reason
+from .options import check_group
 from .parallel.collectives import all_gather_rows
 from .parallel.dtensor import is_dtensor, local_shard, placement_text, shard_axis
 from .parallel.layout import HeadShard, LocalShard, VocabLayout
@@ -109,8 +110,7 @@ def _settings(
 
 def _check_tp_group(tp_group: object, mesh_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The call's group: ``tp_group`` (a process group, or None), or a DTensor's mesh group."""
-    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
-        raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
+    tp_group = check_group(tp_group)
     if tp_group is not None and mesh_group is not None and not same_ranks(tp_group, mesh_group):
         raise ValueError("tp_group must be the process group of the DTensor's tensor-parallel mesh dimension")
     return tp_group if tp_group is not None else mesh_group
