@@ -4,44 +4,61 @@ Users judge a fused loss by their training step. The models are ``LlamaForCausal
 ``transformers`` configs (no download), vocabulary 128256, bf16 weights, sequence 4096, sdpa
 attention:
 
-- student (~0.47B): hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads, head tied to the
+- student (~0.49B): hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads, head tied to the
   embeddings (Qwen2-0.5B-like);
 - teacher (~1.5B, frozen): hidden 1536, intermediate 8960, 28 layers, 12 heads, 2 KV heads, tied.
 
-CE methods (the student's next-token cross-entropy):
-``hf`` (``model(input_ids, labels=labels).loss``), ``liger`` (Liger-Kernel's Llama patch, its fused
-linear CE only: RoPE, RMSNorm and SwiGLU stay transformers', so only the loss differs), ``cce``
-(cut-cross-entropy's ``cce_patch``), ``orda`` (``DistillationHead.from_linear(model.lm_head)``, the
-loss from the head on the final hidden states, as ``examples/hf_trainer_distill.py`` does).
+A step is the decoder's forward (``model.model``: embeddings, layers, final norm; for the KD methods
+that read the teacher's states, the frozen teacher's too, under ``no_grad``), then the method's
+*head and loss* on those final hidden states, backward, ``AdamW.step``. The head and loss is
+exactly what each integration runs after the decoder:
+
+CE methods (the student's next-token cross-entropy, labels shifted as ``ForCausalLMLoss`` does):
+``hf`` (``model.loss_function(model.lm_head(hidden), labels)``: what ``LlamaForCausalLM.forward``
+runs given ``labels``), ``liger`` (``LigerForCausalLMLoss``: what Liger-Kernel's Llama patch,
+``apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)``, runs in its forward), ``cce``
+(cut-cross-entropy's ``linear_cross_entropy(shift=1)`` with its defaults, which its Hugging Face patch
+calls; the patch itself is not in its PyPI wheel), ``orda`` (``DistillationHead.from_linear(lm_head)``
+on ``(hidden[:, :-1], labels[:, 1:])``, as ``examples/hf_trainer_distill.py`` does) and ``orda_ws512``
+(the same with ``KernelConfig(workspace_mib=512)`` instead of the default workspace).
 
 KD methods (student CE + forward KL(teacher ‖ student), T = 1, weights 1 and 1):
 ``logits_kd`` (full student and teacher logits, log_softmax, KL, as TRL's GKD computes it at
-beta = 0; the teacher under no_grad), ``liger_jsd`` (Liger's chunked ``LigerFusedLinearJSDLoss``
-at beta = 0, which is ``kl_div(student_logp, teacher_logp, log_target=True)``: forward KL, with its
-own CE as the hard loss), ``orda_teacher_head`` (``TeacherHead(teacher_hidden, teacher.lm_head)``,
-``teacher_ce_weight=0``), ``orda_topk`` (a top-k cache of the same teacher from
-``orda_tp.teacher_topk``, made before the step and not timed, ``tail="uniform"``).
+beta = 0; the teacher's logits under no_grad), ``liger_jsd`` (Liger's chunked
+``LigerFusedLinearJSDLoss`` at beta = 0, which is ``kl_div(student_logp, teacher_logp,
+log_target=True)``: forward KL, with its own CE as the hard loss), ``orda_teacher_head``
+(``TeacherHead(teacher_hidden, teacher.lm_head)``, ``teacher_ce_weight=0``), ``orda_topk`` (a top-k
+cache of the same teacher from ``orda_tp.teacher_topk``, made before the step and not timed,
+``tail="uniform"``; the teacher does not run in the step).
 
-Each JSON line (one per method × compile setting): the median step time over ``--steps`` timed
-steps after ``--warmup``, tokens/s, peak memory (``torch.cuda.max_memory_allocated`` over the
-timed steps: weights, gradients, AdamW state and activations), the largest micro-batch that fits
-(doubling, then bisection, catching ``torch.cuda.OutOfMemoryError``; ``--max-batch``,
-``--no-search``) and the loss share: the step is timed again with the head and loss replaced by a
-trivial loss on the decoder's output (``mean(hidden²)``, the teacher's forward kept where the method
-runs it), and ``loss_share = 1 − trivial_ms / step_ms`` (head GEMMs, loss, their backward).
-With ``--compile`` every method runs again with the student compiled (``student.compile()`` and
-``student.model.compile()``; the frozen teacher stays eager). Every method starts from the same
-initial weights and batch; its first step's loss and gradients
-are compared with the reference of its task (``hf`` for CE, ``logits_kd`` for KD).
+Each JSON line (one per method × compile setting) holds: the median step time over ``--steps``
+timed steps after ``--warmup`` (and their min and max), tokens/s (``batch × seq`` tokens per step),
+peak memory over the timed steps (``torch.cuda.max_memory_allocated``: weights, gradients, AdamW
+state, activations); the head and loss alone (``loss_ms``: its forward and backward on the step's
+hidden states, detached leaves, median over as many repeats; ``loss_share = loss_ms / step_ms``;
+``loss_peak_mib``: the memory it adds; ``loss_kernels``: its ten costliest GPU kernels;
+``loss_host_syncs``: the synchronizing CUDA calls it makes, by source line, from
+``torch.cuda.set_sync_debug_mode``); the largest micro-batch that fits (doubling, then bisection,
+catching ``torch.cuda.OutOfMemoryError``, up to ``--max-batch``) and the tokens/s at it. With
+``--compile`` every method runs again compiled the way PyTorch recommends for repeated blocks:
+each decoder layer (student and teacher) ``layer.compile()`` (one compiled graph shared by the
+layers) and the head and loss ``torch.compile``d; the record adds the graph breaks (reasons and
+counts) and the graphs compiled by the first step and by the end of the timed steps (a growth is a
+recompilation). ``--repeats R`` times each method's step R − 1 more times, in reversed order, in
+lines with ``"pass"`` ≥ 1.
+
+Every method starts from the same initial weights and batch; its first step's loss and gradients are
+compared with the reference of its task (``hf`` for CE, ``logits_kd`` for KD).
 
     python benchmarks/train_step.py                     # one GPU, eager
     python benchmarks/train_step.py --compile --out DIR # eager and torch.compile, DIR/train_step.jsonl
-    python benchmarks/train_step.py --small             # CPU: tiny fp32 models, one step each, checked
+    python benchmarks/train_step.py --small             # CPU: tiny fp32 models, checked
 
 ``--small`` asserts that every method's loss (1e-5 relative) and gradients (1e-4 relative to the
 largest entry) match its reference, with k = V for ``orda_topk`` (then exact), prints ``check PASS``
 or ``check FAIL`` and exits 1 on FAIL. Methods whose package does not import are skipped, with the
-reason printed and recorded.
+reason printed and recorded. ``benchmarks/train_step_report.py`` turns the records into the table and
+the plot of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -51,6 +68,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -78,8 +96,8 @@ CHECKED_PARAMETERS = ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight"
 KD_OPTIONS: dict[str, Any] = dict(
     student_ce_weight=1.0, kl_weight=1.0, kl_temperature=1.0, kl_divergence="forward", teacher_ce_weight=0.0
 )
-
-Bound = Callable[[], Tensor]  # the step's loss for one batch
+PROFILED_KERNELS = 10  # loss_kernels: the costliest GPU kernels of the head and loss
+MAX_BATCH_STEPS = 3  # timed steps at the largest micro-batch (after one untimed)
 
 
 @dataclass(frozen=True)
@@ -124,12 +142,53 @@ class Batch:
     labels: Tensor  # (B, T), unshifted as transformers takes them; IGNORE_INDEX ignored
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What the head and loss reads: the student's final hidden states (B, T, H); the frozen
+    teacher's (B, T, H_t) for a method that runs the teacher, else None; the batch's unshifted
+    labels; what the method prepared for this batch before the step (the top-k teacher), else None."""
+
+    hidden: Tensor
+    teacher_hidden: Tensor | None
+    labels: Tensor
+    prepared: Any = None
+
+    def detached(self) -> Inputs:
+        """The same values as leaves: the student's states requiring a gradient, for the loss alone."""
+        teacher = None if self.teacher_hidden is None else self.teacher_hidden.detach()
+        return Inputs(self.hidden.detach().requires_grad_(), teacher, self.labels, self.prepared)
+
+
+HeadLoss = Callable[[Inputs], Tensor]  # a method's head and loss
+Bound = Callable[[], Tensor]  # the step's loss for one batch
+
+
 @dataclass
 class Context:
+    """The run's settings and the frozen teacher, built when a KD method first reads it and released
+    after each compile setting (the CE methods' steps and memory are the student's alone)."""
+
     sizes: Sizes
     device: torch.device
-    teacher: LlamaForCausalLM
     topk: int
+    seed: int
+    compiled: bool = False
+    _teacher: LlamaForCausalLM | None = None
+
+    @property
+    def teacher(self) -> LlamaForCausalLM:
+        if self._teacher is None:
+            self._teacher = build_llama(
+                self.sizes, self.sizes.teacher, self.device, self.seed + 1, self.sizes.teacher_init_std
+            )
+            self._teacher.eval().requires_grad_(False)
+            if self.compiled:
+                compile_layers(self._teacher)
+        return self._teacher
+
+    def release_teacher(self) -> None:
+        self._teacher = None
+        recover_device()
 
 
 class Skip(Exception):
@@ -157,6 +216,12 @@ def build_llama(
     return model.to(sizes.dtype)
 
 
+def compile_layers(model: LlamaForCausalLM) -> None:
+    """Regional compilation: each decoder layer ``compile()``d; the layers share one compiled graph."""
+    for layer in model.model.layers:
+        layer.compile()
+
+
 def make_batch(batch_size: int, sizes: Sizes, device: torch.device, seed: int) -> Batch:
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, sizes.vocab, (batch_size, sizes.seq), generator=generator)
@@ -165,118 +230,137 @@ def make_batch(batch_size: int, sizes: Sizes, device: torch.device, seed: int) -
     return Batch(input_ids.to(device), labels.to(device))
 
 
-def final_hidden_states(model: LlamaForCausalLM, input_ids: Tensor) -> Tensor:
-    """The (B, T, H) states ``lm_head`` reads, through the model's own forward; an empty
-    ``logits_to_keep`` builds no logits (``examples/hf_trainer_distill.py``)."""
-    no_position = torch.empty(0, dtype=torch.long, device=input_ids.device)
-    outputs = model(input_ids=input_ids, output_hidden_states=True, logits_to_keep=no_position, use_cache=False)
-    return outputs.hidden_states[-1]
+def decoder_states(model: LlamaForCausalLM, input_ids: Tensor) -> Tensor:
+    """The (B, T, H) final-norm output that ``lm_head`` reads (``model.model``'s forward)."""
+    return model.model(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
-def next_token_rows(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Position t's state with label t + 1, as ``ForCausalLMLoss`` shifts them."""
-    return hidden[:, :-1, :], labels[:, 1:]
+def teacher_states(ctx: Context, input_ids: Tensor) -> Tensor:
+    with torch.no_grad():
+        return decoder_states(ctx.teacher, input_ids)
+
+
+def shifted_rows(states: Tensor) -> Tensor:
+    """Position t's state, t < T - 1, as (B·(T - 1), H) rows: the rows that have a next-token label."""
+    return states[:, :-1, :].reshape(-1, states.shape[-1])
+
+
+def shifted_labels(labels: Tensor) -> Tensor:
+    """Label t + 1 for position t, as ``ForCausalLMLoss`` shifts them, flattened."""
+    return labels[:, 1:].reshape(-1)
 
 
 # ------------------------------------------------------------------------------------------------ methods
-# Each method's ``prepare(student, ctx)`` patches the fresh student if it needs to and returns
-# ``bind(batch)``: the untimed preparation of one batch (the top-k cache), giving the step's loss.
+# Each method's ``prepare(student, ctx)`` returns its head and loss (a function of the Inputs).
 
 
-def hf_ce(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
-    return lambda b: lambda: student(input_ids=b.input_ids, labels=b.labels, use_cache=False).loss
+def hf_ce(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
+    def loss(x: Inputs) -> Tensor:
+        return student.loss_function(logits=student.lm_head(x.hidden), labels=x.labels, vocab_size=ctx.sizes.vocab)
+
+    return loss
 
 
-def liger_ce(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
-    liger = import_or_skip("liger_kernel.transformers", ctx)
-    liger.apply_liger_kernel_to_llama(
-        rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=False, swiglu=False, model=student
-    )
-    return hf_ce(student, ctx)
+def liger_ce(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
+    loss_utils = import_or_skip("liger_kernel.transformers.model.loss_utils", ctx)
+
+    def loss(x: Inputs) -> Tensor:
+        return loss_utils.LigerForCausalLMLoss(
+            hidden_states=x.hidden,
+            lm_head_weight=student.lm_head.weight,
+            labels=x.labels,
+            hidden_size=x.hidden.shape[-1],
+        )
+
+    return loss
 
 
-def cce_ce(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
-    cce = import_or_skip("cut_cross_entropy.transformers", ctx)
-    student = cce.cce_patch(student, reduction="mean")
-    return hf_ce(student, ctx)
+def cce_ce(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
+    cce = import_or_skip("cut_cross_entropy", ctx)
+
+    def loss(x: Inputs) -> Tensor:
+        return cce.linear_cross_entropy(x.hidden, student.lm_head.weight, x.labels, shift=1, reduction="mean")
+
+    return loss
 
 
-def orda_ce(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
+def orda_head_loss(head: orda_tp.DistillationHead, teacher: Callable[[Inputs], Any] | None) -> HeadLoss:
+    def loss(x: Inputs) -> Tensor:
+        rows, labels = x.hidden[:, :-1, :], x.labels[:, 1:]
+        return head(rows, labels, teacher=None if teacher is None else teacher(x)).loss
+
+    return loss
+
+
+def orda_ce(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
     head = orda_tp.DistillationHead.from_linear(student.lm_head, student_ce_weight=1.0, kl_weight=0.0)
-    student.lm_head = head
-
-    def bind(b: Batch) -> Bound:
-        return lambda: head(*next_token_rows(final_hidden_states(student, b.input_ids), b.labels)).loss
-
-    return bind
+    return orda_head_loss(head, None)
 
 
-def logits_kd(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
+def orda_ce_ws512(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
+    config = orda_tp.KernelConfig(workspace_mib=512)
+    head = orda_tp.DistillationHead.from_linear(student.lm_head, student_ce_weight=1.0, kl_weight=0.0, config=config)
+    return orda_head_loss(head, None)
+
+
+def logits_kd(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
     """CE + KL(teacher ‖ student) from the full logits, as TRL's ``generalized_jsd_loss`` at beta=0
     (``kl_div(student_logp, teacher_logp, log_target=True)`` summed over the vocabulary, averaged
     over the rows whose label is not ignored)."""
 
-    def loss(b: Batch) -> Tensor:
-        logits = student(input_ids=b.input_ids, use_cache=False).logits[:, :-1].float()
+    def loss(x: Inputs) -> Tensor:
+        assert x.teacher_hidden is not None
+        logits = student.lm_head(x.hidden)[:, :-1].float()
         with torch.no_grad():
-            teacher_logits = ctx.teacher(input_ids=b.input_ids, use_cache=False).logits[:, :-1].float()
-        labels = b.labels[:, 1:]
+            teacher_logits = ctx.teacher.lm_head(x.teacher_hidden)[:, :-1].float()
+        labels = x.labels[:, 1:]
         mask = labels != IGNORE_INDEX
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         student_logp, teacher_logp = F.log_softmax(logits, dim=-1), F.log_softmax(teacher_logits, dim=-1)
         kl = F.kl_div(student_logp, teacher_logp, reduction="none", log_target=True).sum(-1)
         return ce + kl[mask].sum() / mask.sum()
 
-    return lambda b: lambda: loss(b)
+    return loss
 
 
-def teacher_rows(ctx: Context, b: Batch) -> Tensor:
-    """The frozen teacher's final hidden states, one row per student row."""
-    with torch.no_grad():
-        hidden, _ = next_token_rows(final_hidden_states(ctx.teacher, b.input_ids), b.labels)
-    return hidden.reshape(-1, hidden.shape[-1])
-
-
-def liger_jsd(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
+def liger_jsd(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
     chunked = import_or_skip("liger_kernel.chunked_loss", ctx)
     jsd = chunked.LigerFusedLinearJSDLoss(
         weight_hard_loss=1.0, weight_soft_loss=1.0, beta=0.0, ignore_index=IGNORE_INDEX, temperature=1.0
     )
 
-    def loss(b: Batch) -> Tensor:
-        hidden, labels = next_token_rows(final_hidden_states(student, b.input_ids), b.labels)
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        return jsd(rows, student.lm_head.weight, teacher_rows(ctx, b), ctx.teacher.lm_head.weight, labels.reshape(-1))
+    def loss(x: Inputs) -> Tensor:
+        assert x.teacher_hidden is not None
+        return jsd(
+            shifted_rows(x.hidden),
+            student.lm_head.weight,
+            shifted_rows(x.teacher_hidden),
+            ctx.teacher.lm_head.weight,
+            shifted_labels(x.labels),
+        )
 
-    return lambda b: lambda: loss(b)
+    return loss
 
 
-def orda_teacher_head(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
+def orda_teacher_head(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
     head = orda_tp.DistillationHead.from_linear(student.lm_head, **KD_OPTIONS)
-    student.lm_head = head
 
-    def loss(b: Batch) -> Tensor:
-        hidden, labels = next_token_rows(final_hidden_states(student, b.input_ids), b.labels)
-        return head(hidden, labels, teacher=orda_tp.TeacherHead(teacher_rows(ctx, b), ctx.teacher.lm_head)).loss
+    def teacher(x: Inputs) -> orda_tp.TeacherHead:
+        assert x.teacher_hidden is not None
+        return orda_tp.TeacherHead(shifted_rows(x.teacher_hidden), ctx.teacher.lm_head)
 
-    return lambda b: lambda: loss(b)
+    return orda_head_loss(head, teacher)
 
 
-def orda_topk(student: LlamaForCausalLM, ctx: Context) -> Callable[[Batch], Bound]:
+def orda_topk(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
     head = orda_tp.DistillationHead.from_linear(student.lm_head, **KD_OPTIONS)
-    student.lm_head = head
+    return orda_head_loss(head, lambda x: x.prepared)
 
-    def bind(b: Batch) -> Bound:
-        cache = orda_tp.teacher_topk(teacher_rows(ctx, b), ctx.teacher.lm_head.weight, ctx.topk)  # not timed
-        teacher = cache.teacher(tail="uniform")
 
-        def loss() -> Tensor:
-            hidden, labels = next_token_rows(final_hidden_states(student, b.input_ids), b.labels)
-            return head(hidden, labels, teacher=teacher).loss
-
-        return loss
-
-    return bind
+def topk_teacher(ctx: Context, batch: Batch) -> Any:
+    """The batch's top-k teacher (``teacher_topk`` on the teacher's rows), made before the step."""
+    rows = shifted_rows(teacher_states(ctx, batch.input_ids))
+    return orda_tp.teacher_topk(rows, ctx.teacher.lm_head.weight, ctx.topk).teacher(tail="uniform")
 
 
 def import_or_skip(module: str, ctx: Context) -> Any:
@@ -293,34 +377,43 @@ def import_or_skip(module: str, ctx: Context) -> Any:
 class Method:
     name: str
     task: str  # "CE" or "KD"
-    prepare: Callable[[LlamaForCausalLM, Context], Callable[[Batch], Bound]]
-    runs_teacher: bool  # the teacher's forward is part of the step
+    prepare: Callable[[LlamaForCausalLM, Context], HeadLoss]
+    runs_teacher: bool = False  # the teacher's forward is part of the step
+    before_step: Callable[[Context, Batch], Any] | None = None  # Inputs.prepared, made untimed
 
 
 METHODS = (
-    Method("hf", "CE", hf_ce, False),  # the CE reference
-    Method("liger", "CE", liger_ce, False),
-    Method("cce", "CE", cce_ce, False),
-    Method("orda", "CE", orda_ce, False),
-    Method("logits_kd", "KD", logits_kd, True),  # the KD reference
-    Method("liger_jsd", "KD", liger_jsd, True),
-    Method("orda_teacher_head", "KD", orda_teacher_head, True),
-    Method("orda_topk", "KD", orda_topk, False),
+    Method("hf", "CE", hf_ce),  # the CE reference
+    Method("liger", "CE", liger_ce),
+    Method("cce", "CE", cce_ce),
+    Method("orda", "CE", orda_ce),
+    Method("orda_ws512", "CE", orda_ce_ws512),
+    Method("logits_kd", "KD", logits_kd, runs_teacher=True),  # the KD reference
+    Method("liger_jsd", "KD", liger_jsd, runs_teacher=True),
+    Method("orda_teacher_head", "KD", orda_teacher_head, runs_teacher=True),
+    Method("orda_topk", "KD", orda_topk, before_step=topk_teacher),
 )
 REFERENCE = {"CE": "hf", "KD": "logits_kd"}
 
 
-def trivial_loss(student: LlamaForCausalLM, ctx: Context, runs_teacher: bool) -> Callable[[Batch], Bound]:
-    """The step without head and loss: ``mean(hidden²)`` of the decoder's output (and the teacher's
-    forward when the method runs it), for the loss share."""
+@dataclass(frozen=True)
+class Prepared:
+    """A method ready to run on a fresh student: its head and loss, and the step's inputs for a batch."""
 
-    def loss(b: Batch) -> Tensor:
-        hidden = student.model(input_ids=b.input_ids, use_cache=False).last_hidden_state
-        if runs_teacher:
-            teacher_rows(ctx, b)
-        return hidden.float().square().mean()
+    method: Method
+    student: LlamaForCausalLM
+    ctx: Context
+    head_loss: HeadLoss
 
-    return lambda b: lambda: loss(b)
+    def inputs(self, batch: Batch, prepared: Any) -> Inputs:
+        teacher = teacher_states(self.ctx, batch.input_ids) if self.method.runs_teacher else None
+        return Inputs(decoder_states(self.student, batch.input_ids), teacher, batch.labels, prepared)
+
+    def bind(self, batch: Batch) -> Bound:
+        """The step's loss on ``batch``; what the method prepares before the step is made here, untimed."""
+        before = self.method.before_step
+        prepared = None if before is None else before(self.ctx, batch)
+        return lambda: self.head_loss(self.inputs(batch, prepared))
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -334,42 +427,100 @@ def train_step(loss: Bound, optimizer: torch.optim.Optimizer) -> float:
     return value.item()
 
 
-def first_step(loss: Bound, student: LlamaForCausalLM, optimizer: torch.optim.Optimizer) -> tuple[float, dict]:
-    """One step; its loss and the checked parameters' gradients (fp32, on the CPU), taken before
-    the optimizer step."""
-    value = loss()
+def first_step(prep: Prepared, batch: Batch, optimizer: torch.optim.Optimizer) -> tuple[float, dict, Inputs]:
+    """One step; its loss, the checked parameters' gradients (fp32, on the CPU, taken before the
+    optimizer step) and its inputs as leaves (for the loss alone)."""
+    before = prep.method.before_step
+    inputs = prep.inputs(batch, None if before is None else before(prep.ctx, batch))
+    value = prep.head_loss(inputs)
     value.backward()
-    grads = {name: student.get_parameter(name).grad.float().cpu() for name in CHECKED_PARAMETERS}
+    grads = {name: prep.student.get_parameter(name).grad.float().cpu() for name in CHECKED_PARAMETERS}
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return value.item(), grads
+    return value.item(), grads, inputs.detached()
 
 
-def median_step_ms(loss: Bound, optimizer: torch.optim.Optimizer, device: torch.device, args: Any) -> float:
-    """The median of ``args.steps`` timed steps after ``args.warmup`` (CUDA events on a GPU)."""
-    for _ in range(args.warmup):
-        train_step(loss, optimizer)
+def timed_ms(run: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``run`` after ``warmup`` (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        run()
     sync_device(device)
     times: list[float] = []
-    for _ in range(args.steps):
+    for _ in range(repeats):
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            train_step(loss, optimizer)
+            run()
             stop.record()
             stop.synchronize()
             times.append(start.elapsed_time(stop))
         else:
             started = time.perf_counter()
-            train_step(loss, optimizer)
+            run()
             times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return times
 
 
-def fits(bind: Callable[[Batch], Bound], optimizer: torch.optim.Optimizer, ctx: Context, batch_size: int) -> bool:
+def step_times(loss: Bound, optimizer: torch.optim.Optimizer, device: torch.device, args: Any) -> dict[str, float]:
+    times = timed_ms(lambda: train_step(loss, optimizer), device, args.warmup, args.steps)
+    return {"step_ms": statistics.median(times), "step_ms_min": min(times), "step_ms_max": max(times)}
+
+
+def loss_alone(prep: Prepared, inputs: Inputs, args: Any) -> dict[str, Any]:
+    """The head and loss alone, forward and backward on ``inputs`` (leaves): median ms, the memory
+    it adds, on a GPU its costliest kernels and its synchronizing calls. Each run drops the
+    gradients it leaves."""
+
+    def run() -> None:
+        prep.head_loss(inputs).backward()
+        inputs.hidden.grad = None
+        prep.student.zero_grad(set_to_none=True)  # each run starts as a step does: no gradients
+
+    device = prep.ctx.device
+    record: dict[str, Any] = {}
+    if device.type == "cuda":
+        run()  # compiled before the memory baseline
+        sync_device(device)
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        record["loss_peak_mib"] = (torch.cuda.max_memory_allocated(device) - baseline) / 2**20
+        record["loss_host_syncs"] = host_syncs(run)
+        record["loss_kernels"] = costliest_kernels(run)
+    record["loss_ms"] = statistics.median(timed_ms(run, device, 1, args.steps))
+    return record
+
+
+def host_syncs(run: Callable[[], None]) -> dict[str, int]:
+    """The synchronizing CUDA calls of ``run``, counted by the source line that made them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return {line: lines.count(line) for line in sorted(set(lines))}
+
+
+def costliest_kernels(run: Callable[[], None]) -> list[list[Any]]:
+    """``[name, total ms, calls]`` of the :data:`PROFILED_KERNELS` GPU kernels of ``run`` that take
+    the most time, and ``["(all kernels)", ms, calls]`` first."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = ["(all kernels)", sum(e.self_device_time_total for e in kernels) / 1e3, sum(e.count for e in kernels)]
+    return [total] + [[e.key[:90], e.self_device_time_total / 1e3, e.count] for e in kernels[:PROFILED_KERNELS]]
+
+
+def fits(prep: Prepared, optimizer: torch.optim.Optimizer, batch_size: int) -> bool:
     """Whether one step at ``batch_size`` runs without running out of GPU memory; memory freed after."""
     try:
-        train_step(bind(make_batch(batch_size, ctx.sizes, ctx.device, seed=batch_size)), optimizer)
+        train_step(prep.bind(make_batch(batch_size, prep.ctx.sizes, prep.ctx.device, seed=batch_size)), optimizer)
         return True
     except torch.cuda.OutOfMemoryError:
         return False
@@ -378,28 +529,36 @@ def fits(bind: Callable[[Batch], Bound], optimizer: torch.optim.Optimizer, ctx: 
         recover_device()
 
 
-def largest_batch(bind: Callable[[Batch], Bound], optimizer: torch.optim.Optimizer, ctx: Context, cap: int) -> int:
+def largest_batch(prep: Prepared, optimizer: torch.optim.Optimizer, cap: int) -> int:
     """Doubling from 1 up to ``cap``, then bisection between the last size that fits and the first
     that does not; 0 when even 1 does not fit."""
     good, bad = 0, None
     size = 1
     while size <= cap:
-        if not fits(bind, optimizer, ctx, size):
+        if not fits(prep, optimizer, size):
             bad = size
             break
         good, size = size, size * 2
     if bad is None:  # every power of 2 up to cap fits
-        if good == cap or fits(bind, optimizer, ctx, cap):
+        if good == cap or fits(prep, optimizer, cap):
             return cap
         bad = cap
     while bad - good > 1:
         middle = (good + bad) // 2
-        good, bad = (middle, bad) if fits(bind, optimizer, ctx, middle) else (good, middle)
+        good, bad = (middle, bad) if fits(prep, optimizer, middle) else (good, middle)
     return good
 
 
 def relative_error(value: Tensor, reference: Tensor) -> float:
     return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
+def compiled_graphs() -> dict[str, Any]:
+    """Dynamo's counters so far: graphs compiled, graph breaks by reason (its first line)."""
+    from torch._dynamo.utils import counters
+
+    breaks = {reason.splitlines()[0]: count for reason, count in counters["graph_break"].items()}
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": breaks}
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -425,43 +584,87 @@ def compare(record: dict[str, Any], method: Method, loss: float, grads: dict[str
     record["grad_rel_err"] = {name: relative_error(g, refs.grads[method.task][name]) for name, g in grads.items()}
 
 
+def prepare(method: Method, compiled: bool, ctx: Context, args: Any) -> Prepared:
+    """A fresh student (the same initial weights for every method) with the method's head and loss,
+    compiled when asked (then Dynamo's counters start from zero)."""
+    student = build_llama(ctx.sizes, ctx.sizes.student, ctx.device, seed=args.seed)
+    head_loss = method.prepare(student, ctx)
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        compile_layers(student)
+        head_loss = torch.compile(head_loss)
+    return Prepared(method, student, ctx, head_loss)
+
+
+def at_largest_batch(prep: Prepared, optimizer: torch.optim.Optimizer, args: Any) -> dict[str, Any]:
+    """The largest micro-batch that fits and the tokens/s of steps at it."""
+    record: dict[str, Any] = {"max_batch": largest_batch(prep, optimizer, args.max_batch)}
+    if record["max_batch"] == 0:
+        return record
+    batch = make_batch(record["max_batch"], prep.ctx.sizes, prep.ctx.device, seed=args.seed)
+    try:
+        loss = prep.bind(batch)
+        times = timed_ms(lambda: train_step(loss, optimizer), prep.ctx.device, 1, MAX_BATCH_STEPS)
+        record["max_batch_tokens_per_s"] = record["max_batch"] * prep.ctx.sizes.seq / (statistics.median(times) / 1e3)
+    except torch.cuda.OutOfMemoryError:  # it fit once; a fragmented allocator may not fit it again
+        record["max_batch_tokens_per_s"] = None
+    return record
+
+
 def run_method(method: Method, compiled: bool, ctx: Context, refs: References, args: Any) -> dict[str, Any]:
     """One JSON record: status, first-step loss (and its errors against the reference), timing,
-    memory, loss share, largest batch."""
+    memory, the loss alone, compilation, the largest batch."""
     record: dict[str, Any] = {"method": method.name, "task": method.task, "compile": compiled, "batch": args.batch}
-    student = build_llama(ctx.sizes, ctx.sizes.student, ctx.device, seed=args.seed)
     try:
-        bind = method.prepare(student, ctx)
+        prep = prepare(method, compiled, ctx, args)
     except Skip as reason:
         return record | {"status": "skipped", "reason": str(reason)}
-    if compiled:
-        student.compile()
-        student.model.compile()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(prep.student.parameters(), lr=1e-4)
     batch = make_batch(args.batch, ctx.sizes, ctx.device, seed=args.seed)
-    tokens = args.batch * ctx.sizes.seq
     try:
-        loss = bind(batch)
-        record["loss"], grads = first_step(loss, student, optimizer)
+        record["loss"], grads, inputs = first_step(prep, batch, optimizer)
         compare(record, method, record["loss"], grads, refs)
+        if compiled:
+            record["compiled_by_first_step"] = compiled_graphs()
+        loss = prep.bind(batch)
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        record["step_ms"] = median_step_ms(loss, optimizer, ctx.device, args)
-        record["tokens_per_s"] = tokens / (record["step_ms"] / 1e3)
+        record |= step_times(loss, optimizer, ctx.device, args)
+        record["tokens_per_s"] = args.batch * ctx.sizes.seq / (record["step_ms"] / 1e3)
         if ctx.device.type == "cuda":
             record["peak_mib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-        trivial = trivial_loss(student, ctx, method.runs_teacher)(batch)
-        record["trivial_step_ms"] = median_step_ms(trivial, optimizer, ctx.device, args)
-        record["loss_share"] = 1.0 - record["trivial_step_ms"] / record["step_ms"]
-        del loss, trivial
+        del loss
+        record |= loss_alone(prep, inputs, args)
+        record["loss_share"] = record["loss_ms"] / record["step_ms"]
+        if compiled:
+            record["compiled_by_timing_end"] = compiled_graphs()
+        del inputs
         if not args.no_search and ctx.device.type == "cuda":
-            record["max_batch"] = largest_batch(bind, optimizer, ctx, args.max_batch)
+            record |= at_largest_batch(prep, optimizer, args)
         record["status"] = "ok"
     except Exception as error:  # noqa: BLE001 - a failing method is recorded, the others still run
         record |= {"status": "error", "reason": f"{type(error).__name__}: {error}"[:300]}
     finally:
-        del student, optimizer, bind
+        del prep, optimizer
         recover_device()
+    return record
+
+
+def time_again(method: Method, compiled: bool, ctx: Context, args: Any, pass_index: int) -> dict[str, Any]:
+    """Another pass of the step timing alone, on a fresh student (``--repeats``)."""
+    record: dict[str, Any] = {"method": method.name, "task": method.task, "compile": compiled, "pass": pass_index}
+    try:
+        prep = prepare(method, compiled, ctx, args)
+        optimizer = torch.optim.AdamW(prep.student.parameters(), lr=1e-4)
+        loss = prep.bind(make_batch(args.batch, ctx.sizes, ctx.device, seed=args.seed))
+        train_step(loss, optimizer)  # compiles, and AdamW's state
+        record |= step_times(loss, optimizer, ctx.device, args) | {"status": "ok"}
+        del prep, optimizer, loss
+    except Exception as error:  # noqa: BLE001 - recorded, the others still run
+        record |= {"status": "error", "reason": f"{type(error).__name__}: {error}"[:300]}
+    recover_device()
     return record
 
 
@@ -469,7 +672,7 @@ def check(records: list[dict[str, Any]]) -> list[str]:
     """The --small check: every method that ran matches its task's reference within fp32 tolerance."""
     failures = []
     for r in records:
-        if r["status"] == "skipped":
+        if r["status"] == "skipped" or "pass" in r:
             continue
         if r["status"] != "ok" or "loss_rel_err" not in r:
             failures.append(f"{r['method']} compile={r['compile']}: {r['status']} {r.get('reason', 'no reference')}")
@@ -492,11 +695,13 @@ def versions(device: torch.device) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="CPU: tiny fp32 models, one step each, checked")
-    parser.add_argument("--compile", action="store_true", help="also run every method under torch.compile")
-    parser.add_argument("--batch", type=int, default=None, help="micro-batch of the timed steps (GPU 2, small 2)")
+    parser.add_argument("--small", action="store_true", help="CPU: tiny fp32 models, checked")
+    parser.add_argument("--compile", action="store_true", help="also run every method compiled")
+    parser.add_argument("--compile-only", action="store_true", help="run every method compiled only")
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch of the timed steps (GPU 4, small 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (GPU 3, small 0)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (GPU 10, small 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (GPU 10, small 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="passes of the step timing (GPU 2, small 1)")
     parser.add_argument("--topk", type=int, default=None, help="orda_topk's k (GPU 64, small the vocabulary)")
     parser.add_argument("--max-batch", type=int, default=64, help="cap of the largest-batch search")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
@@ -505,10 +710,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="directory for train_step.jsonl")
     args = parser.parse_args(argv)
     small = args.small
-    args.batch = args.batch or 2
+    args.batch = args.batch or (2 if small else 4)
     args.warmup = args.warmup if args.warmup is not None else (0 if small else 3)
-    args.steps = args.steps or (1 if small else 10)
+    args.steps = args.steps or (2 if small else 10)
+    args.repeats = args.repeats or (1 if small else 2)
     args.topk = args.topk or (SMALL_SIZES.vocab if small else 64)
+    unknown = set(args.methods or ()) - {m.name for m in METHODS}
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; the methods are {[m.name for m in METHODS]}")
     return args
 
 
@@ -521,33 +730,49 @@ def emit(line: dict[str, Any], record_file: IO[str] | None) -> None:
         record_file.flush()
 
 
+def run_setting(compiled: bool, methods: list[Method], ctx: Context, args: Any, emit_line: Callable) -> list[dict]:
+    """Every method once with every measurement, then ``--repeats`` − 1 timing passes, each in the
+    reverse order of the one before (a drift over the run shows as a difference between passes)."""
+    ctx.compiled = compiled
+    refs, records = References(), []
+    for method in methods:
+        record = run_method(method, compiled, ctx, refs, args)
+        if record["status"] == "skipped":
+            print(f"skip {method.name}: {record['reason']}", flush=True)
+        records.append(record)
+        emit_line(record)
+    ran = [m for m, r in zip(methods, records) if r["status"] != "skipped"]
+    for pass_index in range(1, args.repeats):
+        for method in ran[::-1] if pass_index % 2 else ran:
+            records.append(time_again(method, compiled, ctx, args, pass_index))
+            emit_line(records[-1])
+    ctx.release_teacher()
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = SMALL_SIZES if args.small else GPU_SIZES
     device = torch.device("cpu" if args.small else "cuda")
-    teacher = build_llama(sizes, sizes.teacher, device, args.seed + 1, sizes.teacher_init_std)
-    teacher.eval().requires_grad_(False)
-    ctx = Context(sizes, device, teacher, args.topk)
+    ctx = Context(sizes, device, args.topk, args.seed)
     methods = [m for m in METHODS if args.methods is None or m.name in args.methods]
-    lines: list[dict[str, Any]] = [{"environment": versions(device), "vocab": sizes.vocab, "seq": sizes.seq}]
+    header = {"environment": versions(device), "vocab": sizes.vocab, "seq": sizes.seq, "args": vars(args)}
     record_file = None
     if args.out:  # each line written as it comes: a run stopped at a time limit keeps what it measured
         Path(args.out).mkdir(parents=True, exist_ok=True)
         record_file = (Path(args.out) / "train_step.jsonl").open("w")
-    emit(lines[0], record_file)
-    refs = References()
-    for compiled in (False, True) if args.compile else (False,):
-        for method in methods:
-            record = run_method(method, compiled, ctx, refs, args)
-            if record["status"] == "skipped":
-                print(f"skip {method.name}: {record['reason']}", flush=True)
-            lines.append(record)
-            emit(record, record_file)
+    emit(header, record_file)
+    settings = (True,) if args.compile_only else (False, True) if args.compile else (False,)
+    records = [
+        r
+        for compiled in settings
+        for r in run_setting(compiled, methods, ctx, args, lambda line: emit(line, record_file))
+    ]
     if record_file is not None:
         record_file.close()
     if not args.small:
         return 0
-    failures = check(lines[1:])
+    failures = check(records)
     for failure in failures:
         print(f"  mismatch {failure}")
     print("check FAIL" if failures else "check PASS")
