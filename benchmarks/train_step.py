@@ -64,6 +64,7 @@ the plot of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -599,17 +600,21 @@ def prepare(method: Method, compiled: bool, ctx: Context, args: Any) -> Prepared
 
 
 def at_largest_batch(prep: Prepared, optimizer: torch.optim.Optimizer, args: Any) -> dict[str, Any]:
-    """The largest micro-batch that fits and the tokens/s of steps at it."""
+    """The largest micro-batch that fits, and the tokens/s of steps at it; where the allocator,
+    fragmented by the search, no longer fits it, at one sample less (``max_batch_timed``)."""
     record: dict[str, Any] = {"max_batch": largest_batch(prep, optimizer, args.max_batch)}
-    if record["max_batch"] == 0:
-        return record
-    batch = make_batch(record["max_batch"], prep.ctx.sizes, prep.ctx.device, seed=args.seed)
-    try:
-        loss = prep.bind(batch)
-        times = timed_ms(lambda: train_step(loss, optimizer), prep.ctx.device, 1, MAX_BATCH_STEPS)
-        record["max_batch_tokens_per_s"] = record["max_batch"] * prep.ctx.sizes.seq / (statistics.median(times) / 1e3)
-    except torch.cuda.OutOfMemoryError:  # it fit once; a fragmented allocator may not fit it again
-        record["max_batch_tokens_per_s"] = None
+    for size in range(record["max_batch"], max(record["max_batch"] - 2, 0), -1):
+        try:
+            step = functools.partial(
+                train_step, prep.bind(make_batch(size, prep.ctx.sizes, prep.ctx.device, 0)), optimizer
+            )
+            times = timed_ms(step, prep.ctx.device, 1, MAX_BATCH_STEPS)
+        except torch.cuda.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            recover_device()
+            continue
+        tokens_per_s = size * prep.ctx.sizes.seq / (statistics.median(times) / 1e3)
+        return record | {"max_batch_timed": size, "max_batch_tokens_per_s": tokens_per_s}
     return record
 
 
