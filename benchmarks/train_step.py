@@ -710,7 +710,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=None, help="orda_topk's k (GPU 64, small the vocabulary)")
     parser.add_argument("--max-batch", type=int, default=64, help="cap of the largest-batch search")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
-    parser.add_argument("--methods", nargs="*", default=None, help="a subset of the methods (default: all)")
+    parser.add_argument("--methods", nargs="*", default=None, help="these methods, in this order (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for train_step.jsonl")
     args = parser.parse_args(argv)
@@ -741,7 +741,8 @@ def run_setting(compiled: bool, methods: list[Method], ctx: Context, args: Any, 
     ctx.compiled = compiled
     refs, records = References(), []
     for method in methods:
-        record = run_method(method, compiled, ctx, refs, args)
+        started = time.perf_counter()
+        record = run_method(method, compiled, ctx, refs, args) | {"wall_s": time.perf_counter() - started}
         if record["status"] == "skipped":
             print(f"skip {method.name}: {record['reason']}", flush=True)
         records.append(record)
@@ -760,7 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMALL_SIZES if args.small else GPU_SIZES
     device = torch.device("cpu" if args.small else "cuda")
     ctx = Context(sizes, device, args.topk, args.seed)
-    methods = [m for m in METHODS if args.methods is None or m.name in args.methods]
+    by_name = {m.name: m for m in METHODS}
+    methods = list(METHODS) if args.methods is None else [by_name[name] for name in args.methods]
     header = {"environment": versions(device), "vocab": sizes.vocab, "seq": sizes.seq, "args": vars(args)}
     record_file = None
     if args.out:  # each line written as it comes: a run stopped at a time limit keeps what it measured
