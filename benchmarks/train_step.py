@@ -17,9 +17,12 @@ CE methods (the student's next-token cross-entropy, labels shifted as ``ForCausa
 ``hf`` (``model.loss_function(model.lm_head(hidden), labels)``: what ``LlamaForCausalLM.forward``
 runs given ``labels``), ``liger`` (``LigerForCausalLMLoss``: what Liger-Kernel's Llama patch,
 ``apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)``, runs in its forward), ``cce``
-(cut-cross-entropy's ``linear_cross_entropy(shift=1)`` with its defaults, which its Hugging Face patch
-calls; the patch itself is not in its PyPI wheel), ``orda`` (``DistillationHead.from_linear(lm_head)``
-on ``(hidden[:, :-1], labels[:, 1:])``, as ``examples/hf_trainer_distill.py`` does) and ``orda_ws512``
+(cut-cross-entropy's ``linear_cross_entropy(shift=1, filter_eps=None)``, which its Hugging Face patch
+calls; the patch itself is not in its PyPI wheel; ``filter_eps=None`` computes the whole gradient:
+its default filter drops the gradient's entries below a threshold, and on these freshly initialized
+models, whose softmax is near uniform, that changes the gradients by up to 100 %),
+``orda`` (``DistillationHead.from_linear(lm_head)`` on ``(hidden[:, :-1], labels[:, 1:])``, as
+``examples/hf_trainer_distill.py`` does) and ``orda_ws512``
 (the same with ``KernelConfig(workspace_mib=512)`` instead of the default workspace).
 
 KD methods (student CE + forward KL(teacher ‖ student), T = 1, weights 1 and 1):
@@ -280,7 +283,8 @@ def cce_ce(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
     cce = import_or_skip("cut_cross_entropy", ctx)
 
     def loss(x: Inputs) -> Tensor:
-        return cce.linear_cross_entropy(x.hidden, student.lm_head.weight, x.labels, shift=1, reduction="mean")
+        weight = student.lm_head.weight
+        return cce.linear_cross_entropy(x.hidden, weight, x.labels, shift=1, reduction="mean", filter_eps=None)
 
     return loss
 
