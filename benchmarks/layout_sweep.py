@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench import BenchShape, Step, gemm_only_step, make_bench_inputs, measure, orda_step  # noqa: E402
 from orda_tp.engine import fused  # noqa: E402
-from orda_tp.engine.row_groups import RowLayout  # noqa: E402
+from orda_tp.engine.workspace import RowLayout  # noqa: E402
 
 #: (shape, task, smallest chunk rows tried): the anchor shapes, and the first one at a long batch.
 PROBLEMS = (

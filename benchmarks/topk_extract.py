@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from orda_tp.engine import topk_rows
 from orda_tp.engine.logits import logits_mm
-from orda_tp.topk_extraction import teacher_topk, teacher_topk_of_logits
+from orda_tp.topk_cache.extraction import teacher_topk, teacher_topk_of_logits
 
 
 def emit(**fields: object) -> None:

@@ -26,13 +26,13 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orda_tp import TiedTeacher  # noqa: E402
+from orda_tp.arguments.options import LossOptions  # noqa: E402
+from orda_tp.arguments.plan import LossPlan  # noqa: E402
 from orda_tp.engine.logits import LogitGrads  # noqa: E402
 from orda_tp.engine.row_formulas import grad_step  # noqa: E402
 from orda_tp.engine.stats import GradRows  # noqa: E402
 from orda_tp.engine.triton_math import TritonBlockMath  # noqa: E402
 from orda_tp.kernels import tiles  # noqa: E402
-from orda_tp.options import LossOptions  # noqa: E402
-from orda_tp.plan import LossPlan  # noqa: E402
 
 CANDIDATES = [
     tiles.Tiles(block_r=r, block_c=c, num_warps=w, programs=p)

@@ -27,8 +27,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import orda_tp  # noqa: E402
-from orda_tp import topk_extraction  # noqa: E402
 from orda_tp.engine import block_math, triton_math  # noqa: E402
+from orda_tp.topk_cache import extraction as topk_extraction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {

@@ -9,9 +9,9 @@ vocab) logits. The API is a superset of orda-kernel's: ``import orda_tp as orda_
 logits the caller already holds.
 """
 
-from .api import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
-from .checks import IgnoredArgumentWarning
-from .config import PROFILES, ChunkSize, KernelConfig
+from .arguments.config import PROFILES
+from .arguments.orda_kernel import ChunkSize, KernelConfig, begin_autotune_run, reset_autotune_cache
+from .arguments.validation import IgnoredArgumentWarning
 from .cross_vocab import (
     AlignedLikelihoodConfig,
     AlignedSpanLossOutput,
@@ -26,11 +26,12 @@ from .cross_vocab import (
     project_teacher_logits,
 )
 from .divergences import KL_VARIANTS, EntropyGate
+from .flash_kd import flash_ce_kd_loss
+from .kd_loss import KDLoss
 from .lm_head import DistillationHead, HeadOutput
-from .logits_losses import KDLoss, flash_ce_kd_loss
-from .orda_kernel import begin_autotune_run, reset_autotune_cache
+from .loss import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
 from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
-from .topk_extraction import TeacherTopK, teacher_topk, teacher_topk_of_logits
+from .topk_cache.extraction import TeacherTopK, teacher_topk, teacher_topk_of_logits
 from .vocab_parallel import VocabParallel
 
 __version__ = "0.1.0"

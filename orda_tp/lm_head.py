@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .api import DistillationLoss, DistillationLossOutput, TeacherArgument
+from .loss import DistillationLoss, DistillationLossOutput, TeacherArgument
 from .parallel.layout import fail_on_every_rank
 from .parallel.local_shards import call_group
 from .teachers import SeparateTeacher

@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - torch without DTensor
     ParallelStyle = object  # type: ignore[assignment, misc]  # the fallback binding; mypy reads the installed torch
 
-from .api import DistillationLossOutput
+from .loss import DistillationLossOutput
 
 __all__ = ["VocabParallel"]
 

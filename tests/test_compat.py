@@ -228,7 +228,7 @@ def test_distillation_loss_keywords_are_the_options_fields() -> None:
     import dataclasses
     import inspect
 
-    from orda_tp.options import LossOptions
+    from orda_tp.arguments.options import LossOptions
 
     signature = inspect.signature(distillation_loss).parameters.values()
     keywords = {p.name: p.default for p in signature if p.kind is inspect.Parameter.KEYWORD_ONLY}

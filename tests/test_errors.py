@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 import orda_tp
-import orda_tp.api as api_module
+import orda_tp.loss as api_module
 from orda_tp import (
     ChunkSize,
     DistillationLoss,

@@ -15,7 +15,7 @@ import torch
 
 import orda_tp
 from orda_tp import ChunkSize, KernelConfig, PrecomputedTeacher, SeparateTeacher, TiedTeacher
-from orda_tp.engine import row_groups
+from orda_tp.engine import gradient_gemms
 
 from .cases import NanFilledEmpty
 
@@ -315,7 +315,7 @@ def test_gradient_gemms_write_buffers_that_come_filled_with_nan(
         return list(torch.autograd.grad(out.loss, inputs))
 
     zeroed = grads()
-    monkeypatch.setattr(row_groups, "torch", NanFilledEmpty())
+    monkeypatch.setattr(gradient_gemms, "torch", NanFilledEmpty())
     unwritten = grads()
     assert torch.all(zeroed[1][VOCAB - 10 :] == 0)
     for got, expected in zip(unwritten, zeroed):

@@ -14,19 +14,19 @@ import pytest
 import torch
 
 from orda_tp import KL_VARIANTS, TiedTeacher
+from orda_tp.arguments.options import LossOptions
+from orda_tp.arguments.plan import LossPlan
 from orda_tp.engine.logits import LogitGrads, LogitsBlock
-from orda_tp.engine.reference import reference_loss
-from orda_tp.engine.row_walk import GradTarget, RowWalk, chunk_row_stats, stage_grads
-from orda_tp.engine.torch_math import TorchBlockMath
-from orda_tp.options import LossOptions
-from orda_tp.parallel.layout import VocabLayout
-from orda_tp.plan import LossPlan
-from orda_tp.records import (
+from orda_tp.engine.records import (
     PartitionRecord,
     block_partition_record,
     merge_partition_records,
     merge_stacked_partition_records,
 )
+from orda_tp.engine.reference import reference_loss
+from orda_tp.engine.row_walk import GradTarget, RowWalk, chunk_row_stats, stage_grads
+from orda_tp.engine.torch_math import TorchBlockMath
+from orda_tp.parallel.layout import VocabLayout
 
 from .cases import COTRAINED, VARIANT_KWARGS, relative_error
 

@@ -46,8 +46,8 @@ from orda_tp import (
     build_precomputed_span_teacher,
     distillation_loss,
 )
-from orda_tp.engine.row_groups import row_layout
-from orda_tp.orda_kernel import LOSS_OVERRIDES, apply_loss_overrides, own_config
+from orda_tp.arguments.orda_kernel import LOSS_OVERRIDES, apply_loss_overrides, own_config
+from orda_tp.engine.workspace import row_layout
 
 from .distributed import run_distributed
 

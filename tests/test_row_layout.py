@@ -9,7 +9,7 @@ import torch
 
 import orda_tp
 from orda_tp import ChunkSize, KernelConfig, TiedTeacher
-from orda_tp.engine.row_groups import (
+from orda_tp.engine.workspace import (
     CHUNKS_PER_GROUP,
     HOST_WORKSPACE_MIB,
     LAYOUT_COSTS,

@@ -13,11 +13,11 @@ import torch
 
 import orda_tp
 from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
-from orda_tp.engine import fused, row_groups
+from orda_tp.engine import fused, gradient_gemms
 from orda_tp.engine.block_math import select_backend
 from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
-from orda_tp.engine.row_groups import RowLayout
 from orda_tp.engine.row_walk import GradTarget, RowWalk, row_ranges, walk_rows
+from orda_tp.engine.workspace import RowLayout
 from orda_tp.parallel.layout import VocabLayout
 
 from .cases import (
@@ -257,7 +257,7 @@ def test_gradient_buffers_come_unwritten_and_every_element_is_written(
         return loss_and_grads(p, mode, upstream, **kwargs)[1]
 
     zeroed = grads()
-    monkeypatch.setattr(row_groups, "torch", NanFilledEmpty())
+    monkeypatch.setattr(gradient_gemms, "torch", NanFilledEmpty())
     unwritten = grads()
     assert any(grad is not None for grad in zeroed)
     for index, (got, expected) in enumerate(zip(unwritten, zeroed)):

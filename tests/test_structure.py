@@ -26,7 +26,7 @@ import torch
 import orda_tp
 
 PACKAGE = Path(orda_tp.__file__).parent
-MAX_CALL_FILES = 12
+MAX_CALL_FILES = 13
 MAX_CALL_FUNCTIONS = {"torch": 55, "triton": 56}
 # A function's length is its body's: the signature (28 keywords for distillation_loss) and the
 # docstring are not counted.
@@ -34,24 +34,23 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
 #: orda_tp's floors, bottom first (docs/architecture.md, "Layers"): the top-level package or module
 #: of orda_tp that each module belongs to ("" for ``orda_tp/__init__.py``).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("divergences", "records", "terms"),  # the variants, their expression language, records, student terms
+    ("divergences",),  # the variants, the student's terms, the expression language they are written in
     ("teachers",),  # the teacher descriptors
-    ("checks", "chunk_size", "config", "options", "orda_kernel"),  # a call's arguments, checked once
-    ("plan",),  # which sides, terms, statistics and gradients a call needs
+    ("arguments",),  # a call's arguments, checked once, its execution settings and its plan
     ("kernels",),  # the Triton kernels and their generated functions; no engine
     ("parallel",),  # shards, the layout handshake, the record exchange; no engine, no variant
-    ("engine",),  # the row walk, its block math (torch | Triton), the autograd Functions, the oracle
-    ("api",),  # distillation_loss, DistillationLoss
+    ("engine",),  # the prepared call, the row walk, its block math (torch | Triton), the autograd Functions
     (
-        "cross_vocab",
-        "integrations",
-        "lm_head",
-        "logits_losses",
-        "topk_cache",
-        "topk_extraction",
-        "vocab_parallel",
         "",
-    ),  # the callers
+        "cross_vocab",
+        "flash_kd",
+        "integrations",
+        "kd_loss",
+        "lm_head",
+        "loss",
+        "topk_cache",
+        "vocab_parallel",
+    ),  # the public doors
 )
 
 

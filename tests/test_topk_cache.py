@@ -10,8 +10,8 @@ import torch
 
 import orda_tp
 from orda_tp.topk_cache import CacheSettings, TopKCacheReader, TopKCacheWriter, head_digest, shard_name
+from orda_tp.topk_cache.extraction import TeacherTopK
 from orda_tp.topk_cache.writer import stored_logprobs
-from orda_tp.topk_extraction import TeacherTopK
 
 pytest.importorskip("safetensors")
 

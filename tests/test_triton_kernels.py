@@ -15,11 +15,11 @@ import torch
 
 import orda_tp
 from orda_tp import KL_VARIANTS
+from orda_tp.arguments.plan import LogitFamily, LossPlan
 from orda_tp.divergences.expr import equal, exp, greater, log, row, where
+from orda_tp.divergences.terms import RAW_STUDENT
+from orda_tp.engine.records import merge_stacked_partition_records
 from orda_tp.engine.torch_math import TorchBlockMath, evaluate_rows
-from orda_tp.plan import LossPlan
-from orda_tp.records import LogitFamily, merge_stacked_partition_records
-from orda_tp.terms import RAW_STUDENT
 
 from .cases import (
     COTRAINED,

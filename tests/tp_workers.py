@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 import orda_tp
 from orda_tp import KL_VARIANTS, ChunkSize, KernelConfig
-from orda_tp.engine import row_groups
-from orda_tp.engine.row_groups import CHUNKS_PER_GROUP
+from orda_tp.engine import gradient_gemms
+from orda_tp.engine.workspace import CHUNKS_PER_GROUP
 
 from . import cases
 from .cases import (
@@ -426,7 +426,7 @@ def padded_worker(rank: int, world: int) -> list[str]:
     (170..207) lies on ranks 3 and 0. The gradient buffers come filled with NaN (``NanFilledEmpty``):
     what the gradient GEMMs leave unwritten, a shard's padding rows, must still be zeroed."""
     assert world == 4
-    row_groups.torch = cases.NanFilledEmpty()  # type: ignore[assignment]  # this worker process only
+    gradient_gemms.torch = cases.NanFilledEmpty()  # type: ignore[assignment]  # this worker process only
     default = chunk_ranges(208, world)[rank]
     permuted = permuted_partition((0, 60, 120, 180, 208), (1, 2, 3, 0), rank)
     chunked = partial(padded_case, columns=default, total=208, vocab_size=150)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..api import distillation_loss
+from ..loss import distillation_loss
 from ..teachers import TiedTeacher
 from ._checks import check_choice, check_real
 from ._logmath import log1mexp

@@ -9,5 +9,5 @@ the kernels of ``orda_tp.kernels``); ``select_backend`` picks one for a call.
   logits blocks from :mod:`.logits` and runs a chunk's statistics rounds, whose row steps are the
   programs of :mod:`.row_formulas`, unpacked into :mod:`.stats`.
 - :mod:`.fused`: the fused loss's autograd Function (logits from hidden states and head weights),
-  with its row groups' gradient GEMMs (:mod:`.row_groups`).
+  with its row groups' gradient GEMMs (:mod:`.gradient_gemms`; the rows per chunk and group: :mod:`.workspace`).
 """

@@ -17,12 +17,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..checks import caller_stacklevel
+from ..arguments.plan import LogitFamily, LossPlan
+from ..arguments.validation import caller_stacklevel
 from ..divergences.expr import Expr
 from ..kernels import unavailable_reason
-from ..plan import LossPlan
-from ..records import LogitFamily, PartitionRecord
 from .logits import LogitGrads, TeacherBlock
+from .records import PartitionRecord
 from .row_formulas import RowProgram
 from .stats import GradRows
 from .torch_math import TorchBlockMath

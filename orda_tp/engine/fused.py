@@ -6,7 +6,7 @@ a count read from the device) by the row walk (:mod:`.row_walk`): per chunk its 
 (``rows × V_local`` fp32 values, the bounded workspace; one GEMM for both sides of a tied head),
 its statistics rounds and, when a gradient is wanted, its logit gradients staged while its logits
 are at hand. Chunks form row groups: a group's staged gradients feed one pair of gradient GEMMs
-per side (:mod:`.row_groups`) and are freed before the next group's are allocated.
+per side (:mod:`.gradient_gemms`) and are freed before the next group's are allocated.
 
 For "mean"/"sum" the gradient is formed during the forward with unit upstream gradient and
 scaled in backward (no second pass of logits GEMMs). For "none" the upstream gradient differs
@@ -24,21 +24,20 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..divergences.terms import COMPONENTS, STUDENT_TERMS
 from ..teachers.source import TeacherBlocks
-from ..terms import COMPONENTS, STUDENT_TERMS
-from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
-from .row_groups import (
+from .gradient_gemms import (
     GemmPolicy,
     GradientBuffers,
     GradNeeds,
-    RowLayout,
     allocate_buffers,
-    row_layout,
     run_gradient_gemms,
     scale_by_upstream,
 )
+from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
 from .row_walk import GradTarget, RecordExchange, RowWalk, row_ranges, walk_rows
 from .stats import RowStats
+from .workspace import RowLayout, row_layout
 
 __all__ = ["ChunkedProblem", "chunked_loss"]
 
@@ -76,7 +75,7 @@ def _full_rows(exchange: RecordExchange, head: HeadTensors) -> HeadTensors:
 
 
 class CallLayout(NamedTuple):
-    """How a call walks its rows (:class:`.row_groups.RowLayout`) and the dtype in which a row
+    """How a call walks its rows (:class:`.workspace.RowLayout`) and the dtype in which a row
     group's logit gradients are staged for the gradient GEMMs."""
 
     rows: RowLayout
@@ -84,7 +83,7 @@ class CallLayout(NamedTuple):
 
 
 def _call_layout(problem: ChunkedProblem, head: HeadTensors, statistics: torch.dtype, gradients: bool) -> CallLayout:
-    """The call's rows per chunk and per group (:func:`.row_groups.row_layout`), sized for staged
+    """The call's rows per chunk and per group (:func:`.workspace.row_layout`), sized for staged
     logit gradients whenever the call forms ``gradients`` (in the forward, or in a deferred
     backward, which must walk the forward's chunks: it reads their saved statistics), from the
     largest shard, so that every rank of a group walks the same chunks."""

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..arguments.plan import LossPlan
 from ..divergences import LOG_VOCAB, DivergenceParams, EntropyGate
-from ..plan import LossPlan
+from ..divergences.terms import COMPONENTS, STUDENT_TERMS
 from ..teachers.source import TeacherBlocks
-from ..terms import COMPONENTS, STUDENT_TERMS
 from .logits import statistics_dtype
 
 __all__ = ["reference_loss", "reference_divergence"]
@@ -160,7 +160,7 @@ def reference_loss(
     token_weights: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` on full logits, with
-    autograd gradients: the student's terms from their oracles (:meth:`orda_tp.terms.StudentTerm.oracle`).
+    autograd gradients: the student's terms from their oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`).
     Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each row's
     values are multiplied by its ``token_weights``."""
     dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)

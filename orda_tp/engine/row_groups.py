@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..config import HOST_WORKSPACE_MIB, KernelConfig
+from ..arguments.config import HOST_WORKSPACE_MIB, ExecutionConfig
 from .logits import HeadTensors, LogitGrads
 
 __all__ = [
@@ -127,7 +127,7 @@ class RowLayout:
 
 
 def row_layout(
-    config: KernelConfig,
+    config: ExecutionConfig,
     total_rows: int,
     local_vocab: int,
     logit_bytes: int,

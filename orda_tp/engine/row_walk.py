@@ -34,13 +34,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from ..arguments.plan import LossPlan
 from ..divergences import RowTargets
+from ..divergences.terms import STUDENT_TERMS
 from ..parallel.layout import VocabLayout
-from ..plan import LossPlan
-from ..records import PartitionRecord, merge_partition_records
-from ..terms import STUDENT_TERMS
 from .block_math import BlockMath
 from .logits import LogitGrads, LogitsBlock, LogitsSource
+from .records import PartitionRecord, merge_partition_records
 from .row_formulas import finish_step, grad_step, partition_step
 from .stats import GRAD_ROW_CONSTANTS, GradRows, KLRowStats, RowStats
 

@@ -42,7 +42,7 @@ class RowStats:
     ``log_partitions``: (rows, F) ``LSE`` of each logit family in ``plan.families`` order;
     ``owned``: exactly one column owns the row's label; ``absent``: the teacher's logits are all
     ``−inf`` (None without teacher logits); ``student_terms``: each registered student term's
-    unweighted value (:mod:`orda_tp.terms`), by its name (0 for a term the call does not have);
+    unweighted value (:mod:`orda_tp.divergences.terms`), by its name (0 for a term the call does not have);
     ``teacher_ce``, ``kl``: the teacher's per-row loss components (``kl`` includes ``T_s²``); each
     component NaN on rows whose label no column owns; ``kl_stats``: the KL term's statistics (None
     without a KL term).
@@ -83,7 +83,7 @@ class GradRows:
     the call has no such term:
     ``scale``, the upstream gradient (÷ N for "mean"; 0 on ignored rows, NaN on unowned ones);
     ``lse_s``, ``LSE(s)`` of the student's terms, and ``c_p``, ``c_y``, ``c_u``, the coefficients of
-    their gradient (:mod:`orda_tp.terms`; weighted, summed over the terms);
+    their gradient (:mod:`orda_tp.divergences.terms`; weighted, summed over the terms);
     ``lse_t``, ``c_ce_t``: ``LSE(t)`` and the coefficient ``w_t·scale`` of the teacher's CE when it
     trains the teacher (both 0 on absent rows); ``lse_u``, ``lse_v``, ``keep``: the KL term's
     (:class:`KLRowStats`). ``consts``: the variant's finalize constants, read after them.

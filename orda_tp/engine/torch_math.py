@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ..arguments.plan import LogitFamily, LossPlan
 from ..divergences.expr import Expr
-from ..plan import LossPlan
-from ..records import LogitFamily, PartitionRecord, block_partition_record, merge_stacked_partition_records
+from ..divergences.terms import RAW_STUDENT, RAW_TEACHER
 from ..teachers.source import SparseLogits
-from ..terms import RAW_STUDENT, RAW_TEACHER
 from .logits import LogitGrads, TeacherBlock
+from .records import PartitionRecord, block_partition_record, merge_stacked_partition_records
 from .row_formulas import RowProgram
 from .stats import GradRows
 
@@ -125,7 +125,7 @@ def evaluate_rows(
 
 
 class TorchBlockMath:
-    """Torch ops on (rows × block) tensors: the records of :mod:`orda_tp.records`, the trees
+    """Torch ops on (rows × block) tensors: the records of :mod:`orda_tp.engine.records`, the trees
     interpreted here."""
 
     reads_stored_cache = False
@@ -144,7 +144,7 @@ class TorchBlockMath:
         column_sums: tuple[Expr, ...],
         caps: tuple[float | None, float | None] = (None, None),
     ) -> PartitionRecord:
-        """Round-1 record of a block (:func:`orda_tp.records.block_partition_record`), with the
+        """Round-1 record of a block (:func:`orda_tp.engine.records.block_partition_record`), with the
         row sums of ``column_sums`` over the student (and teacher) logits (``caps`` unused: the
         blocks arrive capped)."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense

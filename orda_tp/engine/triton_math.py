@@ -26,6 +26,7 @@ import triton
 from torch import Tensor
 from triton.runtime.jit import KernelInterface
 
+from ..arguments.plan import LogitFamily, LossPlan
 from ..divergences.expr import Expr, column_names
 from ..kernels import tiles, variant_terms
 from ..kernels.grads import grads_kernel
@@ -33,10 +34,9 @@ from ..kernels.partition import merge_kernel, partition_kernel
 from ..kernels.rows import rows_kernel
 from ..kernels.scale import scale_kernel
 from ..kernels.sums import sums_kernel
-from ..plan import LossPlan
-from ..records import LogitFamily, PartitionRecord, block_partition_record
 from ..teachers.source import SparseLogits
 from .logits import LogitGrads, TeacherBlock
+from .records import PartitionRecord, block_partition_record
 from .row_formulas import RowProgram
 from .stats import GradRows
 
@@ -114,7 +114,7 @@ class TritonBlockMath:
         column_sums: tuple[Expr, ...],
         caps: Caps = (None, None),
     ) -> PartitionRecord:
-        """Round-1 record of a block (see :func:`orda_tp.records.block_partition_record`), with
+        """Round-1 record of a block (see :func:`orda_tp.engine.records.block_partition_record`), with
         the row sums of the student terms' ``column_sums``, of the logits soft-capped by ``caps``."""
         rows, cols = student.shape
         count = len(families)

@@ -12,8 +12,8 @@ what differs between variants, and between the row steps of a call, reaches them
   ``∂D/∂v`` for the variants that co-train the teacher; a row constant is read from the tuple
   ``rowc`` at its position in the names ``ROW_CONSTANTS``;
 - ``record_column_sums(s, t)``: the column terms over the raw student (and teacher) logits whose
-  row sums round 1 collects: the student's row terms' (:meth:`~orda_tp.terms.StudentTerm.column_sums`)
-  and the count of ``orda_tp.plan.UNSUPPORTED`` columns where the plan asks for it, as a tuple;
+  row sums round 1 collects: the student's row terms' (:meth:`~orda_tp.divergences.terms.StudentTerm.column_sums`)
+  and the count of ``orda_tp.arguments.plan.UNSUPPORTED`` columns where the plan asks for it, as a tuple;
 - ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.engine.row_formulas``),
   over the tuples of its (R,) inputs and its runtime floats.
 

@@ -27,8 +27,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ..checks import runs_host_checks
-from ..config import HOST_WORKSPACE_MIB
+from ..arguments.config import HOST_WORKSPACE_MIB
+from ..arguments.validation import runs_host_checks
 from .collectives import all_gather_rows, all_gather_texts, host_group
 from .fingerprints import inconsistencies, value_checks
 
@@ -54,7 +54,7 @@ class VocabLayout:
     Global columns ``[vocab_start, vocab_stop)`` are this rank's ``local_columns``, of which
     ``real_local_columns`` lie below ``vocab_size`` (the rest is padding); ``total_columns``: all
     shards' columns; ``max_local_columns``: the widest shard's. On one device the layout is the
-    whole head (:func:`orda_tp.api.agreed_call`). ``workspace_mib``: the
+    whole head (:func:`orda_tp.loss.agreed_call`). ``workspace_mib``: the
     call's default chunk workspace (:mod:`orda_tp.workspace`), under a group the smallest rank's,
     so that every rank walks the same chunks.
     """
@@ -251,7 +251,7 @@ class LocalShard:
     the shards lie in rank order), its teacher's columns where a separate head must match,
     ``vocab_size`` (None: every column is real), whether its hidden states hold only its rows
     (sequence parallelism), its default chunk workspace in MiB (None: the device's,
-    :func:`orda_tp.engine.row_groups.default_workspace_mib`), and the tensors besides the labels
+    :func:`orda_tp.engine.workspace.default_workspace_mib`), and the tensors besides the labels
     that every rank must hold alike (``replicated``, named for the error)."""
 
     head: HeadShard

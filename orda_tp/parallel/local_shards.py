@@ -3,7 +3,7 @@ layout handshake (:func:`shard_inputs`), and check this rank's values (:func:`lo
 
 Inputs may be DTensors (group, vocabulary range and sequence parallelism read off their
 placements) or plain local shards with an explicit ``tp_group``. Without either, the call runs on
-one device (``orda_tp.api``) and the layout covers the whole head (minus padding past
+one device (``orda_tp.loss``) and the layout covers the whole head (minus padding past
 ``vocab_size``).
 """
 
@@ -14,9 +14,15 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checks import check_denominator, check_inputs, check_token_weights, first_non_finite, runs_host_checks
-from ..options import LossOptions
-from ..plan import LossPlan
+from ..arguments.options import LossOptions
+from ..arguments.plan import LossPlan
+from ..arguments.validation import (
+    check_denominator,
+    check_inputs,
+    check_token_weights,
+    first_non_finite,
+    runs_host_checks,
+)
 from ..teachers import TeacherSource
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, mesh_group, shard_axis
 from .fsdp import check_not_fsdp_sharded
@@ -182,7 +188,7 @@ def shard_inputs(
     token_weights: object,
 ) -> tuple[LocalInputs, LocalShard]:
     """This rank's checked tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs)
-    and its share for the layout handshake (:func:`orda_tp.api.agreed_call`). Every check that
+    and its share for the layout handshake (:func:`orda_tp.loss.agreed_call`). Every check that
     reads only this rank's own arguments runs here: FSDP2 shards posing as vocabulary shards, the
     backend, the placements, types, shapes and devices, the teacher descriptor,
     ``num_valid_tokens`` and ``token_weights``."""
@@ -225,7 +231,7 @@ def local_error(
     """The first failed value check of this rank's tensors (``local``; ``teacher`` is the
     descriptor as the call received it), as a :class:`LocalError` (global column numbers) that the
     first record exchange shares, so that every rank raises it; or None. The checks are those of
-    :func:`orda_tp.checks.check_values` on one device: a cache modified in place, a non-finite
+    :func:`orda_tp.arguments.validation.check_values` on one device: a cache modified in place, a non-finite
     cache where it is read (``host_checks`` run and the teacher's logits are read), and with
     ``check_finite_inputs`` a non-finite hidden state or weight.
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..records import PartitionRecord
+from ..engine.records import PartitionRecord
 from .collectives import BackendLoan, all_gather_rows, gather_sequence_rows, reduce_scatter_rows
 
 __all__ = ["LocalError", "LocalErrorCode", "ShardExchange"]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import is_int
+from ..arguments.validation import is_int
 from ..teachers import PrecomputedTeacher
 from .shards import open_shard, shard_name, shard_offsets
 

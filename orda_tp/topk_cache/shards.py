@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..checks import check_count, check_number
+from ..arguments.validation import check_count, check_number
 from ..parallel.dtensor import is_dtensor
 
 try:

@@ -8,8 +8,8 @@ from types import TracebackType
 import torch
 from torch import Tensor
 
-from ..checks import check_count, check_flag
-from ..topk_extraction import TeacherTopK
+from ..arguments.validation import check_count, check_flag
+from .extraction import TeacherTopK
 from .shards import CacheSettings, open_shard, shard_name, shard_offsets, temporary_name
 
 try:

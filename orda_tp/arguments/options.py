@@ -3,7 +3,7 @@
 
 Each argument is checked in one place, here, when the options are built (so ``DistillationLoss(...)``
 fails at construction); the divergence is resolved once and kept. What depends on the tensors of
-a call (the teacher's kind, the vocabulary) is resolved by :class:`orda_tp.plan.LossPlan`.
+a call (the teacher's kind, the vocabulary) is resolved by :class:`orda_tp.arguments.plan.LossPlan`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from typing import Literal, Protocol, TypeGuard
 import torch.distributed as dist
 from torch import Tensor
 
-from .checks import (
+from ..divergences import DIVERGENCES, KL_VARIANTS, VARIANT_KEYWORDS, Divergence, DivergenceParams, EntropyGate
+from .config import PROFILES, ExecutionConfig
+from .orda_kernel import apply_loss_overrides, own_config
+from .validation import (
     IgnoredArgumentWarning,
     caller_stacklevel,
     check_choice,
@@ -25,9 +28,6 @@ from .checks import (
     check_number,
     is_int,
 )
-from .config import PROFILES, KernelConfig
-from .divergences import DIVERGENCES, KL_VARIANTS, VARIANT_KEYWORDS, Divergence, DivergenceParams, EntropyGate
-from .orda_kernel import apply_loss_overrides, own_config
 
 __all__ = [
     "BACKENDS",
@@ -134,7 +134,7 @@ class LossOptions:
     """The keywords of :func:`orda_tp.distillation_loss` (see its docstring and docs/reference.md),
     validated and normalized at construction; ``divergence``, ``params`` (the variant and its
     parameters, resolved once) and ``kernel_config`` (``config``, or the ``profile``'s preset) are
-    derived. orda-kernel's spellings in ``config`` are translated first (:mod:`orda_tp.orda_kernel`).
+    derived. orda-kernel's spellings in ``config`` are translated first (:mod:`orda_tp.arguments.orda_kernel`).
     """
 
     student_ce_weight: float = 1.0
@@ -154,7 +154,7 @@ class LossOptions:
     reduction: str = "mean"
     profile: str = "balanced"
     backend: str = "auto"
-    config: KernelConfig | None = None
+    config: ExecutionConfig | None = None
     gradient_materialization_scale: float | Tensor | None = None
     grad_scaler: GradScalerLike | None = None
     tp_group: dist.ProcessGroup | None = None
@@ -163,7 +163,7 @@ class LossOptions:
     sequence_parallel: bool | None = None
     divergence: Divergence = field(init=False, repr=False, compare=False)
     params: DivergenceParams = field(init=False, repr=False, compare=False)
-    kernel_config: KernelConfig = field(init=False, repr=False, compare=False)
+    kernel_config: ExecutionConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         values = {spec.name: getattr(self, spec.name) for spec in fields(self) if spec.init}
@@ -191,7 +191,7 @@ class LossOptions:
             _check_parallel_keywords(values)
         values["profile"] = check_choice("profile", values["profile"], PROFILE_NAMES)
         config = values["config"]
-        if config is not None and not isinstance(config, KernelConfig):
+        if config is not None and not isinstance(config, ExecutionConfig):
             raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
         kernel_config = PROFILES[values["profile"]] if config is None else own_config(config)
         if values["kl_teacher_temperature"] not in (None, values["kl_temperature"]) and divergence.cotrains_teacher:
@@ -296,7 +296,7 @@ def _check_parallel_keywords(values: dict[str, object]) -> None:
 class LogitsOptions:
     """The validated keywords every logits-level loss shares (each loss checks its own sizes).
 
-    ``chunk_rows``: rows per chunk, 0 for the default workspace (``engine.row_groups.row_layout``);
+    ``chunk_rows``: rows per chunk, 0 for the default workspace (``engine.workspace.row_layout``);
     ``config.vocab_block``: columns per block of the torch backend.
     """
 
@@ -307,7 +307,7 @@ class LogitsOptions:
     chunk_rows: int
     backend: str
     tp_group: object
-    config: KernelConfig
+    config: ExecutionConfig
 
     @cached_property  # the options are frozen: built once per KDLoss, read by every call
     def settings_text(self) -> str:
@@ -332,7 +332,7 @@ class LogitsOptions:
         chunk_rows: int,
         backend: object,
         tp_group: object,
-        config: KernelConfig,
+        config: ExecutionConfig,
         **variant_parameters: object,
     ) -> LogitsOptions:
         """The options of a logits-level loss; ``variant_parameters``: its variant keywords as the

@@ -24,21 +24,14 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from ..arguments.plan import LogitFamily
+
 __all__ = [
-    "LogitFamily",
     "PartitionRecord",
     "block_partition_record",
     "merge_partition_records",
     "merge_stacked_partition_records",
 ]
-
-
-@dataclass(frozen=True)
-class LogitFamily:
-    """One side's logits divided by one temperature: ``x = logits/temperature``."""
-
-    side: str  # "student" or "teacher"
-    temperature: float
 
 
 @dataclass(frozen=True)
@@ -48,7 +41,7 @@ class PartitionRecord:
     ``maxes``/``sumexps``: (rows, F) partial log-partitions of the F families;
     ``target_logits``: (rows, 2) raw student and teacher logits at the label (0 if not owned);
     ``label_hits``: (rows,) number of blocks that own the label column; ``column_sums``:
-    (rows, E) the sums of the student terms' column terms (:attr:`orda_tp.plan.LossPlan.column_sums`).
+    (rows, E) the sums of the student terms' column terms (:attr:`orda_tp.arguments.plan.LossPlan.column_sums`).
     """
 
     maxes: Tensor

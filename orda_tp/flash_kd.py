@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..api import agreed_call
-from ..checks import (
+from .arguments.config import HOST_WORKSPACE_MIB, ExecutionConfig
+from .arguments.options import LogitsOptions, check_group
+from .arguments.plan import LossPlan
+from .arguments.validation import (
     check_count,
     check_flag,
     check_floating,
@@ -26,15 +28,13 @@ from ..checks import (
     check_same_device,
     runs_host_checks,
 )
-from ..config import HOST_WORKSPACE_MIB, KernelConfig
-from ..engine.logits import HeadLogits, PairedLogits, StoredLogits, statistics_dtype
-from ..engine.stats import RowStats
-from ..options import LogitsOptions, check_group
-from ..parallel.dtensor import MeshAxis
-from ..parallel.layout import HeadShard, LocalShard, VocabLayout, fail_on_every_rank
-from ..plan import LossPlan
-from .logits_shards import local_companion, local_head_weight, local_student, logits_call_group, logits_group
-from .problem import build_problem, row_statistics
+from .engine.call import build_problem, row_statistics
+from .engine.logits import HeadLogits, PairedLogits, StoredLogits, statistics_dtype
+from .engine.stats import RowStats
+from .loss import agreed_call
+from .parallel.dtensor import MeshAxis
+from .parallel.layout import HeadShard, LocalShard, VocabLayout, fail_on_every_rank
+from .parallel.logits_shards import local_companion, local_head_weight, local_student, logits_call_group, logits_group
 
 __all__ = ["flash_ce_kd_loss"]
 
@@ -131,7 +131,7 @@ def flash_ce_kd_loss(
             chunk_rows=0,
             backend=backend,
             tp_group=check_group(tp_group),
-            config=KernelConfig(vocab_block=check_count("chunk_size", chunk_size, 1)),
+            config=ExecutionConfig(vocab_block=check_count("chunk_size", chunk_size, 1)),
         )
         check_flag("upcast", upcast)
     except (ValueError, TypeError) as error:

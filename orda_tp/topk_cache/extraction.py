@@ -33,18 +33,19 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from .api import agreed_call
-from .checks import check_choice, check_count, check_floating, check_number, check_same_device
-from .config import KernelConfig
-from .engine.logits import logits_mm, softcapped, statistics_dtype
-from .engine.topk_rows import UNSEEN, TopKRows, block_topk, kernel_topk, merge_topk
-from .kernels import unavailable_reason
-from .options import check_group
-from .parallel.collectives import all_gather_rows
-from .parallel.dtensor import is_dtensor, local_shard, placement_text, shard_axis
-from .parallel.layout import HeadShard, LocalShard, VocabLayout
-from .parallel.local_shards import call_group, same_ranks
-from .teachers import PrecomputedTeacher
+from ..arguments.config import ExecutionConfig
+from ..arguments.options import check_group
+from ..arguments.orda_kernel import own_config
+from ..arguments.validation import check_choice, check_count, check_floating, check_number, check_same_device
+from ..engine.logits import logits_mm, softcapped, statistics_dtype
+from ..engine.topk_rows import UNSEEN, TopKRows, block_topk, kernel_topk, merge_topk
+from ..kernels import unavailable_reason
+from ..loss import agreed_call
+from ..parallel.collectives import all_gather_rows
+from ..parallel.dtensor import is_dtensor, local_shard, placement_text, shard_axis
+from ..parallel.layout import HeadShard, LocalShard, VocabLayout
+from ..parallel.local_shards import call_group, same_ranks
+from ..teachers import PrecomputedTeacher
 
 __all__ = ["BACKENDS", "KERNEL_MAX_K", "WORKSPACE_MIB", "TeacherTopK", "teacher_topk", "teacher_topk_of_logits"]
 
@@ -78,7 +79,7 @@ class _Extraction:
     logit_softcap: float | None
     vocab_size: int | None
     backend: str
-    config: KernelConfig
+    config: ExecutionConfig
 
     def text(self) -> str:
         """The settings every rank of a group must share, as ``name=value`` lines."""
@@ -96,7 +97,7 @@ def _settings(
     cap = None if logit_softcap is None else check_number("logit_softcap", logit_softcap, positive=True)
     vocab = None if vocab_size is None else check_count("vocab_size", vocab_size, 1)
     backend = check_choice("backend", backend, BACKENDS)
-    if config is not None and not isinstance(config, KernelConfig):
+    if config is not None and not isinstance(config, ExecutionConfig):
         raise TypeError(f"config must be an orda_tp.KernelConfig or None, got {type(config).__name__}")
     reason = unavailable_reason(device, dtype)
     if backend == "triton" and reason is not None:
@@ -105,7 +106,9 @@ def _settings(
         raise ValueError(f"backend='triton' extracts k <= {KERNEL_MAX_K}, got k={k} (use backend='torch')")
     if backend == "auto":
         backend = "triton" if reason is None and device.type == "cuda" and k <= KERNEL_MAX_K else "torch"
-    return _Extraction(k, temperature, cap, vocab, backend, config or KernelConfig())
+    return _Extraction(
+        k, temperature, cap, vocab, backend, own_config(config) if config is not None else ExecutionConfig()
+    )
 
 
 def _check_tp_group(tp_group: object, mesh_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -129,7 +132,7 @@ class _Source(NamedTuple):
 def _agreed(
     group: dist.ProcessGroup | None, checks: Callable[[], tuple[tuple[Tensor, ...], _Extraction, LocalShard]]
 ) -> tuple[tuple[Tensor, ...], _Extraction, VocabLayout]:
-    """:func:`orda_tp.api.agreed_call` of an extraction (host checks on: an extraction is offline, and
+    """:func:`orda_tp.loss.agreed_call` of an extraction (host checks on: an extraction is offline, and
     a head that is not a vocabulary shard must raise on every rank), and its vocabulary checked."""
     held: list[_Extraction] = []
 
@@ -168,7 +171,7 @@ def teacher_topk(
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     backend: str = "auto",
-    config: KernelConfig | None = None,
+    config: ExecutionConfig | None = None,
 ) -> TeacherTopK:
     """The top-``k`` log-probabilities of the teacher ``hidden · weightᵀ`` (module docstring).
 
@@ -230,7 +233,7 @@ def teacher_topk_of_logits(
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     backend: str = "auto",
-    config: KernelConfig | None = None,
+    config: ExecutionConfig | None = None,
 ) -> TeacherTopK:
     """:func:`teacher_topk` of logits a caller holds: ``logits`` (rows, V_local), the whole
     vocabulary or this rank's columns of it with ``tp_group`` (a DTensor: ``Shard(1)``), in any
@@ -253,7 +256,7 @@ def teacher_topk_of_logits(
         return _extract(source, local.shape[0], statistics_dtype(local), local.device, layout, settings)
 
 
-def _chunk_rows(config: KernelConfig, columns: int) -> int:
+def _chunk_rows(config: ExecutionConfig, columns: int) -> int:
     """Rows per chunk: ``config.chunk_size.nrows``, or as many as keep fp32 logits over ``columns``
     (the widest shard's: the same on every rank) within the workspace, a multiple of 64 where
     that is at least 64."""

@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .divergences.expr import Expr, row, wrap
+from .expr import Expr, row, wrap
 
 __all__ = [
     "COMPONENTS",
@@ -55,7 +55,7 @@ __all__ = [
 #: The column symbol of the student's raw logit ``s_j``, read by the terms' column sums.
 RAW_STUDENT = Expr("column", value="s")
 #: The column symbol of the teacher's raw logit ``t_j`` (−inf without a teacher), which a column sum
-#: of round 1 may read besides ``s_j`` (``orda_tp.plan.UNSUPPORTED``).
+#: of round 1 may read besides ``s_j`` (``orda_tp.arguments.plan.UNSUPPORTED``).
 RAW_TEACHER = Expr("column", value="t")
 
 

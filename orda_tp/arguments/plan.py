@@ -10,15 +10,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import KernelConfig
-from .divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
-from .divergences.expr import Expr, equal, greater, logical_and, where
+from ..divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
+from ..divergences.expr import Expr, equal, greater, logical_and, where
+from ..divergences.terms import RAW_STUDENT, RAW_TEACHER, STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
+from ..teachers import TeacherSource
+from .config import ExecutionConfig
 from .options import LogitsOptions, LossOptions
-from .records import LogitFamily
-from .teachers import TeacherSource
-from .terms import RAW_STUDENT, RAW_TEACHER, STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 
-__all__ = ["UNSUPPORTED", "LossPlan", "StepKey", "check_sparse_teacher"]
+__all__ = ["UNSUPPORTED", "LogitFamily", "LossPlan", "StepKey", "check_sparse_teacher"]
+
+
+@dataclass(frozen=True)
+class LogitFamily:
+    """One side's logits divided by one temperature: ``x = logits/temperature``."""
+
+    side: str  # "student" or "teacher"
+    temperature: float
 
 
 def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weight: float) -> None:
@@ -80,7 +87,7 @@ class StepKey:
     never its weights or temperatures. The indices of ``LossPlan.families`` that hold the student's
     family at ``T = 1`` (read by the student's row terms), the teacher's CE family and the KL
     families, and the first teacher family (each None where the call has none); the student's
-    row terms (:mod:`orda_tp.terms`), the number of column sums of round 1's record and which of
+    row terms (:mod:`orda_tp.divergences.terms`), the number of column sums of round 1's record and which of
     them counts the :data:`UNSUPPORTED` columns (None where none does); whether the teacher's CE
     trains the teacher, and the variant's finalize constants that its gradients read."""
 
@@ -108,7 +115,7 @@ UNSUPPORTED = where(logical_and(equal(RAW_STUDENT, -math.inf), greater(RAW_TEACH
 class LossPlan:
     """What to compute for ``loss = Σ_k w_k·L_k(s) + w_t·CE_t + w_kl·T_s²·D(p, q)``.
 
-    ``student_terms``: the student's row terms ``L_k`` whose weight is > 0 (:mod:`orda_tp.terms`:
+    ``student_terms``: the student's row terms ``L_k`` whose weight is > 0 (:mod:`orda_tp.divergences.terms`:
     its CE, z-loss), ``term_weights`` their weights ``w_k`` and ``term_scalars`` the runtime
     values their formulas read (their parameters, ``inv_vocab = 1/V``).
 
@@ -153,7 +160,7 @@ class LossPlan:
     ignore_index: int
     teacher_kind: str  # "tied", "separate", "precomputed_logits", "precomputed_hidden" or "precomputed_topk"
     teacher_role: str
-    config: KernelConfig
+    config: ExecutionConfig
     teacher_trainable: bool  # whether a loss term may send the teacher a gradient (not a cache)
     # Soft-caps c of each side's logits (c·tanh(z/c)), None for none; never a cache's (taken as capped).
     student_softcap: float | None = None

@@ -1,14 +1,16 @@
-"""orda-kernel 0.1.0's spellings, and their translation into orda_tp's own options.
+"""orda-kernel 0.1.0's spellings of the execution settings, and their translation.
 
-A call that orda-kernel 0.1.0 takes is taken here. What it spells differently is read here and
-nowhere else; a loss's options translate it once, when they are built
-(``orda_tp.options.LossOptions``), and the rest of the package reads only orda_tp's own options:
+``orda_tp.KernelConfig`` and ``orda_tp.ChunkSize`` are orda-kernel's classes: orda_tp's own
+:class:`~.config.ExecutionConfig` and :class:`~.config.ChunkRows` (whose fields come first) with
+what orda-kernel spells besides. A loss's options translate them once, when they are built
+(``orda_tp.arguments.options.LossOptions``), and the rest of the package reads only the core
+classes:
 
 - ``KernelConfig``'s loss-keyword fields (:data:`LOSS_OVERRIDES`) replace the call's keywords of
   the same name (:func:`apply_loss_overrides`);
 - its fields without effect here (``max_fused_size``, ``autotune``, ``refresh_autotune``) are
   checked as orda-kernel checks them, then dropped with an ``IgnoredArgumentWarning``
-  (:func:`own_config`);
+  (:func:`own_config`, which returns the core ``ExecutionConfig``);
 - ``None`` for ``chunk_size``, ``grad_weight_accumulation`` and ``assume_valid_labels`` is the
   default;
 - ``ChunkSize.nrows(n)``, ``.dynamic()``, ``.fast()`` and ``.is_dynamic``, ``.is_fast``, ``.value``;
@@ -20,25 +22,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, TypeVar
+from typing import Any
 
-from .checks import IgnoredArgumentWarning, caller_stacklevel, check_flag, is_int
-from .divergences.base import EntropyGate
+from ..divergences.base import EntropyGate
+from .config import ChunkRows, ExecutionConfig
+from .validation import IgnoredArgumentWarning, caller_stacklevel, check_flag, is_int
 
 __all__ = [
     "LOSS_OVERRIDES",
-    "ChunkSizeSpellings",
-    "OrdaKernelFields",
+    "ChunkSize",
+    "KernelConfig",
     "apply_loss_overrides",
     "begin_autotune_run",
-    "chunk_size_constructors",
     "own_config",
     "reset_autotune_cache",
     "spelled",
 ]
 
-T = TypeVar("T")
-C = TypeVar("C", bound="OrdaKernelFields")
 MAX_FUSED_SIZE = 32768  # orda-kernel's largest max_fused_size (a power of two)
 NONE_MEANS_DEFAULT = ("chunk_size", "grad_weight_accumulation", "assume_valid_labels")
 
@@ -49,20 +49,66 @@ _OWN_TILES = (
 )
 
 
+class _ClassConstructor:
+    """A ``ChunkSize`` field name that is also an orda-kernel constructor: read on the class it is
+    the constructor (``ChunkSize.nrows(512)``); an instance keeps its fields in its ``__dict__``,
+    which a descriptor without ``__set__`` does not shadow (``ChunkSize(nrows=512).nrows == 512``)."""
+
+    def __init__(self, build: Callable[..., ChunkSize]) -> None:
+        self.build = build
+        self.__doc__ = build.__doc__
+
+    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., ChunkSize]:
+        return self.build
+
+
+@dataclass(frozen=True)
+class ChunkSize(ChunkRows):
+    """orda-kernel's ``ChunkSize``: :class:`~.config.ChunkRows`' fields (``nrows``, ``dynamic``,
+    ``fast``), and orda-kernel's constructors under the same names, read on the class:
+    ``ChunkSize.nrows(n)`` (exactly ``n`` rows, never lowered: ``ChunkSize(nrows=n,
+    dynamic=False)``), ``ChunkSize.dynamic()`` (``ChunkSize()``), ``ChunkSize.fast()``
+    (``ChunkSize(fast=True)``)."""
+
+    @property
+    def is_dynamic(self) -> bool:
+        """The rows per chunk are chosen for the call (no ``nrows``, not ``fast``); not the
+        ``dynamic`` field, which only matters with an ``nrows``."""
+        return self.nrows is None and not self.fast
+
+    @property
+    def is_fast(self) -> bool:
+        """``fast``."""
+        return self.fast
+
+    @property
+    def value(self) -> int:
+        """The fixed ``nrows`` (``TypeError`` when there is none)."""
+        if self.nrows is None:
+            raise TypeError(f"{self!r} has no nrows value")
+        return self.nrows
+
+
+# Installed after @dataclass, which would read them as the fields' defaults.
+ChunkSize.nrows = _ClassConstructor(lambda n: ChunkSize(nrows=n, dynamic=False))  # type: ignore[assignment]
+ChunkSize.dynamic = _ClassConstructor(lambda: ChunkSize())  # type: ignore[assignment]
+ChunkSize.fast = _ClassConstructor(lambda: ChunkSize(fast=True))  # type: ignore[assignment]
+
+
 def _loss_keyword() -> Any:
     """A field that overrides the loss keyword of the same name (:func:`apply_loss_overrides`)."""
-    return field(default=None, metadata={_ROLE: "loss keyword"})
+    return field(default=None, kw_only=True, metadata={_ROLE: "loss keyword"})
 
 
 def _ignored(reason: str) -> Any:
     """A field accepted and checked as orda-kernel checks it, without effect here (``reason``)."""
-    return field(default=None, metadata={_ROLE: "ignored", "reason": reason})
+    return field(default=None, kw_only=True, metadata={_ROLE: "ignored", "reason": reason})
 
 
-@dataclass(frozen=True, kw_only=True, repr=False)
-class OrdaKernelFields:
-    """The fields of ``KernelConfig`` that only orda-kernel spells (a base of ``KernelConfig``),
-    keyword-only; ``None`` leaves each unset.
+@dataclass(frozen=True, repr=False)
+class KernelConfig(ExecutionConfig):
+    """orda-kernel's ``KernelConfig``: :class:`~.config.ExecutionConfig`'s fields, then
+    orda-kernel's own, keyword-only (``None`` leaves each unset):
 
     - ``max_fused_size`` (a power of two ≤ 32768), ``autotune`` (a bool or ``"Max"``),
       ``refresh_autotune`` (a bool): orda-kernel's Triton tile and autotuner settings; checked as
@@ -70,8 +116,12 @@ class OrdaKernelFields:
     - ``kl_weight``, ``kl_temperature``, ``kl_teacher_temperature``, ``kl_divergence``,
       ``kl_alpha``, ``kl_beta``, ``entropy_gate``: override the call's keyword of the same name
       (:func:`apply_loss_overrides`); their values are checked as the call's keywords are.
+
+    ``None`` for ``chunk_size``, ``grad_weight_accumulation`` and ``assume_valid_labels`` is the
+    default, as in orda-kernel.
     """
 
+    chunk_size: ChunkRows = field(default_factory=ChunkSize)
     max_fused_size: int | None = _ignored(_OWN_TILES)
     autotune: bool | str | None = _ignored(_NO_AUTOTUNER)
     refresh_autotune: bool | None = _ignored(_NO_AUTOTUNER)
@@ -83,23 +133,12 @@ class OrdaKernelFields:
     kl_beta: float | None = _loss_keyword()
     entropy_gate: EntropyGate | None = _loss_keyword()
 
-    def __repr__(self) -> str:
-        """``KernelConfig(...)`` with orda_tp's own fields first, then these."""
-        ordered = sorted(fields(self), key=lambda spec: _ROLE in spec.metadata)
-        return (
-            f"{type(self).__name__}(" + ", ".join(f"{spec.name}={getattr(self, spec.name)!r}" for spec in ordered) + ")"
-        )
-
-    def _fill_orda_kernel_nones(self) -> None:
-        """orda-kernel's ``None`` ("the profile's value") for :data:`NONE_MEANS_DEFAULT`: the
-        field's default."""
-        for spec in fields(self):
+    def __post_init__(self) -> None:
+        for spec in fields(self):  # orda-kernel's None: the field's default
             if spec.name in NONE_MEANS_DEFAULT and getattr(self, spec.name) is None:
                 default = spec.default if spec.default_factory is MISSING else spec.default_factory()
                 object.__setattr__(self, spec.name, default)
-
-    def _check_orda_kernel_fields(self) -> None:
-        """The fields, checked as orda-kernel checks them (at the call there, when built here)."""
+        super().__post_init__()
         size = self.max_fused_size
         power_of_two = is_int(size) and 0 < int(size) <= MAX_FUSED_SIZE and int(size) & (int(size) - 1) == 0
         if size is not None and not power_of_two:
@@ -116,13 +155,14 @@ class OrdaKernelFields:
                 f"KernelConfig.entropy_gate must be an EntropyGate or None, got {type(self.entropy_gate).__name__}"
             )
 
+    def __repr__(self) -> str:
+        """``KernelConfig(...)`` with the core's fields first, then orda-kernel's."""
+        ordered = sorted(fields(self), key=lambda spec: _ROLE in spec.metadata)
+        return f"KernelConfig({', '.join(f'{spec.name}={getattr(self, spec.name)!r}' for spec in ordered)})"
+
     def loss_overrides(self) -> dict[str, object]:
         """The loss keywords this config overrides, by name (the fields that are not None)."""
         return {name: getattr(self, name) for name in LOSS_OVERRIDES if getattr(self, name) is not None}
-
-    def without_loss_overrides(self: C) -> C:
-        """This config with no loss keyword overridden."""
-        return replace(self, **dict.fromkeys(LOSS_OVERRIDES))
 
     def ignored_fields(self) -> dict[str, str]:
         """The fields set here that have no effect, each with the reason."""
@@ -133,10 +173,10 @@ class OrdaKernelFields:
         }
 
 
-LOSS_OVERRIDES = tuple(spec.name for spec in fields(OrdaKernelFields) if spec.metadata.get(_ROLE) == "loss keyword")
+LOSS_OVERRIDES = tuple(spec.name for spec in fields(KernelConfig) if spec.metadata.get(_ROLE) == "loss keyword")
 
 
-def spelled(config: OrdaKernelFields, names: Iterable[str]) -> str:
+def spelled(config: KernelConfig, names: Iterable[str]) -> str:
     """``KernelConfig(name=value, ...)`` of ``config``'s fields ``names``."""
     return "KernelConfig(" + ", ".join(f"{name}={getattr(config, name)!r}" for name in names) + ")"
 
@@ -159,7 +199,7 @@ def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, 
     """
     merged = dict(keywords)
     config = merged.get("config")
-    if not isinstance(config, OrdaKernelFields) or not config.loss_overrides():
+    if not isinstance(config, KernelConfig) or not config.loss_overrides():
         return merged
     for name, value in config.loss_overrides().items():
         given = merged[name]
@@ -171,91 +211,31 @@ def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, 
                 stacklevel=caller_stacklevel(),
             )
         merged[name] = value
-    merged["config"] = config.without_loss_overrides()
+    merged["config"] = replace(config, **dict.fromkeys(LOSS_OVERRIDES))
     return merged
 
 
-def own_config(config: C) -> C:
-    """``config`` in orda_tp's own spelling: each field without effect here gives one
-    ``IgnoredArgumentWarning``, attributed to the caller's line, and is dropped. A loss keyword
-    that ``config`` still overrides raises: the entry point must apply it first
-    (:func:`apply_loss_overrides`), or it would be ignored without a word."""
+def own_config(config: ExecutionConfig) -> ExecutionConfig:
+    """``config`` in orda_tp's own spelling, the core :class:`~.config.ExecutionConfig`: each
+    orda-kernel field without effect here gives one ``IgnoredArgumentWarning``, attributed to the
+    caller's line, and is dropped. A loss keyword that ``config`` still overrides raises: the
+    entry point must apply it first (:func:`apply_loss_overrides`), or it would be ignored without
+    a word."""
+    if not isinstance(config, KernelConfig):
+        return config
     overrides = config.loss_overrides()
     if overrides:
         raise ValueError(
             f"{spelled(config, overrides)} overrides loss keywords, which this entry point does not apply; "
             f"pass {', '.join(overrides)} to the call instead"
         )
-    ignored = config.ignored_fields()
-    for name, reason in ignored.items():
+    for name, reason in config.ignored_fields().items():
         warnings.warn(
             f"{spelled(config, [name])} is ignored: {reason}; leave {name}=None to silence this warning",
             IgnoredArgumentWarning,
             stacklevel=caller_stacklevel(),
         )
-    return replace(config, **dict.fromkeys(ignored)) if ignored else config
-
-
-class ChunkSizeSpellings:
-    """orda-kernel's read-only properties of a ``ChunkSize`` (a base of it); its constructors are
-    installed by :func:`chunk_size_constructors`."""
-
-    nrows: int | None
-    fast: bool
-
-    @property
-    def is_dynamic(self) -> bool:
-        """The rows per chunk are chosen for the call (no ``nrows``, not ``fast``); not the
-        ``dynamic`` field, which only matters with an ``nrows``."""
-        return self.nrows is None and not self.fast
-
-    @property
-    def is_fast(self) -> bool:
-        """``fast``."""
-        return self.fast
-
-    @property
-    def value(self) -> int:
-        """The fixed ``nrows`` (``TypeError`` when there is none)."""
-        if self.nrows is None:
-            raise TypeError(f"{self!r} has no nrows value")
-        return self.nrows
-
-
-class _ClassConstructor:
-    """A ``ChunkSize`` field name that is also an orda-kernel constructor: read on the class it is
-    the constructor (``ChunkSize.nrows(512)``); an instance keeps its fields in its ``__dict__``,
-    which a descriptor without ``__set__`` does not shadow (``ChunkSize(nrows=512).nrows == 512``)."""
-
-    def __init__(self, build: Callable[..., object]) -> None:
-        self.build = build
-        self.__doc__ = build.__doc__
-
-    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., object]:
-        return self.build
-
-
-def chunk_size_constructors(cls: type[T]) -> type[T]:
-    """Install orda-kernel's constructors on the ``ChunkSize`` class ``cls``, under its field
-    names (after ``@dataclass``, which would read them as the fields' defaults)."""
-    make: Callable[..., T] = cls
-
-    def exact_rows(n: int) -> T:
-        """``ChunkSize.nrows(n)``: exactly ``n`` rows per chunk (at most the call's rows), never
-        lowered to fit a workspace: ``ChunkSize(nrows=n, dynamic=False)``."""
-        return make(nrows=n, dynamic=False)
-
-    def workspace_rows() -> T:
-        """``ChunkSize.dynamic()``: rows per chunk from the workspace: ``ChunkSize()``."""
-        return make()
-
-    def fast_rows() -> T:
-        """``ChunkSize.fast()``: four times the workspace and the minimum rows: ``ChunkSize(fast=True)``."""
-        return make(fast=True)
-
-    for name, build in (("nrows", exact_rows), ("dynamic", workspace_rows), ("fast", fast_rows)):
-        setattr(cls, name, _ClassConstructor(build))
-    return cls
+    return ExecutionConfig(**{spec.name: getattr(config, spec.name) for spec in fields(ExecutionConfig)})
 
 
 def reset_autotune_cache() -> None:

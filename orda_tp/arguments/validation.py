@@ -19,7 +19,7 @@ from typing import TypeGuard
 import torch
 from torch import Tensor
 
-from .teachers import TeacherSource
+from ..teachers import TeacherSource
 
 __all__ = [
     "IgnoredArgumentWarning",

@@ -7,7 +7,7 @@ whose shards follow ``torch.chunk`` order. Other mesh dimensions may be ``Replic
 leading (row) dimensions, e.g. data parallelism: each rank then works on its local rows.
 
 On a group, ranks agree on the layout through the handshake every loss shares
-(:func:`orda_tp.api.agreed_call`), so a bad input on one rank raises the same error on every rank.
+(:func:`orda_tp.loss.agreed_call`), so a bad input on one rank raises the same error on every rank.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from ..options import check_group
-from ..parallel.dtensor import MeshAxis, chunk_range, is_dtensor, mesh_group, placement_text, shard_axis
-from ..parallel.local_shards import same_ranks
+from ..arguments.options import check_group
+from .dtensor import MeshAxis, chunk_range, is_dtensor, mesh_group, placement_text, shard_axis
+from .local_shards import same_ranks
 
 try:
     from torch.distributed.tensor import Replicate, Shard

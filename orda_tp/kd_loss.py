@@ -13,8 +13,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..api import agreed_call, call_text
-from ..checks import (
+from .arguments.config import HOST_WORKSPACE_MIB, ExecutionConfig
+from .arguments.options import LogitsOptions
+from .arguments.plan import LossPlan, check_sparse_teacher
+from .arguments.validation import (
     check_count,
     check_denominator,
     check_flag,
@@ -25,18 +27,16 @@ from ..checks import (
     check_token_weights,
     runs_host_checks,
 )
-from ..config import HOST_WORKSPACE_MIB, KernelConfig
-from ..divergences import EntropyGate
-from ..engine.logits import StoredLogits, statistics_dtype
-from ..options import LogitsOptions
-from ..parallel.dtensor import MeshAxis
-from ..parallel.layout import HeadShard, LocalShard, fail_on_every_rank
-from ..plan import LossPlan, check_sparse_teacher
-from ..teachers import PrecomputedTeacher
-from ..teachers.source import TeacherBlocks
-from .function import logits_distillation
-from .logits_shards import local_logits, logits_call_group, logits_group
-from .problem import build_problem
+from .divergences import EntropyGate
+from .engine.call import build_problem
+from .engine.given_logits import logits_distillation
+from .engine.logits import StoredLogits, statistics_dtype
+from .loss import agreed_call, call_text
+from .parallel.dtensor import MeshAxis
+from .parallel.layout import HeadShard, LocalShard, fail_on_every_rank
+from .parallel.logits_shards import local_logits, logits_call_group, logits_group
+from .teachers import PrecomputedTeacher
+from .teachers.source import TeacherBlocks
 
 __all__ = ["KDLoss"]
 
@@ -243,7 +243,7 @@ class KDLoss(nn.Module):
             chunk_rows=check_count("chunk_size", chunk_size, 0),
             backend=backend,
             tp_group=tp_group,
-            config=KernelConfig(),
+            config=ExecutionConfig(),
             **variant_parameters,
         )
 

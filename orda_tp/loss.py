@@ -1,9 +1,9 @@
 """Public entry points: :func:`distillation_loss`, :class:`DistillationLoss`, :func:`is_available`.
 
-A call reads top to bottom: the keywords become one :class:`~orda_tp.options.LossOptions`; the
+A call reads top to bottom: the keywords become one :class:`~orda_tp.arguments.options.LossOptions`; the
 tensors are checked (on one device here, on a tensor-parallel group by
 :func:`orda_tp.parallel.local_shards.shard_inputs`, whose handshake agrees on the layout); the
-:class:`~orda_tp.plan.LossPlan` says what to compute; the backend runs it: the fp64 reference, or
+:class:`~orda_tp.arguments.plan.LossPlan` says what to compute; the backend runs it: the fp64 reference, or
 the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) with the torch or Triton block math.
 """
 
@@ -18,7 +18,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .checks import (
+from .arguments.config import ExecutionConfig
+from .arguments.options import GradScalerLike, LossOptions, setting_text
+from .arguments.plan import LossPlan
+from .arguments.validation import (
     check_denominator,
     check_inputs,
     check_label_range,
@@ -26,21 +29,19 @@ from .checks import (
     check_values,
     runs_host_checks,
 )
-from .config import KernelConfig
 from .divergences import EntropyGate
 from .engine.block_math import select_backend
 from .engine.fused import ChunkedProblem, chunked_loss
+from .engine.gradient_gemms import GemmPolicy
 from .engine.logits import statistics_dtype
 from .engine.reference import reference_loss
-from .engine.row_groups import GemmPolicy, default_workspace_mib
 from .engine.row_walk import RowWalk
+from .engine.workspace import default_workspace_mib
 from .kernels import is_available
-from .options import GradScalerLike, LossOptions, setting_text
 from .parallel.fsdp import head_weight, unsharded_head_weight
 from .parallel.layout import HeadShard, LocalShard, VocabLayout, agree_layout, fail_on_every_rank
 from .parallel.local_shards import LocalInputs, call_group, local_error, shard_inputs
 from .parallel.shard_exchange import ShardExchange
-from .plan import LossPlan
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
 
 __all__ = [
@@ -256,7 +257,7 @@ def distillation_loss(
     reduction: str = "mean",
     profile: str = "balanced",
     backend: str = "auto",
-    config: KernelConfig | None = None,
+    config: ExecutionConfig | None = None,
     gradient_materialization_scale: float | Tensor | None = None,
     grad_scaler: GradScalerLike | None = None,
     num_valid_tokens: float | Tensor | None = None,
@@ -276,7 +277,7 @@ def distillation_loss(
     ``c·tanh(z/c)`` before every term, the gradient going through the cap (Gemma 2). See
     docs/reference.md for every argument and error, docs/variants.md for the 15 divergences. The
     keywords (all but ``num_valid_tokens`` and ``token_weights``) are those of
-    :class:`orda_tp.options.LossOptions`, which validates them.
+    :class:`orda_tp.arguments.options.LossOptions`, which validates them.
 
     ``gradient_materialization_scale`` (or, when None, ``grad_scaler.get_scale()``) is the scale at
     which fp16 logit gradients are materialized for the tensor-core gradient GEMMs on CUDA; without
@@ -325,7 +326,7 @@ def distillation_loss(
 
 
 class DistillationLoss(nn.Module):
-    """Module form of :func:`distillation_loss`: its keywords (:class:`orda_tp.options.LossOptions`)
+    """Module form of :func:`distillation_loss`: its keywords (:class:`orda_tp.arguments.options.LossOptions`)
     are fixed, and validated, at construction; ``forward(student_hidden, weight, labels, teacher,
     gradient_materialization_scale=None, grad_scaler=None, *, num_valid_tokens=None)``."""
 

@@ -20,12 +20,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..engine.logits import LogitGrads, PairedLogits, StoredLogits
-from ..engine.row_groups import scale_by_upstream
-from ..engine.row_walk import GradTarget, walk_rows
-from ..engine.stats import RowStats
 from ..teachers.source import TeacherBlocks
-from .problem import LogitsProblem, row_statistics
+from .call import LogitsProblem, row_statistics
+from .gradient_gemms import scale_by_upstream
+from .logits import LogitGrads, PairedLogits, StoredLogits
+from .row_walk import GradTarget, walk_rows
+from .stats import RowStats
 
 __all__ = ["logits_distillation"]
 

@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..engine.block_math import select_backend
-from ..engine.logits import LogitsSource
-from ..engine.row_groups import row_layout
-from ..engine.row_walk import GradTarget, RowRange, RowWalk, row_ranges, walk_rows
-from ..engine.stats import RowStats
-from ..options import LogitsOptions
+from ..arguments.options import LogitsOptions
+from ..arguments.plan import LossPlan
 from ..parallel.layout import VocabLayout
 from ..parallel.shard_exchange import ShardExchange
-from ..plan import LossPlan
+from .block_math import select_backend
+from .logits import LogitsSource
+from .row_walk import GradTarget, RowRange, RowWalk, row_ranges, walk_rows
+from .stats import RowStats
+from .workspace import row_layout
 
 __all__ = ["LogitsProblem", "build_problem", "row_statistics"]
 

@@ -1,0 +1,194 @@
+"""What a row group does with its staged logit gradients: the input gradients' buffers and the
+gradient GEMMs ``dh = dS·W`` and ``dW += dSᵀ·h`` (docs/architecture.md, "GEMMs").
+
+Logit gradients are staged in the call's staging dtype (bf16 for bf16 operands on CUDA, else the
+statistics dtype); fp16 operands meet an fp32 staging through a scale that keeps small gradients
+out of fp16's subnormal range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .logits import HeadTensors, LogitGrads
+
+__all__ = [
+    "GemmPolicy",
+    "GradNeeds",
+    "GradientBuffers",
+    "allocate_buffers",
+    "run_gradient_gemms",
+    "scale_by_upstream",
+]
+
+
+FP16_HEADROOM = 6.0e4  # below fp16's largest finite value, 65504
+_ADDMM_OUT_DTYPE = [True]  # cleared once if this torch has no addmm(..., out_dtype=...)
+
+
+class GradNeeds(NamedTuple):
+    """Whether each head input receives a gradient (requires_grad, grad mode and the plan's
+    routing already applied), in :class:`HeadTensors` order."""
+
+    student_hidden: bool
+    weight: bool
+    teacher_hidden: bool
+    teacher_weight: bool
+
+
+class GradientBuffers(NamedTuple):
+    """Gradients of the head inputs that receive one (None for the others), summed over row
+    groups, in :class:`HeadTensors` order.
+
+    Hidden gradients are in the inputs' dtype on one device, where each row is written once, and
+    in the statistics dtype on a shard, whose partial sums still have to be added; a head weight's
+    in ``KernelConfig.grad_weight_accumulation``'s dtype: its own for "compute" (and "auto" with a
+    bf16 weight: no extra memory, one rounding per group), else the statistics dtype."""
+
+    student_hidden: Tensor | None
+    weight: Tensor | None
+    teacher_hidden: Tensor | None
+    teacher_weight: Tensor | None
+
+
+def allocate_buffers(
+    head: HeadTensors,
+    needs: GradNeeds,
+    sharded: bool,
+    statistics: torch.dtype,
+    accumulation: str,
+    written_columns: int,
+) -> GradientBuffers:
+    """Gradient buffers of the inputs that need one (see :class:`GradientBuffers`), left for the
+    row walk to write.
+
+    The walk's gradient GEMMs write what they cover without reading it first (β = 0,
+    :func:`run_gradient_gemms`): every row of a hidden gradient (each row group writes its own
+    rows), and a head gradient's first ``written_columns`` rows (the real local columns, written
+    by the first row group). Only what no GEMM writes is zeroed here: a padded shard's rows past
+    ``written_columns``, and everything when the call has no rows."""
+    buffers: list[Tensor | None] = []
+    walked = head.student_hidden.shape[0] > 0
+    for tensor, need, is_weight in zip(head[:4], needs, (False, True, False, True)):
+        if not need or tensor is None:
+            buffers.append(None)
+            continue
+        if is_weight:
+            own = accumulation == "compute" or (accumulation == "auto" and tensor.dtype == torch.bfloat16)
+        else:
+            own = not sharded
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype if own else statistics, device=tensor.device)
+        if not walked:
+            buffer.zero_()
+        elif is_weight:
+            buffer[written_columns:].zero_()
+        buffers.append(buffer)
+    return GradientBuffers(*buffers)
+
+
+@dataclass(frozen=True)
+class GemmPolicy:
+    """How staged logit gradients meet the gradient GEMMs: ``scale`` for fp16 materialization."""
+
+    scale: float | Tensor | None = None
+
+    def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor, beta: float) -> None:
+        """``target = beta·target + staged · operand`` with ``staged`` in the call's staging dtype and
+        ``beta`` 1 (add) or 0 (overwrite: ``target`` is not read, so it may hold anything, NaN
+        included).
+
+        bf16 on CUDA: one GEMM that adds into ``target`` in its epilogue (fp32 or bf16 target,
+        fp32 accumulation inside the GEMM). fp16 with a scale: the staged fp32 gradient is scaled
+        into fp16 for the tensor cores and the product unscaled. Otherwise in ``staged``'s dtype."""
+        if staged.dtype == torch.bfloat16:
+            if target.dtype == torch.bfloat16:
+                target.addmm_(staged, operand, beta=beta)
+                return
+            if _ADDMM_OUT_DTYPE[0] and target.dtype == torch.float32 and target.is_contiguous():
+                try:
+                    torch.addmm(target, staged, operand, beta=beta, out_dtype=torch.float32, out=target)
+                    return
+                except TypeError:  # a torch without addmm(out_dtype=...)
+                    _ADDMM_OUT_DTYPE[0] = False
+            product = torch.mm(staged, operand, torch.float32)
+        elif operand.is_cuda and operand.dtype == torch.float16 and self.scale is not None:
+            # Lowered on the device where scale·max|gradient| would leave fp16's range.
+            factor = torch.clamp(FP16_HEADROOM / staged.abs().amax(), max=self.scale)
+            scaled = (staged * factor).to(torch.float16)
+            product = torch.mm(scaled, operand, torch.float32) / factor
+        else:
+            product = staged @ operand.to(staged.dtype)
+        if beta == 0:
+            target.copy_(product)
+        else:
+            target += product.to(target.dtype)
+
+
+def run_gradient_gemms(
+    head: HeadTensors,
+    staged: LogitGrads,
+    begin: int,
+    valid: Tensor,
+    buffers: GradientBuffers,
+    gemms: GemmPolicy,
+    tied: bool,
+) -> None:
+    """Write the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``,
+    side by side: ``dh[rows] = dS·W`` (each group owns its rows) and ``dW += dSᵀ·h[rows]``, which
+    the first group (``begin == 0``) writes instead of adding to (β = 0: the buffers come unwritten
+    from :func:`allocate_buffers`, no zero-fill and no read of zeros). ``valid`` marks the group's rows
+    that are not ignored (the others' hidden rows are not read, so a non-finite ignored row stays
+    out). ``tied``: the teacher reads the student's head (``LossPlan.tied_head``); where it trains,
+    its weight gradient adds to the student head's in one GEMM over both sides' rows, the
+    staging's ``stacked`` (``buffers.teacher_weight`` is None then)."""
+    one_gemm = tied and staged.teacher is not None
+    sides = [(staged.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight)]
+    if staged.teacher is not None and head.teacher_hidden is not None:
+        teacher_weight = head.weight if tied else head.teacher_weight
+        assert teacher_weight is not None
+        sides.append(
+            (staged.teacher, head.teacher_hidden, teacher_weight, buffers.teacher_hidden, buffers.teacher_weight)
+        )
+    end, columns = begin + staged.student.shape[0], staged.student.shape[1]
+    weight_beta = 0.0 if begin == 0 else 1.0
+    # cuBLAS may not reduce split-K partial sums in bf16/fp16 here (torch allows it for bf16/fp16
+    # outputs): a gradient GEMM then rounds once, to its output, as its fp32-output counterpart on
+    # a vocabulary shard does.
+    flags = torch.backends.cuda.matmul
+    saved = (flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction)
+    flags.allow_bf16_reduced_precision_reduction = False
+    flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        for logit_grads, hidden, weight, hidden_grad, weight_grad in sides:
+            if hidden_grad is not None:
+                gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns], beta=0.0)
+            if weight_grad is not None and not one_gemm:
+                rows = torch.where(valid[:, None], hidden.detach()[begin:end], 0.0)
+                gemms.accumulate(weight_grad[:columns], logit_grads.T, rows, beta=weight_beta)
+        if one_gemm and buffers.weight is not None:  # one GEMM over both sides' rows
+            assert staged.stacked is not None and head.teacher_hidden is not None
+            both = torch.cat([head.student_hidden.detach()[begin:end], head.teacher_hidden.detach()[begin:end]])
+            rows = torch.where(valid.repeat(2)[:, None], both, 0.0)
+            gemms.accumulate(buffers.weight[:columns], staged.stacked.T, rows, beta=weight_beta)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+
+
+def scale_by_upstream(grads: Sequence[Tensor], upstream: Tensor) -> None:
+    """Gradients formed in the forward for a unit upstream gradient (an eager call's), scaled in
+    place by the 0-d ``upstream`` that backward receives: one launch per tensor with the scale read
+    on the device (``triton_math.scale_in_place``, which skips a scale of exactly 1) for contiguous
+    CUDA tensors, ``torch._foreach_mul_`` otherwise."""
+    if not grads:
+        return
+    if grads[0].is_cuda and all(grad.is_contiguous() for grad in grads):
+        from .triton_math import scale_in_place  # imports triton: only where it runs
+
+        scale_in_place(grads, upstream)
+    else:
+        torch._foreach_mul_(list(grads), upstream)
