@@ -17,15 +17,10 @@ from orda_tp import KL_VARIANTS, TiedTeacher
 from orda_tp.arguments.options import LossOptions
 from orda_tp.arguments.plan import LossPlan
 from orda_tp.engine.logits import LogitGrads, LogitsBlock
-from orda_tp.engine.records import (
-    PartitionRecord,
-    block_partition_record,
-    merge_partition_records,
-    merge_stacked_partition_records,
-)
+from orda_tp.engine.records import merge_stacked_records, packed_columns
 from orda_tp.engine.reference import reference_loss
 from orda_tp.engine.row_walk import GradTarget, RowWalk, chunk_row_stats, stage_grads
-from orda_tp.engine.torch_math import TorchBlockMath
+from orda_tp.engine.torch_math import TorchBlockMath, block_record
 from orda_tp.parallel.layout import VocabLayout
 
 from .cases import COTRAINED, VARIANT_KWARGS, relative_error
@@ -98,27 +93,26 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str, in_one_walk
     assert relative_error(teacher_grad, expected_teacher_grad) <= 1e-12
 
 
-def test_records_pack_and_merge_in_any_order() -> None:
+def columns_of(record: torch.Tensor, num_families: int) -> dict[str, torch.Tensor]:
+    """A packed record's columns by name."""
+    return dict(zip(packed_columns(num_families, record.shape[1] - 2 * num_families - 3), record.unbind(1)))
+
+
+def test_records_merge_in_any_order() -> None:
     generator = torch.Generator().manual_seed(1)
     logits = 3 * torch.randn(6, 40, dtype=torch.float64, generator=generator)
     logits[2, :20] = float("-inf")  # a block that sees only -inf on one row
     labels = torch.randint(0, 40, (6,), generator=generator)
     plan = make_plan("forward", 40, TiedTeacher(logits))
     records = [
-        block_partition_record(logits[:, a:b], logits[:, a:b], labels, a, plan.families)
-        for a, b in [(0, 20), (20, 27), (27, 40)]
+        block_record(logits[:, a:b], logits[:, a:b], labels, a, plan.families) for a, b in [(0, 20), (20, 27), (27, 40)]
     ]
     families = len(plan.families)
-    packed = [PartitionRecord.unpack(record.pack(), families) for record in records]
-    forward = merge_partition_records(packed).log_partitions()
-    backward = merge_partition_records(packed[::-1]).log_partitions()
     expected = torch.stack([torch.logsumexp(logits / f.temperature, 1) for f in plan.families], 1)
-    assert relative_error(forward, expected) <= 1e-14
-    assert relative_error(backward, expected) <= 1e-14
-    merged = merge_partition_records(records)
-    stacked = merge_stacked_partition_records(torch.stack([record.pack() for record in records]), families)
-    assert relative_error(stacked.log_partitions(), expected) <= 1e-14
-    assert torch.equal(stacked.label_hits, merged.label_hits)
-    assert torch.equal(stacked.target_logits, merged.target_logits)
-    assert torch.equal(merged.label_hits, torch.ones(6, dtype=torch.float64))
-    assert torch.equal(merged.target_logits[:, 0], logits.gather(1, labels[:, None]).squeeze(1))
+    for order in (records, records[::-1], [records[1], records[0], records[2]]):
+        merged = columns_of(merge_stacked_records(torch.stack(order), families), families)
+        lse = torch.stack([merged[f"m{f}"] + torch.log(merged[f"z{f}"]) for f in range(families)], 1)
+        assert relative_error(lse, expected) <= 1e-14
+        assert torch.equal(merged["hits"], torch.ones(6, dtype=torch.float64))
+        assert torch.equal(merged["s_y"], logits.gather(1, labels[:, None]).squeeze(1))
+        assert torch.equal(merged["t_y"], merged["s_y"])

@@ -211,7 +211,8 @@ def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, 
                 stacklevel=caller_stacklevel(),
             )
         merged[name] = value
-    merged["config"] = replace(config, **dict.fromkeys(LOSS_OVERRIDES))
+    unset: dict[str, Any] = dict.fromkeys(LOSS_OVERRIDES)
+    merged["config"] = replace(config, **unset)
     return merged
 
 

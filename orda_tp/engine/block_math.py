@@ -22,7 +22,6 @@ from ..arguments.validation import caller_stacklevel
 from ..divergences.expr import Expr
 from ..kernels import unavailable_reason
 from .logits import LogitGrads, TeacherBlock
-from .records import PartitionRecord
 from .row_formulas import RowProgram
 from .stats import GradRows
 from .torch_math import TorchBlockMath
@@ -50,14 +49,16 @@ class BlockMath(Protocol):
         families: Sequence[LogitFamily],
         column_sums: tuple[Expr, ...],
         caps: tuple[float | None, float | None] = (None, None),
-    ) -> PartitionRecord:
-        """Round-1 record of a block whose first column is global column ``col_start``, with the
-        row sums of ``column_sums`` (trees over the raw student logit ``RAW_STUDENT``); ``caps``:
-        the soft-caps of the two sides, where the block math applies them (``applies_softcap``)."""
+    ) -> Tensor:
+        """The packed round-1 record (:mod:`.records`) of a block whose first column is global
+        column ``col_start``, with the row sums of ``column_sums`` (trees over the raw student logit
+        ``RAW_STUDENT``); ``caps``: the soft-caps of the two sides, where the block math applies
+        them (``applies_softcap``)."""
         ...
 
-    def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
-        """Merge an (S, rows, width) stack of contiguous packed records (the shards' gathered records)."""
+    def merge_stacked(self, stacked: Tensor, num_families: int) -> Tensor:
+        """Merge an (S, rows, K₁) stack of contiguous packed records (a chunk's blocks, the shards'
+        gathered records) into one (rows, K₁) record."""
         ...
 
     def kl_sums(

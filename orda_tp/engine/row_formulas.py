@@ -10,7 +10,8 @@ small tensor ops per chunk.
   z_f`` (``−inf`` for an all ``−inf`` row), ``owned`` (exactly one column owns the label),
   ``absent`` (the teacher's logits are all ``−inf``), each registered student term's value
   (:mod:`orda_tp.divergences.terms`: ``student_ce``, ``z_loss``), ``CE_t = LSE(t) − t_y`` (0 on
-  absent rows) and, with a KL term, ``LSE(u)``, ``LSE(v)`` (0 on absent rows), ``log p_y = s_y/T_s − LSE(u)``, ``log q_y =
+  absent rows) and, with a KL term, ``LSE(u)``, ``LSE(v)`` (0 on absent rows), ``log p_y = s_y/T_s −
+  LSE(u)``, ``log q_y =
   t_y/T_t − LSE(v)`` and ``present`` (the teacher is not absent, and no ``UNSUPPORTED`` column
   where round 1 counts them: the gradient's ``keep`` when round 2 is summed in the gradient pass,
   ``LossPlan.kl_sums_in_gradient_pass``). The loss components are NaN on rows whose label no
@@ -35,7 +36,7 @@ from functools import cache
 from ..arguments.plan import StepKey
 from ..divergences.expr import Expr, equal, greater, less, log, logical_or, row, where, wrap
 from ..divergences.terms import STUDENT_TERMS, RowSymbols, StudentTerm
-from .records import PartitionRecord
+from .records import packed_columns
 from .stats import GRAD_ROW_CONSTANTS
 
 __all__ = ["RowProgram", "finish_step", "grad_step", "is_set", "partition_step"]
@@ -85,7 +86,7 @@ def _term_values(terms: tuple[StudentTerm, ...], lse: Expr) -> dict[str, Expr]:
 @cache
 def partition_step(key: StepKey) -> RowProgram:
     """Round 1's per-row values (see the module docstring) from the merged record's columns
-    (:meth:`orda_tp.engine.records.PartitionRecord.packed_columns`); outputs ``lse0 … lse{F−1}`` first."""
+    (:func:`.records.packed_columns`); outputs ``lse0 … lse{F−1}`` first."""
     count = key.num_families
     lse = []
     for f in range(count):
@@ -120,7 +121,7 @@ def partition_step(key: StepKey) -> RowProgram:
     else:
         outputs["kl"] = nan_elsewhere
     scalars = ["t_s", "t_t", *_term_scalars(key.student_terms)]
-    return _program(list(PartitionRecord.packed_columns(count, key.num_column_sums)), scalars, outputs)
+    return _program(list(packed_columns(count, key.num_column_sums)), scalars, outputs)
 
 
 @cache

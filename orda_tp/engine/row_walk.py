@@ -40,7 +40,7 @@ from ..divergences.terms import STUDENT_TERMS
 from ..parallel.layout import VocabLayout
 from .block_math import BlockMath
 from .logits import LogitGrads, LogitsBlock, LogitsSource
-from .records import PartitionRecord, merge_partition_records
+from .records import empty_record
 from .row_formulas import finish_step, grad_step, partition_step
 from .stats import GRAD_ROW_CONSTANTS, GradRows, KLRowStats, RowStats
 
@@ -63,10 +63,11 @@ class RecordExchange(Protocol):
     (:class:`orda_tp.parallel.shard_exchange.ShardExchange`); a call on one device has none."""
 
     def merge_partitions(
-        self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
-    ) -> PartitionRecord:
-        """Round 1: the record of all shards' columns, identical on every shard; ``merge_stacked``
-        merges a (shards, rows, width) stack of packed records (the backend's merge)."""
+        self, local: Tensor, num_families: int, merge_stacked: Callable[[Tensor, int], Tensor]
+    ) -> Tensor:
+        """Round 1: the packed record of all shards' columns, identical on every shard, from this
+        shard's ``local`` record of ``num_families`` families; ``merge_stacked`` merges a (shards,
+        rows, K₁) stack of packed records (the backend's merge)."""
         ...
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
@@ -174,15 +175,13 @@ def chunk_row_stats(
     records = [
         math.partition(b.student, b.teacher, labels, vocab_start + b.start, families, sums, caps) for b in blocks
     ]
-    if not records:
-        records = [PartitionRecord.empty(labels.shape[0], len(families), len(sums), like)]
-    record = merge_partition_records(records)
+    if not records:  # this device holds only vocabulary padding
+        records = [empty_record(labels.shape[0], len(families), len(sums), like)]
+    record = records[0] if len(records) == 1 else math.merge_stacked(torch.stack(records), len(families))
     if exchange is not None:
-        record = exchange.merge_partitions(record, math.merge_stacked)
+        record = exchange.merge_partitions(record, len(families), math.merge_stacked)
     step = partition_step(plan.step_key)
-    record_columns = [record.maxes, record.sumexps, record.target_logits, record.label_hits[:, None]]
-    record_columns.append(record.column_sums)
-    inputs = dict(zip(step.inputs, (column for part in record_columns for column in part.unbind(1))))
+    inputs = dict(zip(step.inputs, record.unbind(1)))  # the step reads the record's columns by name
     scalars = {"t_s": plan.student_temperature, "t_t": plan.teacher_temperature, **plan.term_scalars}
     partition = math.rows(step, inputs, scalars, like)
     outputs = dict(zip(step.outputs, partition.unbind(1)))

@@ -2,7 +2,7 @@
 logits (rows × columns; fp32 statistics).
 
 Each method is one step of the :class:`.block_math.BlockMath` protocol and returns what the torch
-block math returns: a :class:`PartitionRecord`, the variant's (rows, num_sums) sums, a row step's
+block math returns: a packed record (:mod:`.records`), the variant's (rows, num_sums) sums, a row step's
 outputs, or the logit gradients written into their destination. The kernels are
 ``orda_tp.kernels``' ``partition``, ``sums``, ``grads``, ``rows`` and ``scale``; the variant's
 formulas reach them as generated functions (``orda_tp.kernels.variant_terms``). A kernel is
@@ -36,9 +36,10 @@ from ..kernels.scale import scale_kernel
 from ..kernels.sums import sums_kernel
 from ..teachers.source import SparseLogits
 from .logits import LogitGrads, TeacherBlock
-from .records import PartitionRecord, block_partition_record
+from .records import packed_columns
 from .row_formulas import RowProgram
 from .stats import GradRows
+from .torch_math import block_record
 
 __all__ = ["TritonBlockMath", "grid_launcher", "scale_in_place"]
 
@@ -113,16 +114,16 @@ class TritonBlockMath:
         families: Sequence[LogitFamily],
         column_sums: tuple[Expr, ...],
         caps: Caps = (None, None),
-    ) -> PartitionRecord:
-        """Round-1 record of a block (see :func:`orda_tp.engine.records.block_partition_record`), with
+    ) -> Tensor:
+        """The packed round-1 record of a block (see :func:`.torch_math.block_record`), with
         the row sums of the student terms' ``column_sums``, of the logits soft-capped by ``caps``."""
         rows, cols = student.shape
         count = len(families)
         if count == 0:  # no family: no student term and no teacher term, so no column sums or t_y
-            return block_partition_record(student, None, labels, col_start, families)
+            return block_record(student, None, labels, col_start, families)
         sums = variant_terms.record_column_sums(column_sums).function if column_sums else None
         chosen, launch, per_split = _tiles_and_grid("partition", student)
-        width = len(PartitionRecord.packed_columns(count, len(column_sums)))
+        width = len(packed_columns(count, len(column_sums)))
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         cap_values, capped = _caps(caps)
@@ -143,18 +144,18 @@ class TritonBlockMath:
             num_warps=chosen.num_warps,
         )  # fmt: skip
         if launch[1] == 1:
-            return PartitionRecord.unpack(partial[0], count)
+            return partial[0]
         return self.merge_stacked(partial, count)
 
-    def merge_stacked(self, stacked: Tensor, num_families: int) -> PartitionRecord:
+    def merge_stacked(self, stacked: Tensor, num_families: int) -> Tensor:
         """Merge an (S, rows, width) stack of contiguous fp32 packed records (column splits, or the
-        shards' gathered records) in one launch (see ``records.merge_stacked_partition_records``)."""
+        shards' gathered records) in one launch (see :func:`.records.merge_stacked_records`)."""
         splits, rows, width = stacked.shape
         merged = torch.empty(rows, width, dtype=torch.float32, device=stacked.device)
         grid_launcher(merge_kernel, (triton.cdiv(max(rows, 1), MERGE_BLOCK_R),))(
             stacked, merged, rows, splits, NUM_FAMILIES=num_families, WIDTH=width, BLOCK_R=MERGE_BLOCK_R
         )
-        return PartitionRecord.unpack(merged, num_families)
+        return merged
 
     def kl_sums(
         self, plan: LossPlan, student: Tensor, teacher: TeacherBlock, labels: Tensor, col_start: int, lse_u: Tensor,

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..engine.records import PartitionRecord
 from .collectives import BackendLoan, all_gather_rows, gather_sequence_rows, reduce_scatter_rows
 
 __all__ = ["LocalError", "LocalErrorCode", "ShardExchange"]
@@ -109,10 +108,9 @@ class ShardExchange:
                 raise ValueError(LocalError(LocalErrorCode(int(code)), int(row), int(column)).message(rank))
 
     def merge_partitions(
-        self, local: PartitionRecord, merge_stacked: Callable[[Tensor, int], PartitionRecord]
-    ) -> PartitionRecord:
-        packed = local.pack()
-        width = packed.shape[1]
+        self, local: Tensor, num_families: int, merge_stacked: Callable[[Tensor, int], Tensor]
+    ) -> Tensor:
+        packed, width = local, local.shape[1]
         if not self.errors_exchanged:
             packed = torch.cat([packed, self._header(packed.shape[0], packed)], dim=1)
         gathered = all_gather_rows(packed, self.group)
@@ -121,7 +119,7 @@ class ShardExchange:
             gathered = gathered[..., :width].contiguous()
         if self.inconsistent is not None:  # labels that differ, or copies of one head: NaN, no host read
             gathered = torch.where(self.inconsistent, float("nan"), gathered)
-        return merge_stacked(gathered, local.maxes.shape[1])
+        return merge_stacked(gathered, num_families)
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
         return all_gather_rows(local, self.group).sum(dim=0)
