@@ -9,7 +9,7 @@ One command on one GPU (``python benchmarks/topk_extract.py``), three parts:
    GEMM in cuBLAS (``h @ Wᵀ``, bf16 out) and against ``log_softmax((h @ Wᵀ).float()).topk(k)``;
    the median of ``--repeats`` runs after warm-up, and the peak memory each adds to its inputs.
 3. ``sweep`` (run before ``time``, which then uses the fastest): the kernel's group, block and
-   warps (:data:`orda_tp.engine.topk_rows.KERNEL_GROUP` …) on one chunk of fp32 logits.
+   warps (:data:`orda_tp.engine.triton_math.KERNEL_GROUP` …) on one chunk of fp32 logits.
 
 Under ``torchrun --nproc-per-node N`` (``--tp``; gloo, every rank on ``cuda:0`` with
 ``--shared-gpu``) it checks instead that each rank's extraction from its vocabulary shard (uneven,
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from orda_tp.engine import topk_rows
+from orda_tp.engine import triton_math
 from orda_tp.engine.logits import logits_mm
 from orda_tp.topk_cache.extraction import teacher_topk, teacher_topk_of_logits
 
@@ -116,7 +116,7 @@ def time_extraction(device: torch.device, args: argparse.Namespace) -> None:
         emit(part="time", run=name, rows=rows, hidden=hidden, vocab=vocab, k=k, ms=round(ms, 3), extra_mib=round(mib))
     emit(part="time", ratio_to_gemm=round(results["teacher_topk_triton"] / results["gemm_bf16"], 3))
     chunk = torch.mm(h[:1024], w.T, out_dtype=torch.float32)
-    ms, _ = timed(lambda: topk_rows.kernel_topk(chunk, k, 0, 1.0, None), args.repeats)
+    ms, _ = timed(lambda: triton_math.TritonBlockMath().topk(chunk, k, 0, 1.0, None), args.repeats)
     emit(part="time", run="kernel_only_1024_rows", ms=round(ms, 3), per_8192_rows_ms=round(8 * ms, 3))
     ms, _ = timed(lambda: chunk.topk(k, dim=1), args.repeats)
     emit(part="time", run="torch_topk_1024_rows", ms=round(ms, 3), per_8192_rows_ms=round(8 * ms, 3))
@@ -128,21 +128,21 @@ def sweep(device: torch.device, args: argparse.Namespace) -> tuple[int, int, int
     h = torch.randn(1024, args.hidden, device=device, dtype=torch.bfloat16)
     w = (torch.randn(args.vocab, args.hidden, device=device) / args.hidden**0.5).to(torch.bfloat16)
     chunk = torch.mm(h, w.T, out_dtype=torch.float32)
-    want = topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None)
-    chosen = (topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS)
+    want = triton_math.TritonBlockMath().topk(chunk, args.k, 0, 1.0, None)
+    chosen = (triton_math.KERNEL_GROUP, triton_math.KERNEL_BLOCK, triton_math.KERNEL_WARPS)
     timings: dict[tuple[int, int, int], float] = {}
     for group in (2, 4, 8, 16):
         for block in (256, 512, 1024, 2048, 4096):
             for warps in (1, 2, 4, 8):
                 if block // group < args.k:
                     continue
-                topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS = group, block, warps
-                same = bool((topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None).ids == want.ids).all())
-                ms, _ = timed(lambda: topk_rows.kernel_topk(chunk, args.k, 0, 1.0, None), args.repeats)
+                triton_math.KERNEL_GROUP, triton_math.KERNEL_BLOCK, triton_math.KERNEL_WARPS = group, block, warps
+                same = bool((triton_math.TritonBlockMath().topk(chunk, args.k, 0, 1.0, None).ids == want.ids).all())
+                ms, _ = timed(lambda: triton_math.TritonBlockMath().topk(chunk, args.k, 0, 1.0, None), args.repeats)
                 emit(part="sweep", group=group, block=block, warps=warps, ms=round(ms, 3), same_ids=same)
                 if same:
                     timings[(group, block, warps)] = ms
-    topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS = chosen
+    triton_math.KERNEL_GROUP, triton_math.KERNEL_BLOCK, triton_math.KERNEL_WARPS = chosen
     best = min(timings, key=timings.__getitem__)
     emit(part="sweep", fastest=best, ms=round(timings[best], 3), current=chosen, current_ms=round(timings[chosen], 3))
     return best
@@ -203,9 +203,9 @@ def main() -> int:
     parts = args.parts.split(",")
     ok = check(device) if "check" in parts else True
     if "sweep" in parts:  # the timing then runs with the fastest settings
-        topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS = sweep(device, args)
+        triton_math.KERNEL_GROUP, triton_math.KERNEL_BLOCK, triton_math.KERNEL_WARPS = sweep(device, args)
     if "time" in parts:
-        settings = (topk_rows.KERNEL_GROUP, topk_rows.KERNEL_BLOCK, topk_rows.KERNEL_WARPS)
+        settings = (triton_math.KERNEL_GROUP, triton_math.KERNEL_BLOCK, triton_math.KERNEL_WARPS)
         emit(part="time", kernel_group_block_warps=settings)
         time_extraction(device, args)
     emit(part="summary", check_passed=ok, device=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -13,7 +13,6 @@ Forward only (scoring): nothing is differentiated, nothing is kept for a backwar
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .arguments.config import HOST_WORKSPACE_MIB, ExecutionConfig
@@ -23,17 +22,15 @@ from .arguments.validation import (
     check_count,
     check_flag,
     check_floating,
-    check_label_range,
     check_labels,
     check_same_device,
-    runs_host_checks,
 )
-from .engine.call import build_problem, row_statistics
+from .engine.call import agree, prepare_call, raised_on_every_rank
+from .engine.given_logits import chunks_of, row_statistics
 from .engine.logits import HeadLogits, PairedLogits, StoredLogits, statistics_dtype
 from .engine.stats import RowStats
-from .loss import agreed_call
 from .parallel.dtensor import MeshAxis
-from .parallel.layout import HeadShard, LocalShard, VocabLayout, fail_on_every_rank
+from .parallel.layout import HeadShard, LocalShard
 from .parallel.logits_shards import local_companion, local_head_weight, local_student, logits_call_group, logits_group
 
 __all__ = ["flash_ce_kd_loss"]
@@ -123,57 +120,31 @@ def flash_ce_kd_loss(
     columns (``Shard(-1)`` / ``Shard(0)``), ``teacher_hidden`` and ``labels`` every row; every rank
     returns the single-device scores. Forward only: no gradient is formed.
     """
-    try:
+    with raised_on_every_rank(lambda: logits_call_group(student_logits, tp_group)):
         options = LogitsOptions.resolve(
             temperature=temperature,
             kl_divergence="forward",
             ignore_index=ignore_index,
-            chunk_rows=0,
             backend=backend,
             tp_group=check_group(tp_group),
             config=ExecutionConfig(vocab_block=check_count("chunk_size", chunk_size, 1)),
         )
         check_flag("upcast", upcast)
-    except (ValueError, TypeError) as error:
-        fail_on_every_rank(error, logits_call_group(student_logits, tp_group))
-    try:
         group, axis = logits_group(student_logits, options.tp_group)
-    except (ValueError, TypeError) as error:
-        fail_on_every_rank(error, logits_call_group(student_logits, options.tp_group))
-    (student, hidden, weight, local_labels), layout = agreed_call(
-        group,
-        lambda: _local_inputs(student_logits, teacher_hidden, teacher_lm_head_weight, labels, axis),
-        options.config.host_checks,
-        lambda: f"{options.settings_text}\nupcast={upcast!r}",
-    )
-    return _scores(options, group, layout, local_labels, student, hidden, weight, upcast)
-
-
-def _scores(
-    options: LogitsOptions,
-    group: dist.ProcessGroup | None,
-    layout: VocabLayout,
-    labels: Tensor,
-    student: Tensor,
-    hidden: Tensor,
-    weight: Tensor,
-    upcast: bool,
-) -> tuple[Tensor, Tensor]:
-    """Per-token ``(ce, kd)`` of this rank's checked inputs under the agreed ``layout``: one walk
-    over the student's stored logits beside the teacher's, formed block by block."""
+        checked, shard = _local_inputs(student_logits, teacher_hidden, teacher_lm_head_weight, labels, axis)
+    student, hidden, weight, local_labels = checked
+    layout = agree(group, shard, options.config.host_checks, lambda: f"{options.settings_text}\nupcast={upcast!r}")
     plan = LossPlan.for_logits(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
-    valid = labels != options.ignore_index
-    if runs_host_checks(options.config.host_checks, labels.device):
-        check_label_range(labels, layout.vocab_size, options.ignore_index)
     dtype = statistics_dtype(student, hidden, weight)
-    # Ignored rows read column 0 as their label: their CE is zeroed, their KD does not read it.
-    stats_labels = torch.where(valid, labels, 0)
-    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype, formed_sides=1)
+    call = prepare_call(
+        plan, layout, local_labels, backend=options.backend, dtype=dtype, ignore_index=options.ignore_index
+    )
+    source = PairedLogits(StoredLogits(student), HeadLogits(hidden, weight))
     with torch.no_grad(), torch.autocast(student.device.type, enabled=False):
-        walked = row_statistics(problem, PairedLogits(StoredLogits(student), HeadLogits(hidden, weight)), dtype)
+        walked = row_statistics(call, source, dtype, chunks_of(call, dtype, formed_sides=1))
     empty = torch.zeros(0, dtype=dtype, device=student.device)
     ce = torch.cat([stats.student_ce for stats in walked]) if walked else empty
     kd = torch.cat([_divergence(stats) for stats in walked]) if walked else empty
-    ce = torch.where(valid, ce, 0.0)
+    ce = torch.where(call.valid, ce, 0.0)  # an ignored row's KD is reported, its CE is 0
     out_dtype = dtype if upcast else student.dtype
     return ce.to(out_dtype), kd.to(out_dtype)

@@ -13,27 +13,26 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .arguments.config import HOST_WORKSPACE_MIB, ExecutionConfig
+from .arguments.config import HOST_WORKSPACE_MIB, ChunkRows, ExecutionConfig
 from .arguments.options import LogitsOptions
 from .arguments.plan import LossPlan, check_sparse_teacher
 from .arguments.validation import (
+    ValueChecks,
     check_count,
     check_denominator,
     check_flag,
     check_floating,
-    check_label_range,
     check_labels,
     check_same_device,
     check_token_weights,
     runs_host_checks,
 )
 from .divergences import EntropyGate
-from .engine.call import build_problem
+from .engine.call import agree, call_text, prepare_call, raised_on_every_rank
 from .engine.given_logits import logits_distillation
 from .engine.logits import StoredLogits, statistics_dtype
-from .loss import agreed_call, call_text
 from .parallel.dtensor import MeshAxis
-from .parallel.layout import HeadShard, LocalShard, fail_on_every_rank
+from .parallel.layout import HeadShard, LocalShard
 from .parallel.logits_shards import local_logits, logits_call_group, logits_group
 from .teachers import PrecomputedTeacher
 from .teachers.source import TeacherBlocks
@@ -121,50 +120,39 @@ def _kd_loss(
     num_batch_labels: float | Tensor | None,
     token_weights: object = None,
 ) -> Tensor:
-    try:
+    with raised_on_every_rank(lambda: logits_call_group(student_logits, options.tp_group)):
         group, axis = logits_group(student_logits, options.tp_group)
-    except (ValueError, TypeError) as error:
-        fail_on_every_rank(error, logits_call_group(student_logits, options.tp_group))
+        checked, shard = _check_call(
+            options, student_logits, teacher_logits, labels, num_batch_labels, token_weights, axis
+        )
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
-    checked, layout = agreed_call(
-        group,
-        lambda: _check_call(options, student_logits, teacher_logits, labels, num_batch_labels, token_weights, axis),
-        options.config.host_checks,
-        lambda: call_text(
-            options.settings_text,
-            "teacher_logits=<tensor>" if cache is None else cache.settings_text(),
-            token_weights,
-            ("num_batch_labels", num_batch_labels),
-        ),
-    )
+    teacher_text = "teacher_logits=<tensor>" if cache is None else cache.settings_text()
+    settings = (options.settings_text, teacher_text, token_weights, ("num_batch_labels", num_batch_labels))
+    layout = agree(group, shard, options.config.host_checks, lambda: call_text(*settings))
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
-    flat_labels, columns = checked.labels, checked.student.shape[-1]
-    valid = flat_labels != options.ignore_index
-    host_checks = runs_host_checks(options.config.host_checks, flat_labels.device)
-    if options.divergence.needs_target:
-        if host_checks:
-            check_label_range(flat_labels, layout.vocab_size, options.ignore_index)
-        stats_labels = flat_labels
-    else:
-        # The label only marks the row as valid: any column that one rank owns reads the same.
-        stats_labels = torch.where(valid, 0, flat_labels)
-    student = checked.student.reshape(-1, columns)
+    student = checked.student.reshape(-1, checked.student.shape[-1])
     teacher: TeacherBlocks
     if cache is None:
-        teacher = StoredLogits(checked.teacher.detach().reshape(-1, columns))
+        teacher = StoredLogits(checked.teacher.detach().reshape(student.shape))
         dtype = statistics_dtype(student, checked.teacher)
     else:
-        if host_checks:  # the same cache on every rank (the handshake compared it), like the labels
-            cache.check_cache_values(layout.vocab_size)
         blocks = cache.block_source(layout.vocab_start, layout.vocab_size)
         assert blocks is not None
         teacher, dtype = blocks, statistics_dtype(student, cache.topk_logprobs)
-    # A top-k cache forms nothing on the Triton kernels (they read its rows) and counts among the
-    # two converted sides on torch: no side to add either way.
-    problem = build_problem(options, plan, stats_labels, valid, group, layout, dtype)
-    denominator = valid.sum().clamp_min(1) if checked.denominator is None else checked.denominator
+    call = prepare_call(
+        plan,
+        layout,
+        checked.labels,
+        backend=options.backend,
+        dtype=dtype,
+        ignore_index=options.ignore_index,
+        reads_labels=options.divergence.needs_target,  # else a label only says whether its row counts
+        denominator=checked.denominator,
+        values=None if cache is None else ValueChecks(cache, cache, reads_teacher=True),
+        row_weights=checked.row_weights,
+    )
     with torch.autocast(student.device.type, enabled=False):
-        return logits_distillation(problem, denominator, student, teacher, dtype, checked.row_weights)
+        return logits_distillation(call, student, teacher, dtype)
 
 
 def _check_topk_cache(cache: PrecomputedTeacher, rows: int, options: LogitsOptions) -> None:
@@ -236,14 +224,14 @@ class KDLoss(nn.Module):
     ) -> None:
         super().__init__()
         self._fp32_upcast = check_flag("fp32_upcast", fp32_upcast)
+        rows = check_count("chunk_size", chunk_size, 0)
         self.options = LogitsOptions.resolve(
             temperature=temperature,
             kl_divergence=kl_divergence,
             ignore_index=ignore_index,
-            chunk_rows=check_count("chunk_size", chunk_size, 0),
             backend=backend,
             tp_group=tp_group,
-            config=ExecutionConfig(),
+            config=ExecutionConfig(chunk_size=ChunkRows(nrows=rows, dynamic=False) if rows else ChunkRows()),
             **variant_parameters,
         )
 
@@ -265,7 +253,7 @@ class KDLoss(nn.Module):
 
     @property
     def chunk_size(self) -> int:
-        return self.options.chunk_rows
+        return self.options.config.chunk_size.nrows or 0
 
     def forward(
         self,
@@ -281,6 +269,6 @@ class KDLoss(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (
-            f"ignore_index={o.ignore_index}, temperature={o.temperature}, chunk_size={o.chunk_rows}, "
+            f"ignore_index={o.ignore_index}, temperature={o.temperature}, chunk_size={self.chunk_size}, "
             f"kl_divergence={o.divergence.name!r}, backend={o.backend!r}"
         )

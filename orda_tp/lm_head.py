@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .engine.call import raised_on_every_rank
 from .loss import DistillationLoss, DistillationLossOutput, TeacherArgument
-from .parallel.layout import fail_on_every_rank
 from .parallel.local_shards import call_group
 from .teachers import SeparateTeacher
 
@@ -136,20 +136,17 @@ class DistillationHead(nn.Linear):
         teacher: TeacherArgument | None = None,
         num_valid_tokens: float | Tensor | None = None,
     ) -> Tensor | HeadOutput:
-        if labels is None:
-            if teacher is not None or num_valid_tokens is not None:  # meant as a loss call: the others' may be
-                error = ValueError(
-                    "DistillationHead(hidden) returns logits; teacher= and num_valid_tokens= need labels=..."
-                )
-                fail_on_every_rank(error, call_group(self.weight, self.loss.options.tp_group))
-            return F.linear(hidden, self.weight)
-        try:
+        with raised_on_every_rank(lambda: call_group(self.weight, self.loss.options.tp_group)):
+            if labels is None:
+                if teacher is not None or num_valid_tokens is not None:  # meant as a loss call: the others' may be
+                    raise ValueError(
+                        "DistillationHead(hidden) returns logits; teacher= and num_valid_tokens= need labels=..."
+                    )
+                return F.linear(hidden, self.weight)
             self._check_rows(hidden, labels)
             rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
             if teacher is None:
                 teacher = self._unread_teacher(rows)
-        except (ValueError, TypeError) as error:
-            fail_on_every_rank(error, call_group(self.weight, self.loss.options.tp_group))
         out = self.loss(rows, self.weight, labels.reshape(-1), teacher, num_valid_tokens=num_valid_tokens)
         if self.loss.options.reduction == "none":
             return HeadOutput(*(value.reshape(labels.shape) for value in out))

@@ -1,60 +1,42 @@
-"""Public entry points: :func:`distillation_loss`, :class:`DistillationLoss`, :func:`is_available`.
+"""The door of the fused loss: :func:`distillation_loss`, :class:`DistillationLoss`,
+:class:`DistillationLossOutput`, :func:`is_available`.
 
-A call reads top to bottom: the keywords become one :class:`~orda_tp.arguments.options.LossOptions`; the
-tensors are checked (on one device here, on a tensor-parallel group by
-:func:`orda_tp.parallel.local_shards.shard_inputs`, whose handshake agrees on the layout); the
-:class:`~orda_tp.arguments.plan.LossPlan` says what to compute; the backend runs it: the fp64 reference, or
-the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) with the torch or Triton block math.
+The keywords become one :class:`~orda_tp.arguments.options.LossOptions`; the tensors are checked
+(here on one device, by :func:`orda_tp.parallel.local_shards.shard_inputs` on a tensor-parallel
+group); then the call takes every door's path (:mod:`orda_tp.engine.call`): the layout, the plan,
+the prepared call, and the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) or the fp64
+reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .arguments.config import ExecutionConfig
-from .arguments.options import GradScalerLike, LossOptions, setting_text
+from .arguments.options import GradScalerLike, LossOptions
 from .arguments.plan import LossPlan
-from .arguments.validation import (
-    check_denominator,
-    check_inputs,
-    check_label_range,
-    check_token_weights,
-    check_values,
-    runs_host_checks,
-)
+from .arguments.validation import ValueChecks, check_denominator, check_inputs, check_token_weights, runs_host_checks
 from .divergences import EntropyGate
-from .engine.block_math import select_backend
-from .engine.fused import ChunkedProblem, chunked_loss
+from .engine.call import agree, call_text, prepare_call, raised_on_every_rank
+from .engine.fused import chunked_loss
 from .engine.gradient_gemms import GemmPolicy
-from .engine.logits import statistics_dtype
+from .engine.logits import HeadTensors, statistics_dtype
 from .engine.reference import reference_loss
-from .engine.row_walk import RowWalk
-from .engine.workspace import default_workspace_mib
 from .kernels import is_available
 from .parallel.fsdp import head_weight, unsharded_head_weight
-from .parallel.layout import HeadShard, LocalShard, VocabLayout, agree_layout, fail_on_every_rank
-from .parallel.local_shards import LocalInputs, call_group, local_error, shard_inputs
-from .parallel.shard_exchange import ShardExchange
+from .parallel.layout import HeadShard, LocalShard
+from .parallel.local_shards import LocalInputs, call_group, shard_inputs
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
 
-__all__ = [
-    "DistillationLoss",
-    "DistillationLossOutput",
-    "agreed_call",
-    "call_text",
-    "distillation_loss",
-    "is_available",
-]
+__all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
 TeacherArgument = TeacherSource | TeacherHead
-Checked = TypeVar("Checked")  # what a front door's checks return beside its share of the call
 
 
 class DistillationLossOutput(NamedTuple):
@@ -91,41 +73,6 @@ def _readable_teacher(teacher: TeacherHead, reduction: str) -> Iterator[TeacherS
         yield SeparateTeacher(teacher.hidden, weight)
 
 
-def agreed_call(
-    group: dist.ProcessGroup | None,
-    checks: Callable[[], tuple[Checked, LocalShard]],
-    host_checks: bool | None,
-    call_text: Callable[[], str],
-) -> tuple[Checked, VocabLayout]:
-    """The one orchestration of every loss's tensors: this rank's ``checks`` (its arguments, and
-    its share of the call), then the call's layout. On one device a failed check raises and the
-    layout is the whole head. On a tensor-parallel ``group`` a failed check waits for the
-    handshake, which makes every rank raise it; the handshake also proves that the ranks' settings
-    (``call_text``, ``name=value`` lines) and the tensors they must hold alike agree, so that every
-    check after it decides alike on every rank."""
-    try:
-        checked, shard = checks()
-    except (ValueError, TypeError) as error:
-        fail_on_every_rank(error, group)
-    device = shard.head.tensor.device
-    workspace_mib = default_workspace_mib(device) if shard.workspace_mib is None else shard.workspace_mib
-    if group is not None:
-        return checked, agree_layout(group, shard, workspace_mib, host_checks, call_text())
-    columns = shard.head.tensor.shape[shard.head.vocab_dim]
-    vocab_size = columns if shard.vocab_size is None else shard.vocab_size
-    layout = VocabLayout(
-        vocab_start=0,
-        vocab_stop=columns,
-        total_columns=columns,
-        vocab_size=vocab_size,
-        max_local_columns=columns,
-        local_columns=columns,
-        real_local_columns=vocab_size,
-        workspace_mib=workspace_mib,
-    )
-    return checked, layout
-
-
 def _one_device_inputs(
     options: LossOptions,
     student_hidden: Tensor,
@@ -159,15 +106,6 @@ def _one_device_inputs(
     return local, LocalShard(head=HeadShard("weight", weight, 0), labels=labels, vocab_size=options.vocab_size)
 
 
-def call_text(settings: str, teacher: str, token_weights: object, denominator: tuple[str, object]) -> str:
-    """A tensor-parallel call's settings, which every rank must share, as ``name=value`` lines: its
-    keywords' ``settings``, its ``teacher``'s, whether ``token_weights`` were given, and its given
-    denominator ``(name, value)`` (a tensor by its presence: it is never read)."""
-    name, value = denominator
-    weights = f"token_weights={'<given>' if token_weights is not None else None}"
-    return "\n".join([settings, teacher, weights, f"{name}={setting_text(value)}"])
-
-
 # Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
 # exchanges and hand-written backward are not traceable, and gain nothing from tracing.
 @torch.compiler.disable
@@ -180,54 +118,44 @@ def _run(
     num_valid_tokens: object,
     token_weights: object = None,
 ) -> DistillationLossOutput:
-    """The loss of one call: its tensors checked and its layout agreed (:func:`agreed_call`), its
-    plan, the value checks (on a tensor-parallel group they travel with the first record exchange,
-    so that every rank raises them), and the selected backend run with autocast off (statistics
-    are fp32/fp64 whatever autocast would pick for the GEMMs)."""
-    if not isinstance(teacher, TeacherSource):
-        if not isinstance(teacher, TeacherHead):
-            fail_on_every_rank(_teacher_type_error(teacher), call_group(weight, options.tp_group))
+    """The loss of one call: its tensors checked, its layout agreed, its plan, the prepared call
+    (:func:`orda_tp.engine.call.prepare_call`) and the selected backend run with autocast off
+    (statistics are fp32/fp64 whatever autocast would pick for the GEMMs)."""
+    if isinstance(teacher, TeacherHead):
         with _readable_teacher(teacher, options.reduction) as source:
             return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
-    tensors = [student_hidden, weight, labels, *(tensor for _, tensor in teacher.named_tensors())]
-    sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in tensors)
+    given = [student_hidden, weight, labels, *(t for _, t in getattr(teacher, "named_tensors", list)())]
+    sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in given)
+    group = call_group(weight, options.tp_group) if sharded else None
     checks = shard_inputs if sharded else _one_device_inputs
-    local, layout = agreed_call(
-        call_group(weight, options.tp_group) if sharded else None,
-        lambda: checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights),
-        options.kernel_config.host_checks,
-        lambda: call_text(
-            options.settings_text, teacher.settings_text(), token_weights, ("num_valid_tokens", num_valid_tokens)
-        ),
-    )
+    with raised_on_every_rank(lambda: group):
+        if not isinstance(teacher, TeacherSource):
+            raise _teacher_type_error(teacher)
+        local, shard = checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
+    settings = (options.settings_text, teacher.settings_text(), token_weights, ("num_valid_tokens", num_valid_tokens))
+    layout = agree(group, shard, options.kernel_config.host_checks, lambda: call_text(*settings))
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
-    config, device = plan.config, local.student_hidden.device
-    host_checks = runs_host_checks(config.host_checks, device)
-    if not config.assume_valid_labels and host_checks:
-        check_label_range(local.labels, layout.vocab_size, options.ignore_index, one_device=local.group is None)
-    exchange = None
-    if local.group is not None:  # the value checks travel with the first record exchange
-        error = local_error(plan, local, teacher, layout, host_checks) if plan.checks_values else None
-        exchange = ShardExchange(local.group, layout.sequence_parallel, error, plan.checks_values, layout.inconsistent)
-    elif plan.checks_values:
-        read_cache, finite_inputs = host_checks and plan.needs_teacher_logits, config.check_finite_inputs
-        check_values(local.student_hidden, local.weight, teacher, layout.real_local_columns, read_cache, finite_inputs)
-    valid = local.labels != options.ignore_index
-    denominator = valid.sum().clamp_min(1) if local.denominator is None else local.denominator
-    teacher_hidden, teacher_weight, teacher_logits, teacher_blocks = local.teacher.logits_inputs(
-        layout.vocab_start, layout.vocab_size
+    *teacher_tensors, teacher_blocks = local.teacher.logits_inputs(layout.vocab_start, layout.vocab_size)
+    inputs = HeadTensors(local.student_hidden, local.weight, *teacher_tensors)
+    finite = [("student_hidden", local.student_hidden), ("weight", local.weight)]
+    values = ValueChecks(
+        teacher, local.teacher, plan.needs_teacher_logits, finite if plan.config.check_finite_inputs else []
     )
-    inputs = (local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits)
-    block_math = select_backend(options.backend, device.type, statistics_dtype(*inputs))
-    with torch.autocast(device.type, enabled=False):
-        if block_math is None:
-            vocab, row_weights = layout.vocab_size, local.row_weights
-            outputs = reference_loss(plan, local.labels, denominator, *inputs, teacher_blocks, vocab, row_weights)
-        else:
-            walk = RowWalk(plan, local.labels, valid, exchange, layout, block_math)
-            gemms = GemmPolicy(options.gradient_scale)
-            problem = ChunkedProblem(walk, denominator, gemms, teacher_blocks, local.row_weights)
-            outputs = chunked_loss(problem, *inputs)
+    call = prepare_call(
+        plan,
+        layout,
+        local.labels,
+        backend=options.backend,
+        dtype=statistics_dtype(*inputs),
+        ignore_index=options.ignore_index,
+        denominator=local.denominator,
+        values=values if plan.checks_values else None,
+        row_weights=local.row_weights,
+        gemms=GemmPolicy(options.gradient_scale),
+        teacher_blocks=teacher_blocks,
+    )
+    with torch.autocast(local.student_hidden.device.type, enabled=False):
+        outputs = reference_loss(call, *inputs) if call.math is None else chunked_loss(call, *inputs)
     return DistillationLossOutput(*outputs)
 
 
@@ -293,7 +221,7 @@ def distillation_loss(
     (RL-style per-token weighting); the normalizer of "mean" stays the valid-row count or
     ``num_valid_tokens``: ``loss = Σ_valid w_i·loss_i / N``.
     """
-    try:
+    with raised_on_every_rank(lambda: call_group(weight, tp_group)):  # a bad keyword raises on every rank
         options = LossOptions(
             tp_group=tp_group,
             student_ce_weight=student_ce_weight,
@@ -320,8 +248,6 @@ def distillation_loss(
             vocab_size=vocab_size,
             sequence_parallel=sequence_parallel,
         )
-    except (ValueError, TypeError) as error:  # a bad keyword raises on every rank of a tensor-parallel call
-        fail_on_every_rank(error, call_group(weight, tp_group))
     return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
 
 
@@ -349,10 +275,8 @@ class DistillationLoss(nn.Module):
         """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
         ``grad_scaler`` given here (orda-kernel's ``forward`` arguments) replace the constructor's
         for this call."""
-        try:
+        with raised_on_every_rank(lambda: call_group(weight, self.options.tp_group)):
             options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
-        except (ValueError, TypeError) as error:
-            fail_on_every_rank(error, call_group(weight, self.options.tp_group))
         return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
 
     def extra_repr(self) -> str:

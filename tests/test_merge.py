@@ -19,7 +19,8 @@ from orda_tp.arguments.plan import LossPlan
 from orda_tp.engine.logits import LogitGrads, LogitsBlock
 from orda_tp.engine.records import merge_stacked_records, packed_columns
 from orda_tp.engine.reference import reference_loss
-from orda_tp.engine.row_walk import GradTarget, RowWalk, chunk_row_stats, stage_grads
+from orda_tp.engine.call import Call
+from orda_tp.engine.row_walk import GradTarget, chunk_row_stats, stage_grads
 from orda_tp.engine.torch_math import TorchBlockMath, block_record
 from orda_tp.parallel.layout import VocabLayout
 
@@ -61,14 +62,6 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str, in_one_walk
     plan = make_plan(variant, vocab, TiedTeacher(teacher))
     assert plan.kl_sums_in_gradient_pass == (variant in ("forward", "mutual"))
 
-    expected = reference_loss(plan, labels, 1.0, student, identity, teacher, None, None)
-    expected_student_grad, expected_teacher_grad = torch.autograd.grad(expected[0], (student, teacher))
-
-    blocks = [
-        LogitsBlock(start, stop, student.detach()[:, start:stop], teacher.detach()[:, start:stop])
-        for start, stop in zip(BOUNDARIES[:-1], BOUNDARIES[1:])
-    ]
-    random.Random(variant).shuffle(blocks)
     layout = VocabLayout(
         vocab_start=0,
         vocab_stop=vocab,
@@ -78,15 +71,23 @@ def test_shuffled_uneven_blocks_merge_to_the_reference(variant: str, in_one_walk
         local_columns=vocab,
         real_local_columns=vocab,
     )
-    walk = RowWalk(plan, labels, torch.ones(rows, dtype=torch.bool), None, layout, TorchBlockMath())
+    call = Call(plan, layout, TorchBlockMath(), None, labels, torch.ones(rows, dtype=torch.bool))
+    expected = reference_loss(call, student, identity, teacher, None, None)
+    expected_student_grad, expected_teacher_grad = torch.autograd.grad(expected[0], (student, teacher))
+
+    blocks = [
+        LogitsBlock(start, stop, student.detach()[:, start:stop], teacher.detach()[:, start:stop])
+        for start, stop in zip(BOUNDARIES[:-1], BOUNDARIES[1:])
+    ]
+    random.Random(variant).shuffle(blocks)
     student_grad = torch.zeros_like(student)
     teacher_grad = torch.zeros_like(teacher)
     target = GradTarget(LogitGrads(student_grad, teacher_grad), 0, torch.ones((), dtype=torch.float64))
     if in_one_walk:
-        stats = chunk_row_stats(walk, blocks, labels, student, (target, 0, rows))
+        stats = chunk_row_stats(call, blocks, labels, student, (target, 0, rows))
     else:
-        stats = chunk_row_stats(walk, blocks, labels, student)
-        stage_grads(walk, blocks, labels, stats.gradient_inputs(), (target, 0, rows), student)
+        stats = chunk_row_stats(call, blocks, labels, student)
+        stage_grads(call, blocks, labels, stats.gradient_inputs(), (target, 0, rows), student)
     for actual, reference in zip((stats.student_ce, stats.teacher_ce, stats.kl), expected[1:]):
         assert relative_error(actual.sum(), reference) <= 1e-12
     assert relative_error(student_grad, expected_student_grad) <= 1e-12

@@ -16,7 +16,8 @@ from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
 from orda_tp.engine import fused, gradient_gemms
 from orda_tp.engine.block_math import select_backend
 from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
-from orda_tp.engine.row_walk import GradTarget, RowWalk, row_ranges, walk_rows
+from orda_tp.engine.call import Call
+from orda_tp.engine.row_walk import GradTarget, row_ranges, walk_rows
 from orda_tp.engine.workspace import RowLayout
 from orda_tp.parallel.layout import VocabLayout
 
@@ -90,22 +91,16 @@ def test_one_walker_reads_stored_formed_and_tied_logits_alike(backend: str) -> N
     plan = make_plan("jeffreys", vocab, TiedTeacher(teacher))  # both sides trained: two staged gradients
     math = select_backend(backend, student.device.type, dtype)
     assert math is not None
-    walk = RowWalk(
-        plan,
-        labels,
-        labels != -100,
-        None,
-        VocabLayout(
-            vocab_start=0,
-            vocab_stop=vocab,
-            total_columns=vocab,
-            vocab_size=vocab,
-            max_local_columns=vocab,
-            local_columns=vocab,
-            real_local_columns=vocab,
-        ),
-        math,
+    layout = VocabLayout(
+        vocab_start=0,
+        vocab_stop=vocab,
+        total_columns=vocab,
+        vocab_size=vocab,
+        max_local_columns=vocab,
+        local_columns=vocab,
+        real_local_columns=vocab,
     )
+    walk = Call(plan, layout, math, None, labels, labels != -100)
     identity = torch.eye(vocab, dtype=dtype)
     sources = [
         PairedLogits(StoredLogits(student), StoredLogits(teacher)),

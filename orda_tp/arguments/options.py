@@ -296,15 +296,15 @@ def _check_parallel_keywords(values: dict[str, object]) -> None:
 class LogitsOptions:
     """The validated keywords every logits-level loss shares (each loss checks its own sizes).
 
-    ``chunk_rows``: rows per chunk, 0 for the default workspace (``engine.workspace.row_layout``);
-    ``config.vocab_block``: columns per block of the torch backend.
+    ``config.chunk_size.nrows``: rows per chunk (None: from the default workspace,
+    ``engine.workspace.row_layout``); ``config.vocab_block``: columns per block of the torch
+    backend.
     """
 
     temperature: float
     divergence: Divergence
     params: DivergenceParams
     ignore_index: int
-    chunk_rows: int
     backend: str
     tp_group: object
     config: ExecutionConfig
@@ -317,7 +317,6 @@ class LogitsOptions:
             "kl_divergence": self.divergence.name,
             "params": self.params,
             "ignore_index": self.ignore_index,
-            "chunk_rows": self.chunk_rows,
             "backend": self.backend,
             "config": self.config,
         }
@@ -329,7 +328,6 @@ class LogitsOptions:
         temperature: object,
         kl_divergence: object,
         ignore_index: object,
-        chunk_rows: int,
         backend: object,
         tp_group: object,
         config: ExecutionConfig,
@@ -349,7 +347,6 @@ class LogitsOptions:
             divergence=divergence,
             params=params,
             ignore_index=check_ignore_index(ignore_index),
-            chunk_rows=chunk_rows,
             backend=check_choice("backend", backend, LOGITS_BACKENDS),
             tp_group=tp_group,
             config=config,

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from numbers import Integral, Real
 from types import FrameType
 from typing import TypeGuard
@@ -39,6 +40,7 @@ __all__ = [
     "check_shape",
     "runs_host_checks",
     "check_values",
+    "ValueChecks",
     "first_non_finite",
     "is_int",
 ]
@@ -194,28 +196,36 @@ def check_inputs(
         raise ValueError(f"vocab_size must be <= the head's {head.shape[0]} rows, got {vocab_size}")
 
 
-def check_values(
-    student_hidden: Tensor,
-    weight: Tensor,
-    teacher: TeacherSource,
-    columns: int,
-    read_cache: bool,
-    finite_inputs: bool,
-) -> None:
+@dataclass(frozen=True)
+class ValueChecks:
+    """The checks of a call's values, where one can fail (``LossPlan.checks_values``): its
+    ``teacher`` as the call received it (whose cached tensors' versions were recorded), the same
+    over this rank's shards (``local_teacher``), whether the call reads the teacher's logits (so
+    that a cache's values are read: ``reads_teacher``), and with ``check_finite_inputs`` the
+    other ``inputs`` (name, tensor) it covers (none without)."""
+
+    teacher: TeacherSource
+    local_teacher: TeacherSource
+    reads_teacher: bool
+    inputs: Sequence[tuple[str, Tensor]] = ()
+
+
+def check_values(values: ValueChecks, columns: int, host_checks: bool) -> None:
     """One device: raise on a cache modified in place, on a non-finite or otherwise invalid cache
-    where it is read (``read_cache``: host checks run and the teacher's logits are read;
-    ``columns``: the real columns, padding past ``vocab_size`` is not read;
-    ``TeacherSource.check_cache_values``), or with ``finite_inputs``
-    (``KernelConfig.check_finite_inputs``) on a non-finite hidden state or weight of the student
-    or of a trainable teacher."""
+    where it is read (host checks run and the teacher's logits are read; ``columns``: the real
+    columns, padding past ``vocab_size`` is not read; ``TeacherSource.check_cache_values``), and on
+    a non-finite tensor of ``values.inputs`` or of a trainable teacher
+    (``KernelConfig.check_finite_inputs``: ``inputs`` given). Tensor parallelism:
+    :func:`orda_tp.parallel.local_shards.local_error`."""
+    teacher, read_cache = values.local_teacher, host_checks and values.reads_teacher
     if not teacher.trainable:  # a cache: unchanged since it was built, and valid where it is read
-        teacher.check_unmodified()
+        values.teacher.check_unmodified()
         for check in teacher.checked_values(columns) if read_cache else []:
             check_finite(check.name, check.tensor, allow_neg_inf=check.allow_neg_inf)
         if read_cache:
             teacher.check_cache_values(columns)
-    if finite_inputs:
-        for name, tensor in [("student_hidden", student_hidden), ("weight", weight), *teacher.trained_tensors()]:
+    if values.inputs:
+        for name, tensor in [*values.inputs, *teacher.trained_tensors()]:
             check_finite(name, tensor)
 
 
@@ -272,22 +282,26 @@ def runs_host_checks(setting: bool | None, device: torch.device) -> bool:
     return device.type == "cpu" if setting is None else setting
 
 
-def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int, *, one_device: bool = False) -> None:
-    """Every label is ``ignore_index`` or in ``[0, vocab_size)`` (synchronizes with the device).
-    ``one_device``: a call without tensor parallelism, whose head may be a shard passed without
-    its ``tp_group`` (the message then says so)."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int | None, *, one_device: bool = False) -> None:
+    """Every label is ``ignore_index`` (None: none is) or in ``[0, vocab_size)`` (synchronizes with
+    the device). ``one_device``: a call without tensor parallelism, whose head may be a shard passed
+    without its ``tp_group`` (the message then says so)."""
+    bad = (labels < 0) | (labels >= vocab_size)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         hint = ""
         if one_device and bool((labels[bad] >= vocab_size).any()):
             hint = (
-                f"; if weight is one rank's vocabulary shard of a larger head ({vocab_size} of its rows), pass "
-                "tp_group= (or the head as a DTensor sharded on dim 0) so that labels are read as global ids"
+                f"; if the head (or the logits) is one rank's vocabulary shard of a larger vocabulary ({vocab_size} "
+                "of its entries here), pass tp_group= (or a DTensor sharded along the vocabulary) so that labels "
+                "are read as global ids"
             )
+        ignored = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
         raise ValueError(
-            f"labels must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
-            f"labels[{row}] = {int(labels[row])} ({int(bad.sum())} such rows){hint}"
+            f"labels must lie in [0, {vocab_size}){ignored}; labels[{row}] = {int(labels[row])} ({int(bad.sum())} "
+            f"such rows){hint}"
         )
 
 

@@ -24,6 +24,7 @@ from ..kernels import unavailable_reason
 from .logits import LogitGrads, TeacherBlock
 from .row_formulas import RowProgram
 from .stats import GradRows
+from .topk_rows import TopKRows
 from .torch_math import TorchBlockMath
 
 __all__ = ["BlockMath", "select_backend"]
@@ -59,6 +60,12 @@ class BlockMath(Protocol):
     def merge_stacked(self, stacked: Tensor, num_families: int) -> Tensor:
         """Merge an (S, rows, K₁) stack of contiguous packed records (a chunk's blocks, the shards'
         gathered records) into one (rows, K₁) record."""
+        ...
+
+    def topk(self, logits: Tensor, k: int, first_id: int, temperature: float, cap: float | None) -> TopKRows:
+        """The best ``k`` columns of a block of logits scaled to ``cap(logits)/temperature``, whose
+        column 0 is global id ``first_id``, and the block's log-partition (the top-k extraction's
+        step; ``logits`` is read, never written)."""
         ...
 
     def kl_sums(
@@ -108,21 +115,28 @@ class BlockMath(Protocol):
 
 
 @functools.cache
-def select_backend(requested: str, device_type: str, dtype: torch.dtype) -> BlockMath | None:
+def select_backend(
+    requested: str, device_type: str, dtype: torch.dtype, refused: str | None = None
+) -> BlockMath | None:
     """The block math of the chunked backend that runs a call on ``device_type`` tensors whose
-    statistics are ``dtype`` (None: the "reference" backend); decided once per combination.
+    statistics are ``dtype`` (None: the "reference" backend), for every door: the one backend
+    table (``arguments.options.BACKENDS``); decided once per combination.
 
     "auto" takes the Triton kernels on a CUDA device with fp16/bf16/fp32 inputs, and otherwise the
-    chunked torch backend; on a CUDA device it says once why it fell back. An explicit "triton"
-    that cannot run raises.
+    chunked torch backend; on a CUDA device it says once why it fell back. ``refused``: why the
+    kernels cannot run this call although they run here (the top-k kernel's largest ``k``), which
+    "auto" also falls back on. An explicit "triton" that cannot run raises.
     """
     if requested == "reference":
         return None
     if requested == "torch":
         return TorchBlockMath()
-    reason = unavailable_reason(torch.device(device_type), dtype)
-    if requested == "triton" and reason is not None:
-        raise ValueError(f"backend='triton' is unavailable on this machine: {reason}")
+    unavailable = unavailable_reason(torch.device(device_type), dtype)
+    if requested == "triton" and unavailable is not None:
+        raise ValueError(f"backend='triton' is unavailable on this machine: {unavailable}")
+    if requested == "triton" and refused is not None:
+        raise ValueError(f"backend='triton' cannot run this call: {refused}")
+    reason = unavailable or refused
     if reason is None and (requested == "triton" or device_type == "cuda"):
         from .triton_math import TritonBlockMath  # imports triton: only where it runs
 

@@ -1,93 +1,214 @@
-"""The logits-level losses' problem: what the row walk (:mod:`orda_tp.engine.row_walk`) reads
-besides the logits, and the rows per chunk.
+"""Every door's path after its own argument checks: the rank-consistent error path, the layout
+handshake, and the one constructor that prepares the call for the engine (:func:`prepare_call`).
 
-The walk is the fused path's, reading logits blocks instead of forming them from hidden states:
-each column block of the student's logits (and the teacher's: stored too, or
-``hidden · weight_blockᵀ``) feeds the same block math, the records merge through the same
-exchange (none on one device, one all-gather per round across a tensor-parallel group) and
-the same row steps finalize the rows. Nothing here knows the variant or the number of ranks.
-
-Memory: the torch backend converts one chunk's blocks to the statistics dtype (``chunk_rows ×
-V_local`` values per side, none for fp32/fp64 logits, which are read in place); the Triton kernels
-read the stored logits (bf16 included) tile by tile and upcast in registers: no fp32 copy.
+A door (``distillation_loss``, ``DistillationLoss``, ``DistillationHead``, ``KDLoss``,
+``flash_ce_kd_loss``, ``teacher_topk``) checks its own arguments inside
+:func:`raised_on_every_rank`, so that a failure on one rank raises on every rank of the group;
+:func:`agree` then gives the call's :class:`~orda_tp.parallel.layout.VocabLayout` (the whole head
+on one device, the handshake on a group); :func:`prepare_call` decides the host checks and checks
+the labels' range and the values, makes the exchange (none on one device), selects the backend
+(:func:`.block_math.select_backend`, the one table) and the denominator of "mean", and returns the
+one problem type, :class:`Call`, which the engine's walks read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..arguments.options import LogitsOptions
-from ..arguments.plan import LossPlan
-from ..parallel.layout import VocabLayout
+from ..arguments.config import ExecutionConfig
+from ..arguments.options import setting_text
+from ..arguments.validation import ValueChecks, check_label_range, check_values, runs_host_checks
+from ..parallel.layout import LocalShard, VocabLayout, agree_layout, fail_on_every_rank
+from ..parallel.local_shards import local_error
 from ..parallel.shard_exchange import ShardExchange
-from .block_math import select_backend
-from .logits import LogitsSource
-from .row_walk import GradTarget, RowRange, RowWalk, row_ranges, walk_rows
-from .stats import RowStats
-from .workspace import row_layout
+from ..teachers.source import TeacherBlocks
+from .block_math import BlockMath, select_backend
+from .gradient_gemms import GemmPolicy
+from .workspace import default_workspace_mib
 
-__all__ = ["LogitsProblem", "build_problem", "row_statistics"]
+__all__ = ["Call", "RecordExchange", "agree", "call_text", "prepare_call", "raised_on_every_rank"]
+
+
+class RecordExchange(Protocol):
+    """How a shard's statistics and gradients meet those of the other vocabulary shards
+    (:class:`orda_tp.parallel.shard_exchange.ShardExchange`); a call on one device has none."""
+
+    def merge_partitions(
+        self, local: Tensor, num_families: int, merge_stacked: Callable[[Tensor, int], Tensor]
+    ) -> Tensor:
+        """Round 1: the packed record of all shards' columns, identical on every shard, from this
+        shard's ``local`` record of ``num_families`` families; ``merge_stacked`` merges a (shards,
+        rows, K₁) stack of packed records (the backend's merge)."""
+        ...
+
+    def sum_over_shards(self, local: Tensor) -> Tensor:
+        """Round 2: the sums over all shards' columns, identical on every shard."""
+        ...
+
+    def gather_stacked(self, local: Tensor) -> Tensor:
+        """Every shard's (rows, K) ``local`` tensor of the same rows, stacked (shards, rows, K) in
+        rank order, identical on every shard (the top-k extraction's candidates)."""
+        ...
+
+    def finish(self, like: Tensor) -> None:
+        """End of the forward statistics (lets a call with no rows still agree on errors)."""
+        ...
+
+    def gather_rows(self, tensors: list[Tensor]) -> list[Tensor]:
+        """The full batch's rows of each hidden tensor (sequence parallelism), else the inputs."""
+        ...
+
+    def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
+        """Rows ``[begin, end)`` of the hidden gradients ``grads`` are complete on this device:
+        their sum over the shards may start now, overlapping the rows still to come."""
+        ...
+
+    def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
+        """Hidden gradients summed over the shards (this rank's rows under sequence parallelism)."""
+        ...
+
+
+class Plan(Protocol):
+    """What the constructor reads of a door's plan: its execution settings."""
+
+    @property
+    def config(self) -> ExecutionConfig: ...
+
+
+P = TypeVar("P", bound=Plan)
 
 
 @dataclass(frozen=True)
-class LogitsProblem:
-    """Everything of a call besides the logits: the walk's inputs (``walk.labels``: (rows,) labels
-    as the statistics read them, each valid row's label column owned by exactly one rank;
-    ``walk.valid``: (rows,) rows that count) and ``chunk_rows``, rows per chunk, the same on every
-    rank of a group (it sets the collectives)."""
+class Call(Generic[P]):
+    """A call prepared for the engine: everything it reads besides the tensors it differentiates.
 
-    walk: RowWalk
-    chunk_rows: int
+    ``plan``: what to compute (a loss's :class:`~orda_tp.arguments.plan.LossPlan`, the top-k
+    extraction's settings); ``layout``: this device's columns; ``math``: the block math of the
+    chunked backend (None: the fp64 reference); ``exchange``: how records meet those of the other
+    shards (None on one device); ``labels``: (rows,) as the statistics read them (a valid row's
+    label where a term reads it, else column 0, which exactly one rank owns; an ignored row's 0);
+    ``valid``: (rows,) the rows that count; ``denominator``: N of "mean" (a number, or a 0-d
+    tensor never read on the host); ``row_weights``: (rows,) weights of the rows' losses;
+    ``gemms``: how the gradient GEMMs run; ``teacher_blocks``: a teacher that forms its blocks
+    itself (a top-k cache).
+    """
 
-    def chunks(self) -> list[RowRange]:
-        return row_ranges(0, self.walk.labels.shape[0], self.chunk_rows)
+    plan: P
+    layout: VocabLayout
+    math: BlockMath | None
+    exchange: RecordExchange | None
+    labels: Tensor
+    valid: Tensor
+    denominator: float | Tensor = 1.0
+    row_weights: Tensor | None = None
+    gemms: GemmPolicy = GemmPolicy()
+    teacher_blocks: TeacherBlocks | None = None
+
+    @property
+    def block_math(self) -> BlockMath:
+        """The chunked backend's block math (a walk never runs on the reference backend)."""
+        assert self.math is not None
+        return self.math
 
 
-def build_problem(
-    options: LogitsOptions,
-    plan: LossPlan,
-    labels: Tensor,
-    valid: Tensor,
-    group: dist.ProcessGroup | None,
+@contextmanager
+def raised_on_every_rank(group: Callable[[], dist.ProcessGroup | None]) -> Iterator[None]:
+    """A ValueError or TypeError raised inside is raised on every rank of the call's ``group()``:
+    the failing rank enters the layout handshake with its failure, where the others enter it with
+    their claims (:func:`~orda_tp.parallel.layout.fail_on_every_rank`); on one device (None) it
+    propagates as it is. ``group`` is called only on failure: the keywords that name the group may
+    be what failed."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        fail_on_every_rank(error, group())
+
+
+def call_text(settings: str, teacher: str, token_weights: object, denominator: tuple[str, object]) -> str:
+    """A tensor-parallel call's settings, which every rank must share, as ``name=value`` lines: its
+    keywords' ``settings``, its ``teacher``'s, whether ``token_weights`` were given, and its given
+    denominator ``(name, value)`` (a tensor by its presence: it is never read)."""
+    name, value = denominator
+    weights = f"token_weights={'<given>' if token_weights is not None else None}"
+    return "\n".join([settings, teacher, weights, f"{name}={setting_text(value)}"])
+
+
+def agree(
+    group: dist.ProcessGroup | None, shard: LocalShard, host_checks: bool | None, call_text: Callable[[], str]
+) -> VocabLayout:
+    """The call's layout from this rank's checked ``shard``: on one device the whole head; on a
+    ``group`` the handshake, which also proves that the ranks' settings (``call_text()``,
+    ``name=value`` lines) and the tensors they must hold alike agree, so that every check after it
+    decides alike on every rank (:func:`~orda_tp.parallel.layout.agree_layout`)."""
+    device = shard.head.tensor.device
+    workspace_mib = default_workspace_mib(device) if shard.workspace_mib is None else shard.workspace_mib
+    if group is not None:
+        return agree_layout(group, shard, workspace_mib, host_checks, call_text())
+    columns = shard.head.tensor.shape[shard.head.vocab_dim]
+    vocab_size = columns if shard.vocab_size is None else shard.vocab_size
+    return VocabLayout(
+        vocab_start=0,
+        vocab_stop=columns,
+        total_columns=columns,
+        vocab_size=vocab_size,
+        max_local_columns=columns,
+        local_columns=columns,
+        real_local_columns=vocab_size,
+        workspace_mib=workspace_mib,
+    )
+
+
+def prepare_call(
+    plan: P,
     layout: VocabLayout,
+    labels: Tensor,
+    *,
+    backend: str,
     dtype: torch.dtype,
-    formed_sides: int = 0,
-) -> LogitsProblem:
-    """The problem of a call: its exchange (none on one device, else across ``group``), block math
-    (the backend selected for ``dtype`` on the labels' device) and rows per chunk:
-    ``options.chunk_rows``, or as many as fit the default workspace of the ``dtype`` logits a chunk
-    holds, sized from the widest shard so that every rank walks the same chunks. A chunk holds
-    the ``formed_sides`` sides it forms (a teacher head's product, a top-k cache's blocks) and, on
-    a block math that converts stored logits (torch), the two stored sides' copies too; when it
-    holds none (the Triton kernels read both sides in place), the whole batch is one chunk: its
-    temporaries are a few values per row."""
-    math = select_backend(options.backend, labels.device.type, dtype)
-    assert math is not None  # the logits-level losses have no "reference" backend
-    chunk_rows, rows = options.chunk_rows, labels.shape[0]
-    if chunk_rows == 0:
-        held_sides = formed_sides if math.reads_stored_cache else 2
-        chunk_rows = max(rows, 1)
-        if held_sides:
-            columns, shards = layout.max_local_columns, layout.world_size
-            held = held_sides * dtype.itemsize
-            chunk_rows = row_layout(options.config, rows, columns, held, 0, shards, layout.workspace_mib).chunk_rows
+    ignore_index: int | None,
+    reads_labels: bool = True,
+    refused: str | None = None,
+    denominator: float | Tensor | None = None,
+    values: ValueChecks | None = None,
+    row_weights: Tensor | None = None,
+    gemms: GemmPolicy | None = None,
+    teacher_blocks: TeacherBlocks | None = None,
+) -> Call[P]:
+    """The call of ``plan`` over this rank's ``layout``, every door's (module docstring).
+
+    ``labels``: (rows,) global label ids, the same on every rank; ``ignore_index`` marks the rows
+    that do not count (None: every row counts); ``reads_labels``: whether a term reads the label
+    column (then the labels are range-checked where host checks run, unless
+    ``assume_valid_labels``). ``backend`` and ``dtype`` (the statistics dtype) select the block
+    math; ``refused``: why the kernels cannot run this call, if they cannot ("auto" then takes the
+    torch backend). ``denominator``: N of "mean" (None: the valid rows). ``values``: the value
+    checks of a call where one can fail (decided alike on every rank): on one device they raise,
+    on a group their first failure travels with the first record exchange, so that every rank
+    raises it. ``row_weights``, ``gemms``, ``teacher_blocks``: as :class:`Call` holds them.
+    """
+    config, device = plan.config, labels.device
+    host_checks = runs_host_checks(config.host_checks, device)
+    valid = torch.ones_like(labels, dtype=torch.bool) if ignore_index is None else labels != ignore_index
+    if reads_labels and host_checks and not config.assume_valid_labels:
+        check_label_range(labels, layout.vocab_size, ignore_index, one_device=layout.group is None)
+    # An ignored row (every row, where no term reads the label) reads column 0: finite, masked.
+    stats_labels = torch.where(valid, labels, 0) if reads_labels else torch.zeros_like(labels)
     exchange = None
-    if group is not None:  # no local value checks here: nothing to share
-        exchange = ShardExchange(group, False, None, shares_errors=False, inconsistent=layout.inconsistent)
-    return LogitsProblem(RowWalk(plan, labels, valid, exchange, layout, math), chunk_rows)
-
-
-def row_statistics(
-    problem: LogitsProblem, source: LogitsSource, dtype: torch.dtype, target: GradTarget | None = None
-) -> list[RowStats]:
-    """Each chunk's finalized row statistics, in row order, with ``target`` the logit gradients
-    written in the same walk, and the end of the call's exchange (a chunk's blocks live only while
-    it is walked)."""
-    walked = walk_rows(problem.walk, source, problem.chunks(), dtype, None, target)
-    if problem.walk.exchange is not None:
-        problem.walk.exchange.finish(torch.empty(0, dtype=dtype, device=problem.walk.labels.device))
-    return walked
+    if layout.group is not None:
+        error = None if values is None else local_error(values, layout, host_checks)
+        shares_errors = values is not None
+        exchange = ShardExchange(layout.group, layout.sequence_parallel, error, shares_errors, layout.inconsistent)
+    elif values is not None:
+        check_values(values, layout.real_local_columns, host_checks)
+    math = select_backend(backend, device.type, dtype, refused)
+    if denominator is None:
+        denominator = valid.sum().clamp_min(1)
+    gemms = GemmPolicy() if gemms is None else gemms
+    return Call(plan, layout, math, exchange, stats_labels, valid, denominator, row_weights, gemms, teacher_blocks)

@@ -17,17 +17,16 @@ vocabulary shards each row group's hidden gradients are summed as soon as the gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..arguments.plan import LossPlan
 from ..divergences.terms import COMPONENTS, STUDENT_TERMS
-from ..teachers.source import TeacherBlocks
+from .call import Call, RecordExchange
 from .gradient_gemms import (
-    GemmPolicy,
     GradientBuffers,
     GradNeeds,
     allocate_buffers,
@@ -35,26 +34,11 @@ from .gradient_gemms import (
     scale_by_upstream,
 )
 from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
-from .row_walk import GradTarget, RecordExchange, RowWalk, row_ranges, walk_rows
+from .row_walk import GradTarget, row_ranges, walk_rows
 from .stats import RowStats
 from .workspace import RowLayout, row_layout
 
-__all__ = ["ChunkedProblem", "chunked_loss"]
-
-
-@dataclass(frozen=True)
-class ChunkedProblem:
-    """Everything of a call besides the differentiable tensors: the row walk's inputs (``walk``:
-    plan, labels, valid rows, exchange, layout, block math), ``denominator`` (N for "mean", a
-    number or a 0-d tensor; ignored otherwise), how the gradient GEMMs run (``gemms``), the
-    teacher's own blocks when it forms its logits itself (``teacher_blocks``: a top-k cache) and
-    the (BT,) weights of the rows' losses (``token_weights``)."""
-
-    walk: RowWalk
-    denominator: float | Tensor
-    gemms: GemmPolicy = GemmPolicy()
-    teacher_blocks: TeacherBlocks | None = None
-    token_weights: Tensor | None = None
+__all__ = ["chunked_loss"]
 
 
 class GatheredHidden(NamedTuple):
@@ -82,13 +66,12 @@ class CallLayout(NamedTuple):
     staging_dtype: torch.dtype
 
 
-def _call_layout(problem: ChunkedProblem, head: HeadTensors, statistics: torch.dtype, gradients: bool) -> CallLayout:
+def _call_layout(call: Call[LossPlan], head: HeadTensors, statistics: torch.dtype, gradients: bool) -> CallLayout:
     """The call's rows per chunk and per group (:func:`.workspace.row_layout`), sized for staged
     logit gradients whenever the call forms ``gradients`` (in the forward, or in a deferred
     backward, which must walk the forward's chunks: it reads their saved statistics), from the
     largest shard, so that every rank of a group walks the same chunks."""
-    walk = problem.walk
-    plan, layout = walk.plan, walk.layout
+    plan, layout = call.plan, call.layout
     operands = [head.student_hidden, head.weight]
     if plan.teacher_receives_grad:
         teacher_weight = head.weight if plan.tied_head else head.teacher_weight
@@ -112,7 +95,7 @@ def _call_layout(problem: ChunkedProblem, head: HeadTensors, statistics: torch.d
 
 
 def _walk_groups(
-    problem: ChunkedProblem,
+    call: Call[LossPlan],
     head: HeadTensors,
     statistics: torch.dtype,
     layout: CallLayout,
@@ -125,24 +108,23 @@ def _walk_groups(
     gradient (÷ N for "mean", in the statistics dtype once per pass: 0-d, or (BT,) for "none")
     staged in ``layout``'s staging dtype and the group's gradient GEMMs run into ``buffers``.
     Returns the chunks' statistics in row order."""
-    walk, gemms = problem.walk, problem.gemms
-    plan, exchange, columns = walk.plan, walk.exchange, walk.layout.real_local_columns
+    plan, exchange, columns = call.plan, call.exchange, call.layout.real_local_columns
     # The logits source caps the blocks unless the block math does as it reads them.
-    caps = (None, None) if walk.math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
-    source = logits_source(head, plan.needs_teacher_logits, plan.tied_head, problem.teacher_blocks, caps)
+    caps = (None, None) if call.block_math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
+    source = logits_source(head, plan.needs_teacher_logits, plan.tied_head, call.teacher_blocks, caps)
     upstream_scale = upstream
     if buffers is not None:
         assert upstream is not None
-        upstream_scale = (upstream / problem.denominator if plan.reduction == "mean" else upstream).to(statistics)
-        if problem.token_weights is not None:  # a row's weight scales its gradient as its loss
-            upstream_scale = upstream_scale * problem.token_weights.to(statistics)
+        upstream_scale = (upstream / call.denominator if plan.reduction == "mean" else upstream).to(statistics)
+        if call.row_weights is not None:  # a row's weight scales its gradient as its loss
+            upstream_scale = upstream_scale * call.row_weights.to(statistics)
     rows, device = head.student_hidden.shape[0], head.student_hidden.device
     walked: list[RowStats] = []
     for group_begin, group_end in row_ranges(0, rows, layout.rows.group_rows):
         chunks = row_ranges(group_begin, group_end, layout.rows.chunk_rows)
         group_saved = None if saved is None else saved[len(walked) : len(walked) + len(chunks)]
         if buffers is None:
-            walked += walk_rows(walk, source, chunks, statistics, group_saved)
+            walked += walk_rows(call, source, chunks, statistics, group_saved)
             continue
         assert upstream_scale is not None
         # The teacher's rows follow the student's in one buffer, so a tied head's dW takes both in one GEMM.
@@ -151,9 +133,11 @@ def _walk_groups(
         teacher, both = (stacked[group_rows:], stacked) if sides == 2 else (None, None)
         staged = LogitGrads(stacked[:group_rows], teacher, both)
         walked += walk_rows(
-            walk, source, chunks, statistics, group_saved, GradTarget(staged, group_begin, upstream_scale)
+            call, source, chunks, statistics, group_saved, GradTarget(staged, group_begin, upstream_scale)
         )
-        run_gradient_gemms(head, staged, group_begin, walk.valid[group_begin:group_end], buffers, gemms, plan.tied_head)
+        run_gradient_gemms(
+            head, staged, group_begin, call.valid[group_begin:group_end], buffers, call.gemms, plan.tied_head
+        )
         if exchange is not None:
             hidden_grads = [g for g in (buffers.student_hidden, buffers.teacher_hidden) if g is not None]
             exchange.start_row_gradient_sum(hidden_grads, group_begin, group_end)
@@ -161,11 +145,11 @@ def _walk_groups(
     return walked
 
 
-def _outputs(problem: ChunkedProblem, walked: list[RowStats], like: Tensor) -> tuple[Tensor, ...]:
+def _outputs(call: Call[LossPlan], walked: list[RowStats], like: Tensor) -> tuple[Tensor, ...]:
     """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` (:data:`COMPONENTS`) from the
     chunks' statistics, each row's times its token weight: ignored rows read 0; "sum"/"mean" add
     the rows (÷ N for "mean")."""
-    plan, valid = problem.walk.plan, problem.walk.valid
+    plan, valid = call.plan, call.valid
 
     per_chunk = [{**stats.student_terms, "teacher_ce": stats.teacher_ce, "kl": stats.kl} for stats in walked]
     components = {
@@ -174,12 +158,12 @@ def _outputs(problem: ChunkedProblem, walked: list[RowStats], like: Tensor) -> t
     }
     weighted = (weight * components[name] for name, weight in plan.component_weights.items())
     per_row = sum(weighted, like.new_zeros(()))
-    reduced, weights = [], problem.token_weights
+    reduced, weights = [], call.row_weights
     for values in (per_row, *(components[name] for name in COMPONENTS)):
         values = torch.where(valid, values if weights is None else values * weights.to(values.dtype), 0.0)
         if plan.reduction != "none":
             values = values.sum()
-            values = values / problem.denominator if plan.reduction == "mean" else values
+            values = values / call.denominator if plan.reduction == "mean" else values
         reduced.append(values)
     return tuple(reduced)
 
@@ -188,7 +172,7 @@ class _ChunkedContext(FunctionCtx):
     """What :class:`_ChunkedDistillation` keeps on its autograd context (annotations only: torch
     declares ``saved_tensors`` on its C base class alone, as a one-element tuple)."""
 
-    problem: ChunkedProblem
+    call: Call[LossPlan]
     needs: GradNeeds
     layout: CallLayout
     eager_buffers: GradientBuffers | None
@@ -201,7 +185,7 @@ class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: _ChunkedContext,
-        problem: ChunkedProblem,
+        call: Call[LossPlan],
         needs: GradNeeds,
         student_hidden: Tensor,
         weight: Tensor,
@@ -209,29 +193,28 @@ class _ChunkedDistillation(torch.autograd.Function):
         teacher_weight: Tensor | None,
         teacher_logits: Tensor | None,
     ) -> tuple[Tensor, ...]:
-        walk = problem.walk
         inputs = HeadTensors(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
-        head = inputs if walk.exchange is None else _full_rows(walk.exchange, inputs)
+        head = inputs if call.exchange is None else _full_rows(call.exchange, inputs)
         statistics = statistics_dtype(*inputs)
-        eager = any(needs) and walk.plan.reduction != "none"
+        eager = any(needs) and call.plan.reduction != "none"
         unit = torch.ones((), dtype=statistics, device=student_hidden.device)
         buffers = None
         if eager:
-            sharded, accumulation = walk.exchange is not None, walk.plan.config.grad_weight_accumulation
-            columns = walk.layout.real_local_columns
+            sharded, accumulation = call.exchange is not None, call.plan.config.grad_weight_accumulation
+            columns = call.layout.real_local_columns
             buffers = allocate_buffers(head, needs, sharded, statistics, accumulation, columns)
-        layout = _call_layout(problem, head, statistics, any(needs))
-        walked = _walk_groups(problem, head, statistics, layout, buffers=buffers, upstream=unit if eager else None)
-        if walk.exchange is not None:
-            walk.exchange.finish(unit)
-        outputs = _outputs(problem, walked, unit)
+        layout = _call_layout(call, head, statistics, any(needs))
+        walked = _walk_groups(call, head, statistics, layout, buffers=buffers, upstream=unit if eager else None)
+        if call.exchange is not None:
+            call.exchange.finish(unit)
+        outputs = _outputs(call, walked, unit)
 
-        ctx.problem, ctx.needs, ctx.eager_buffers, ctx.layout = problem, needs, buffers, layout
+        ctx.call, ctx.needs, ctx.eager_buffers, ctx.layout = call, needs, buffers, layout
         ctx.saved_stats = walked if any(needs) else None
         # The deferred backward (reduction "none") recomputes logits from the gathered rows; a
         # repeated backward of an eager call gathers them again.
         ctx.gathered_hidden = None
-        if walk.layout.sequence_parallel and buffers is None:
+        if call.layout.sequence_parallel and buffers is None:
             ctx.gathered_hidden = GatheredHidden(head.student_hidden, head.teacher_hidden)
         # torch's stub takes tensors only; save_for_backward documents None as accepted (a no-op).
         ctx.save_for_backward(*inputs)  # type: ignore[arg-type]
@@ -247,7 +230,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         scaled in place and handed over by the first backward; a later backward through the same
         call (``retain_graph=True``) recomputes them like the deferred path."""
         inputs = HeadTensors(*ctx.saved_tensors)
-        problem, exchange = ctx.problem, ctx.problem.walk.exchange
+        call, exchange = ctx.call, ctx.call.exchange
         eager_buffers, ctx.eager_buffers = ctx.eager_buffers, None
         with torch.autocast(inputs.student_hidden.device.type, enabled=False):
             buffers = eager_buffers
@@ -258,10 +241,10 @@ class _ChunkedDistillation(torch.autograd.Function):
                 elif exchange is not None:
                     head = _full_rows(exchange, inputs)
                 statistics = statistics_dtype(*inputs)
-                sharded, accumulation = exchange is not None, problem.walk.plan.config.grad_weight_accumulation
-                columns = problem.walk.layout.real_local_columns
+                sharded, accumulation = exchange is not None, call.plan.config.grad_weight_accumulation
+                columns = call.layout.real_local_columns
                 buffers = allocate_buffers(head, ctx.needs, sharded, statistics, accumulation, columns)
-                _walk_groups(problem, head, statistics, ctx.layout, ctx.saved_stats, buffers, grad_loss.to(statistics))
+                _walk_groups(call, head, statistics, ctx.layout, ctx.saved_stats, buffers, grad_loss.to(statistics))
             if exchange is not None:
                 hidden = [g for g in (buffers.student_hidden, buffers.teacher_hidden) if g is not None]
                 summed = iter(exchange.reduce_row_gradients(hidden))
@@ -279,7 +262,7 @@ class _ChunkedDistillation(torch.autograd.Function):
 
 
 def chunked_loss(
-    problem: ChunkedProblem,
+    call: Call[LossPlan],
     student_hidden: Tensor,
     weight: Tensor,
     teacher_hidden: Tensor | None,
@@ -289,7 +272,7 @@ def chunked_loss(
     """``(loss, *COMPONENTS)`` reduced as the plan says; only ``loss`` is
     differentiable. An input receives a gradient when grad mode is on, it requires grad and the
     plan routes a gradient to it (a tied teacher's head gradient goes to the student's weight)."""
-    plan, grad_on = problem.walk.plan, torch.is_grad_enabled()
+    plan, grad_on = call.plan, torch.is_grad_enabled()
     to_student, to_teacher = plan.student_receives_grad, plan.teacher_receives_grad
     requires = [
         grad_on and t is not None and t.requires_grad for t in (student_hidden, weight, teacher_hidden, teacher_weight)
@@ -301,5 +284,5 @@ def chunked_loss(
         teacher_weight=requires[3] and to_teacher,
     )
     return _ChunkedDistillation.apply(
-        problem, needs, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits
+        call, needs, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits
     )

@@ -1,4 +1,5 @@
-"""The autograd function of :class:`orda_tp.KDLoss`: ``Σ_valid T²·D(p, q) / N`` of given logits.
+"""Losses on logits the caller holds (``KDLoss``, ``flash_ce_kd_loss``): their row chunks, their
+walk, and the autograd function of ``KDLoss``, ``Σ_valid T²·D(p, q) / N``.
 
 When the student's logits need a gradient, forward walks the row chunks once, forming each
 chunk's statistics and writing ``∂loss/∂s`` for a unit upstream gradient straight into the
@@ -20,23 +21,57 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..arguments.plan import LossPlan
 from ..teachers.source import TeacherBlocks
-from .call import LogitsProblem, row_statistics
+from .call import Call
 from .gradient_gemms import scale_by_upstream
-from .logits import LogitGrads, PairedLogits, StoredLogits
-from .row_walk import GradTarget, walk_rows
+from .logits import LogitGrads, LogitsSource, PairedLogits, StoredLogits
+from .row_walk import GradTarget, RowRange, row_ranges, walk_rows
 from .stats import RowStats
+from .workspace import row_layout
 
-__all__ = ["logits_distillation"]
+__all__ = ["chunks_of", "logits_distillation", "row_statistics"]
+
+
+def chunks_of(call: Call[LossPlan], dtype: torch.dtype, formed_sides: int = 0) -> list[RowRange]:
+    """The row chunks of a loss on given logits, the same on every rank of a group (they set the
+    collectives): ``KernelConfig.chunk_size.nrows`` rows, or as many as fit the default workspace
+    of the ``dtype`` logits a chunk holds, from the widest shard. A chunk holds the
+    ``formed_sides`` sides it forms (a teacher head's product) and, on a block math that converts
+    stored logits (torch), the two stored sides' copies too; when it holds none (the Triton kernels
+    read both sides in place, a top-k cache's rows too), the whole batch is one chunk: its
+    temporaries are a few values per row."""
+    held_sides = formed_sides if call.block_math.reads_stored_cache else 2
+    rows, layout, config = call.labels.shape[0], call.layout, call.plan.config
+    chunk_rows = max(rows, 1)
+    if held_sides or config.chunk_size.nrows is not None:
+        held, shards, workspace = held_sides * dtype.itemsize, layout.world_size, layout.workspace_mib
+        chunk_rows = row_layout(config, rows, layout.max_local_columns, held, 0, shards, workspace).chunk_rows
+    return row_ranges(0, rows, chunk_rows)
+
+
+def row_statistics(
+    call: Call[LossPlan],
+    source: LogitsSource,
+    dtype: torch.dtype,
+    chunks: list[RowRange],
+    target: GradTarget | None = None,
+) -> list[RowStats]:
+    """Each chunk's finalized row statistics, in row order, with ``target`` the logit gradients
+    written in the same walk, and the end of the call's exchange (a chunk's blocks live only while
+    it is walked)."""
+    walked = walk_rows(call, source, chunks, dtype, None, target)
+    if call.exchange is not None:
+        call.exchange.finish(torch.empty(0, dtype=dtype, device=call.labels.device))
+    return walked
 
 
 class _LogitsContext(FunctionCtx):
     """What :class:`_LogitsDistillation` keeps on its autograd context (annotations only: torch
-    declares ``needs_input_grad`` and ``saved_tensors`` on its C base class alone, as one-element
-    tuples)."""
+    declares ``saved_tensors`` on its C base class alone, as a one-element tuple)."""
 
-    needs_input_grad: tuple[bool, ...]
-    problem: LogitsProblem
+    call: Call[LossPlan]
+    chunks: list[RowRange]
     unit_scale: Tensor
     walked: list[RowStats]
     teacher: TeacherBlocks
@@ -45,10 +80,10 @@ class _LogitsContext(FunctionCtx):
     saved_tensors: tuple[Tensor]
 
 
-def _unit_scale(denominator: float | Tensor, row_weights: Tensor | None, dtype: torch.dtype, like: Tensor) -> Tensor:
+def _unit_scale(call: Call[LossPlan], dtype: torch.dtype, like: Tensor) -> Tensor:
     """Each row's gradient factor for a unit upstream gradient: ``1/N``, times the row's weight."""
-    scale = (torch.ones((), dtype=dtype, device=like.device) / denominator).to(dtype)
-    return scale if row_weights is None else scale * row_weights.to(dtype)
+    scale = (torch.ones((), dtype=dtype, device=like.device) / call.denominator).to(dtype)
+    return scale if call.row_weights is None else scale * call.row_weights.to(dtype)
 
 
 def _gradient_target(student: Tensor, unit_scale: Tensor) -> GradTarget:
@@ -61,25 +96,23 @@ class _LogitsDistillation(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: _LogitsContext,
-        problem: LogitsProblem,
-        denominator: float | Tensor,
+        call: Call[LossPlan],
         student: Tensor,
         teacher: TeacherBlocks,
         dtype: torch.dtype,
-        row_weights: Tensor | None,
         wants_grad: bool,
     ) -> Tensor:
-        target = None
+        target, chunks = None, chunks_of(call, dtype)
         if wants_grad:
-            ctx.unit_scale = _unit_scale(denominator, row_weights, dtype, student)
+            ctx.unit_scale = _unit_scale(call, dtype, student)
             target = _gradient_target(student, ctx.unit_scale)
-        walked = row_statistics(problem, PairedLogits(StoredLogits(student), teacher), dtype, target)
+        walked = row_statistics(call, PairedLogits(StoredLogits(student), teacher), dtype, chunks, target)
         per_row = torch.cat([stats.kl for stats in walked]) if walked else student.new_zeros(0, dtype=dtype)
-        if row_weights is not None:
-            per_row = per_row * row_weights.to(dtype)
-        loss = torch.where(problem.walk.valid, per_row, 0.0).sum() / denominator
+        if call.row_weights is not None:
+            per_row = per_row * call.row_weights.to(dtype)
+        loss = torch.where(call.valid, per_row, 0.0).sum() / call.denominator
         if target is not None:
-            ctx.problem, ctx.walked, ctx.teacher, ctx.dtype = problem, walked, teacher, dtype
+            ctx.call, ctx.chunks, ctx.walked, ctx.teacher, ctx.dtype = call, chunks, walked, teacher, dtype
             ctx.eager_grad = target.grads.student
             ctx.save_for_backward(student)
         return loss
@@ -93,22 +126,15 @@ class _LogitsDistillation(torch.autograd.Function):
             source, target = PairedLogits(StoredLogits(student), ctx.teacher), _gradient_target(student, ctx.unit_scale)
             grad = target.grads.student
             with torch.autocast(student.device.type, enabled=False):
-                walk_rows(ctx.problem.walk, source, ctx.problem.chunks(), ctx.dtype, ctx.walked, target)
+                walk_rows(ctx.call, source, ctx.chunks, ctx.dtype, ctx.walked, target)
         scale_by_upstream([grad], grad_loss.to(ctx.dtype))
-        return None, None, grad, None, None, None, None
+        return None, grad, None, None, None
 
 
-def logits_distillation(
-    problem: LogitsProblem,
-    denominator: float | Tensor,
-    student: Tensor,
-    teacher: TeacherBlocks,
-    dtype: torch.dtype,
-    row_weights: Tensor | None = None,
-) -> Tensor:
-    """``Σ_valid rows w_i·T²·D(p_i, q_i) / denominator`` (0-d, the statistics ``dtype``) of (rows,
-    local columns) student logits and the teacher's blocks (``StoredLogits`` of its logits, or a
-    top-k cache's), ``w_i`` the rows' ``row_weights`` (1 when None); differentiable with respect
-    to ``student`` only."""
+def logits_distillation(call: Call[LossPlan], student: Tensor, teacher: TeacherBlocks, dtype: torch.dtype) -> Tensor:
+    """``Σ_valid rows w_i·T²·D(p_i, q_i) / N`` (0-d, the statistics ``dtype``) of (rows, local
+    columns) student logits and the teacher's blocks (``StoredLogits`` of its logits, or a top-k
+    cache's), ``w_i`` the call's ``row_weights`` (1 when None), ``N`` its denominator;
+    differentiable with respect to ``student`` only."""
     wants_grad = torch.is_grad_enabled() and student.requires_grad  # apply hides grad mode from forward
-    return _LogitsDistillation.apply(problem, denominator, student, teacher, dtype, row_weights, wants_grad)
+    return _LogitsDistillation.apply(call, student, teacher, dtype, wants_grad)

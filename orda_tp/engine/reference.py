@@ -16,6 +16,7 @@ from ..arguments.plan import LossPlan
 from ..divergences import LOG_VOCAB, DivergenceParams, EntropyGate
 from ..divergences.terms import COMPONENTS, STUDENT_TERMS
 from ..teachers.source import TeacherBlocks
+from .call import Call
 from .logits import statistics_dtype
 
 __all__ = ["reference_loss", "reference_divergence"]
@@ -147,28 +148,23 @@ def _value_clamped_at_zero(value: Tensor) -> Tensor:
 
 
 def reference_loss(
-    plan: LossPlan,
-    labels: Tensor,
-    denominator: float | Tensor,
+    call: Call[LossPlan],
     student_hidden: Tensor,
     weight: Tensor,
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
-    teacher_blocks: TeacherBlocks | None = None,
-    vocab_size: int | None = None,
-    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` on full logits, with
     autograd gradients: the student's terms from their oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`).
     Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each row's
     values are multiplied by its ``token_weights``."""
+    plan, labels, valid, teacher_blocks = call.plan, call.labels, call.valid, call.teacher_blocks
     dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
-    if vocab_size is not None:
-        weight = weight[:vocab_size]
-        teacher_weight = None if teacher_weight is None else teacher_weight[:vocab_size]
-        teacher_logits = None if teacher_logits is None else teacher_logits[:, :vocab_size]
-    valid = labels != plan.ignore_index
+    vocab_size = call.layout.vocab_size
+    weight = weight[:vocab_size]
+    teacher_weight = None if teacher_weight is None else teacher_weight[:vocab_size]
+    teacher_logits = None if teacher_logits is None else teacher_logits[:, :vocab_size]
     in_range = (labels >= 0) & (labels < weight.shape[0])
     safe_labels = torch.where(valid & in_range, labels, torch.zeros_like(labels))
     student = _capped(student_hidden.to(dtype) @ weight.to(dtype).T, plan.student_softcap)
@@ -195,14 +191,14 @@ def reference_loss(
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
     nan = torch.full_like(zeros, float("nan"))
     components = {name: torch.where(valid, torch.where(in_range, v, nan), zeros) for name, v in components.items()}
-    if token_weights is not None:
-        components = {name: values * token_weights.to(dtype) for name, values in components.items()}
+    if call.row_weights is not None:
+        components = {name: values * call.row_weights.to(dtype) for name, values in components.items()}
     loss = sum((weight * components[name] for name, weight in plan.component_weights.items()), zeros)
     outputs = [loss] + [components[name].detach() for name in COMPONENTS]
     if plan.reduction != "none":
         outputs = [values.sum() for values in outputs]
         if plan.reduction == "mean":
-            outputs = [total / denominator for total in outputs]
+            outputs = [total / call.denominator for total in outputs]
     return tuple(outputs)
 
 

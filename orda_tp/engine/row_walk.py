@@ -27,9 +27,9 @@ the variant, the number of ranks or what the gradients feed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,8 +37,7 @@ from torch import Tensor
 from ..arguments.plan import LossPlan
 from ..divergences import RowTargets
 from ..divergences.terms import STUDENT_TERMS
-from ..parallel.layout import VocabLayout
-from .block_math import BlockMath
+from .call import Call
 from .logits import LogitGrads, LogitsBlock, LogitsSource
 from .records import empty_record
 from .row_formulas import finish_step, grad_step, partition_step
@@ -46,9 +45,7 @@ from .stats import GRAD_ROW_CONSTANTS, GradRows, KLRowStats, RowStats
 
 __all__ = [
     "GradTarget",
-    "RecordExchange",
     "RowRange",
-    "RowWalk",
     "chunk_row_stats",
     "row_ranges",
     "stage_grads",
@@ -58,61 +55,9 @@ __all__ = [
 RowRange = tuple[int, int]  # half-open rows [begin, end) of the batch
 
 
-class RecordExchange(Protocol):
-    """How a shard's statistics and gradients meet those of the other vocabulary shards
-    (:class:`orda_tp.parallel.shard_exchange.ShardExchange`); a call on one device has none."""
-
-    def merge_partitions(
-        self, local: Tensor, num_families: int, merge_stacked: Callable[[Tensor, int], Tensor]
-    ) -> Tensor:
-        """Round 1: the packed record of all shards' columns, identical on every shard, from this
-        shard's ``local`` record of ``num_families`` families; ``merge_stacked`` merges a (shards,
-        rows, K₁) stack of packed records (the backend's merge)."""
-        ...
-
-    def sum_over_shards(self, local: Tensor) -> Tensor:
-        """Round 2: the sums over all shards' columns, identical on every shard."""
-        ...
-
-    def finish(self, like: Tensor) -> None:
-        """End of the forward statistics (lets a call with no rows still agree on errors)."""
-        ...
-
-    def gather_rows(self, tensors: list[Tensor]) -> list[Tensor]:
-        """The full batch's rows of each hidden tensor (sequence parallelism), else the inputs."""
-        ...
-
-    def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
-        """Rows ``[begin, end)`` of the hidden gradients ``grads`` are complete on this device:
-        their sum over the shards may start now, overlapping the rows still to come."""
-        ...
-
-    def reduce_row_gradients(self, grads: list[Tensor]) -> list[Tensor]:
-        """Hidden gradients summed over the shards (this rank's rows under sequence parallelism)."""
-        ...
-
-
 def row_ranges(begin: int, end: int, size: int) -> list[RowRange]:
     """``[begin, end)`` cut into consecutive ranges of ``size`` rows (the last one shorter)."""
     return [(start, min(end, start + size)) for start in range(begin, end, size)]
-
-
-@dataclass(frozen=True)
-class RowWalk:
-    """What a walk reads besides the logits.
-
-    ``labels``: (rows,) the labels the statistics read (an ignored row's too: its values go
-    unused); ``valid``: (rows,) the rows that count; ``exchange``: how records meet those of the
-    other shards (None on one device); ``layout``: this device's columns; ``math``: how a block
-    becomes records and gradients (torch or Triton).
-    """
-
-    plan: LossPlan
-    labels: Tensor
-    valid: Tensor
-    exchange: RecordExchange | None
-    layout: VocabLayout
-    math: BlockMath
 
 
 @dataclass(frozen=True)
@@ -127,7 +72,7 @@ class GradTarget:
 
 
 def walk_rows(
-    walk: RowWalk,
+    call: Call[LossPlan],
     source: LogitsSource,
     chunks: Sequence[RowRange],
     dtype: torch.dtype,
@@ -137,20 +82,20 @@ def walk_rows(
     """Walk ``chunks`` in order: each chunk's row statistics (computed, or ``saved[i]`` for
     ``chunks[i]``), with ``target`` its logit gradients written. Returns the statistics in chunk
     order. ``dtype``: the statistics dtype. A chunk's logits live only while it is walked."""
-    like = torch.empty(0, dtype=dtype, device=walk.labels.device)
-    columns = walk.layout.real_local_columns
-    block = max(columns, 1) if walk.math.whole_blocks else walk.plan.config.vocab_block
+    like = torch.empty(0, dtype=dtype, device=call.labels.device)
+    columns = call.layout.real_local_columns
+    block = max(columns, 1) if call.block_math.whole_blocks else call.plan.config.vocab_block
     column_ranges = [(start, min(start + block, columns)) for start in range(0, columns, block)]
     walked = []
     for index, (begin, end) in enumerate(chunks):
-        blocks = source.blocks(begin, end, column_ranges, dtype, walk.math.reads_stored_cache)
-        labels, chunk_target = walk.labels[begin:end], None if target is None else (target, begin, end)
+        blocks = source.blocks(begin, end, column_ranges, dtype, call.block_math.reads_stored_cache)
+        labels, chunk_target = call.labels[begin:end], None if target is None else (target, begin, end)
         if saved is None:
-            stats = chunk_row_stats(walk, blocks, labels, like, chunk_target)
+            stats = chunk_row_stats(call, blocks, labels, like, chunk_target)
         else:
             stats = saved[index]
             if chunk_target is not None:
-                stage_grads(walk, blocks, labels, stats.gradient_inputs(), chunk_target, like)
+                stage_grads(call, blocks, labels, stats.gradient_inputs(), chunk_target, like)
         walked.append(stats)
         del blocks  # a chunk's logits go before the next chunk's are formed
     return walked
@@ -160,7 +105,7 @@ ChunkTarget = tuple[GradTarget, int, int]  # a gradient target and the batch row
 
 
 def chunk_row_stats(
-    walk: RowWalk, blocks: Sequence[LogitsBlock], labels: Tensor, like: Tensor, target: ChunkTarget | None = None
+    call: Call[LossPlan], blocks: Sequence[LogitsBlock], labels: Tensor, like: Tensor, target: ChunkTarget | None = None
 ) -> RowStats:
     """Round 1 (and, with a KL term, round 2) of a chunk from its column blocks (no blocks: this
     device holds only vocabulary padding), and with ``target`` the chunk's logit gradients.
@@ -169,8 +114,8 @@ def chunk_row_stats(
     Where the plan allows (``LossPlan.kl_sums_in_gradient_pass``) and gradients are formed, round 2
     is summed by the gradient pass instead of a pass of its own: the gradient then reads the KL's
     ``keep`` from round 1 (``present``), which is the finish step's when ``D`` cannot be ``+inf``."""
-    plan, math, exchange = walk.plan, walk.math, walk.exchange
-    vocab_start, families = walk.layout.vocab_start, plan.families
+    plan, math, exchange = call.plan, call.block_math, call.exchange
+    vocab_start, families = call.layout.vocab_start, plan.families
     sums, caps = plan.column_sums, (plan.student_softcap, plan.teacher_softcap)
     records = [
         math.partition(b.student, b.teacher, labels, vocab_start + b.start, families, sums, caps) for b in blocks
@@ -193,12 +138,12 @@ def chunk_row_stats(
         assert target is not None and plan.divergence is not None
         # −0.0, the identity of addition: the first block's sums are added exactly as they come.
         kl_sums = like.new_full((labels.shape[0], plan.divergence.num_sums), -0.0)
-        stage_grads(walk, blocks, labels, {**statistics, "keep": outputs["present"]}, target, like, kl_sums)
+        stage_grads(call, blocks, labels, {**statistics, "keep": outputs["present"]}, target, like, kl_sums)
     if plan.computes_kl:
-        kl, kl_stats = _kl_round(walk, blocks, labels, outputs, like, kl_sums)
+        kl, kl_stats = _kl_round(call, blocks, labels, outputs, like, kl_sums)
         statistics.update(keep=kl_stats.keep, **kl_stats.consts)
     if target is not None and not in_gradient_pass:
-        stage_grads(walk, blocks, labels, statistics, target, like)
+        stage_grads(call, blocks, labels, statistics, target, like)
     assert kl is not None
     return RowStats(
         log_partitions=partition[:, :num_families],
@@ -212,7 +157,7 @@ def chunk_row_stats(
 
 
 def _kl_round(
-    walk: RowWalk,
+    call: Call[LossPlan],
     blocks: Sequence[LogitsBlock],
     labels: Tensor,
     partition: dict[str, Tensor],
@@ -222,11 +167,11 @@ def _kl_round(
     """Round 2 and the finish step, from the partition step's outputs ``partition``: the rows' KL
     component ``T_s²·max(D, 0)`` and the KL term's statistics. Round 2's sums merge by addition,
     block after block; ``local_sums``: this device's, when the gradient pass summed them."""
-    plan, math = walk.plan, walk.math
+    plan, math = call.plan, call.block_math
     divergence = plan.divergence
     assert divergence is not None
     lse_u, lse_v = partition["lse_u"], partition["lse_v"]
-    vocab_start = walk.layout.vocab_start
+    vocab_start = call.layout.vocab_start
     sums = local_sums
     if sums is None:
         partial_sums = [
@@ -237,8 +182,8 @@ def _kl_round(
         sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], divergence.num_sums)
         for partial in partial_sums[1:]:
             sums = sums + partial
-    if walk.exchange is not None:
-        sums = walk.exchange.sum_over_shards(sums)
+    if call.exchange is not None:
+        sums = call.exchange.sum_over_shards(sums)
     targets = RowTargets(logp_y=partition["logp_y"], logq_y=partition["logq_y"])
     finalized = divergence.finalize(sums, targets, plan.params)
     finish = finish_step()
@@ -258,7 +203,7 @@ def _kl_round(
 
 
 def stage_grads(
-    walk: RowWalk,
+    call: Call[LossPlan],
     blocks: Sequence[LogitsBlock],
     labels: Tensor,
     statistics: Mapping[str, Tensor],
@@ -271,13 +216,13 @@ def stage_grads(
     ``keep`` and the variant's constants) and each block's logit gradients written into the
     target's rows ``[begin, end)``; with ``sums_out`` (a plan whose ``kl_sums_in_gradient_pass`` is
     set) the blocks' round-2 sums added into it, (rows, num_sums)."""
-    plan, math = walk.plan, walk.math
+    plan, math = call.plan, call.block_math
     grad_target, begin, end = target
     program = grad_step(plan.step_key)
     values = {name: statistics[name] for name in program.inputs if name not in ("upstream", "valid")}
     upstream = grad_target.upstream
     values["upstream"] = upstream[begin:end] if upstream.dim() else upstream.expand(end - begin)
-    values["valid"] = walk.valid[begin:end]
+    values["valid"] = call.valid[begin:end]
     weights = {f"w_{term.name}": weight for term, weight in zip(plan.student_terms, plan.term_weights)}
     scalars = {"w_t": plan.teacher_ce_weight, **weights, **plan.term_scalars}
     packed = math.rows(program, values, scalars, like)
@@ -290,5 +235,5 @@ def stage_grads(
         span = slice(block.start, block.stop)
         teacher = None if grads.teacher is None else grads.teacher[first:last, span]
         out = LogitGrads(grads.student[first:last, span], teacher)
-        global_start = walk.layout.vocab_start + block.start
+        global_start = call.layout.vocab_start + block.start
         math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out, sums_out)

@@ -22,10 +22,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["UNSEEN", "TopKRows", "block_topk", "decode_keys", "kernel_topk", "merge_topk"]
+__all__ = ["KERNEL_MAX_K", "UNSEEN", "TopKRows", "block_topk", "decode_keys", "merge_topk"]
 
 #: The id of an entry that stands for no column (a row with fewer than ``k`` columns).
 UNSEEN = -1
+#: The largest ``k`` the Triton kernel extracts (``TritonBlockMath.topk``); "auto" takes the torch
+#: backend above it.
+KERNEL_MAX_K = 256
 _LAST_ID = torch.iinfo(torch.int64).max  # UNSEEN's place in the column order: after every column
 _LOW_WORD = 0xFFFFFFFF
 
@@ -60,18 +63,22 @@ def merge_topk(parts: list[TopKRows], k: int) -> TopKRows:
     return TopKRows(values.gather(1, by_value), ids.gather(1, by_value), log_sum)
 
 
-def block_topk(logits: Tensor, first_id: int, k: int) -> TopKRows:
-    """The best ``k`` columns of a block of scaled ``logits`` (rows, width) whose column 0 is global
-    id ``first_id`` (a stable sort: equal values keep their column order), with ``UNSEEN`` entries
-    where ``width < k``, and the block's log-partition (``logits`` is consumed: shifted in place)."""
-    rows, width = logits.shape
-    order = torch.where(logits == 0, 0.0, logits).argsort(dim=1, descending=True, stable=True)[:, :k]
-    values = logits.gather(1, order)
+def block_topk(logits: Tensor, k: int, first_id: int, temperature: float, cap: float | None) -> TopKRows:
+    """The best ``k`` columns of a block of logits (rows, width) scaled to ``cap(logits)/temperature``
+    (``cap``: the soft-cap, None for none), whose column 0 is global id ``first_id``, by a stable
+    sort (equal values keep their column order), with ``UNSEEN`` entries where ``width < k``, and
+    the block's log-partition. ``logits`` is read, never written (it may be a caller's tensor)."""
+    scaled = logits if cap is None else torch.tanh(logits / cap).mul_(cap)
+    scaled = scaled if temperature == 1.0 else scaled / temperature
+    rows, width = scaled.shape
+    # −0.0 sorts as +0.0: the order is a total order on (value, column).
+    order = torch.where(scaled == 0, 0.0, scaled).argsort(dim=1, descending=True, stable=True)[:, :k]
+    values = scaled.gather(1, order)
     ids = order + first_id
     if width < k:
         values = torch.cat([values, values.new_full((rows, k - width), float("-inf"))], dim=1)
         ids = torch.cat([ids, ids.new_full((rows, k - width), UNSEEN)], dim=1)
-    return TopKRows(values, ids, logits.sub_(values[:, :1]).logsumexp(dim=1))
+    return TopKRows(values, ids, (scaled - values[:, :1]).logsumexp(dim=1))
 
 
 def decode_keys(keys: Tensor, first_id: int) -> tuple[Tensor, Tensor]:
@@ -83,28 +90,3 @@ def decode_keys(keys: Tensor, first_id: int) -> tuple[Tensor, Tensor]:
     ids = _LOW_WORD - (keys & _LOW_WORD) + first_id
     unseen = keys == torch.iinfo(torch.int64).min
     return values.masked_fill(unseen, float("-inf")), ids.masked_fill(unseen, UNSEEN)
-
-
-#: The kernel's group of columns ranked by their best element, its block of columns per step and
-#: its warps per row (measured on an H200: docs/benchmarks.md).
-KERNEL_GROUP, KERNEL_BLOCK, KERNEL_WARPS = 4, 512, 1
-
-
-def kernel_topk(logits: Tensor, k: int, first_id: int, inv_temperature: float, cap: float | None) -> TopKRows:
-    """The Triton kernel's best ``k`` of (rows, columns) ``logits`` (columns contiguous; any float
-    dtype, read as fp32), scaled by ``cap`` and ``inv_temperature``, column 0 being ``first_id``."""
-    from ..kernels.topk import topk_kernel  # imports triton: only where it runs
-    from .triton_math import grid_launcher
-
-    rows, columns = logits.shape
-    width = max(2, 1 << (k - 1).bit_length())  # the kernel's K: a power of two
-    keys = torch.empty(rows, width, dtype=torch.int64, device=logits.device)
-    log_sum = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows:
-        block = max(KERNEL_BLOCK, width * KERNEL_GROUP)
-        grid_launcher(topk_kernel, (rows,))(
-            logits, logits.stride(0), columns, keys, log_sum, inv_temperature, 1.0 if cap is None else cap,
-            HAS_CAP=cap is not None, K=width, GROUP=KERNEL_GROUP, BLOCK=block, num_warps=KERNEL_WARPS,
-        )  # fmt: skip
-    values, ids = decode_keys(keys[:, :k], first_id)
-    return TopKRows(values, ids, log_sum)

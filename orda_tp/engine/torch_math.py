@@ -22,6 +22,7 @@ from .logits import LogitGrads, TeacherBlock
 from .records import merge_stacked_records
 from .row_formulas import RowProgram
 from .stats import GradRows
+from .topk_rows import block_topk
 
 __all__ = ["TorchBlockMath", "block_record", "evaluate", "evaluate_rows"]
 
@@ -173,6 +174,7 @@ class TorchBlockMath:
     applies_softcap = False  # its blocks arrive capped (engine.logits.softcapped)
     whole_blocks = False  # each block's temporaries are (rows × block) tensors
     merge_stacked = staticmethod(merge_stacked_records)
+    topk = staticmethod(block_topk)
     rows = staticmethod(evaluate_rows)
 
     def partition(

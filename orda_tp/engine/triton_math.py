@@ -34,19 +34,24 @@ from ..kernels.partition import merge_kernel, partition_kernel
 from ..kernels.rows import rows_kernel
 from ..kernels.scale import scale_kernel
 from ..kernels.sums import sums_kernel
+from ..kernels.topk import topk_kernel
 from ..teachers.source import SparseLogits
 from .logits import LogitGrads, TeacherBlock
 from .records import packed_columns
 from .row_formulas import RowProgram
 from .stats import GradRows
+from .topk_rows import TopKRows, decode_keys
 from .torch_math import block_record
 
-__all__ = ["TritonBlockMath", "grid_launcher", "scale_in_place"]
+__all__ = ["KERNEL_BLOCK", "KERNEL_GROUP", "KERNEL_WARPS", "TritonBlockMath", "grid_launcher", "scale_in_place"]
 
 MERGE_BLOCK_R = 128
 ROWS_BLOCK_R = 128
 SCALE_BLOCK = 4096
 SCALE_PROGRAMS = 1056  # 8 per SM of an H200 (132 SMs): each strides over the blocks (kernels/scale.py)
+#: The top-k kernel's group of columns ranked by their best element, its block of columns per step
+#: and its warps per row (measured on an H200: docs/benchmarks.md, "Top-k teacher extraction").
+KERNEL_GROUP, KERNEL_BLOCK, KERNEL_WARPS = 4, 512, 1
 # Triton decides at decoration (import) time whether its kernels run under the CPU interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -156,6 +161,23 @@ class TritonBlockMath:
             stacked, merged, rows, splits, NUM_FAMILIES=num_families, WIDTH=width, BLOCK_R=MERGE_BLOCK_R
         )
         return merged
+
+    def topk(self, logits: Tensor, k: int, first_id: int, temperature: float, cap: float | None) -> TopKRows:
+        """The top-k kernel's best ``k`` of (rows, columns) ``logits`` (columns contiguous; any
+        float dtype, read as fp32), scaled to ``cap(logits)/temperature``, column 0 being
+        ``first_id`` (``k`` ≤ ``topk_rows.KERNEL_MAX_K``)."""
+        rows, columns = logits.shape
+        width = max(2, 1 << (k - 1).bit_length())  # the kernel's K: a power of two
+        keys = torch.empty(rows, width, dtype=torch.int64, device=logits.device)
+        log_sum = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        if rows:
+            block = max(KERNEL_BLOCK, width * KERNEL_GROUP)
+            grid_launcher(topk_kernel, (rows,))(
+                logits, logits.stride(0), columns, keys, log_sum, 1.0 / temperature, 1.0 if cap is None else cap,
+                HAS_CAP=cap is not None, K=width, GROUP=KERNEL_GROUP, BLOCK=block, num_warps=KERNEL_WARPS,
+            )  # fmt: skip
+        values, ids = decode_keys(keys[:, :k], first_id)
+        return TopKRows(values, ids, log_sum)
 
     def kl_sums(
         self, plan: LossPlan, student: Tensor, teacher: TeacherBlock, labels: Tensor, col_start: int, lse_u: Tensor,

@@ -16,7 +16,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from orda_tp import DistillationLoss, DistillationLossOutput, PrecomputedTeacher, SeparateTeacher, TiedTeacher
-from orda_tp.parallel.layout import agree_checks, fail_on_every_rank
+from orda_tp.engine.call import raised_on_every_rank
+from orda_tp.parallel.layout import agree_checks
 
 __all__ = [
     "DistillationModel",
@@ -274,14 +275,12 @@ def per_token_loss(
     placeholder the loss never reads: ``kl_weight == teacher_ce_weight == 0``).
     """
     order = RowOrder(batch_major=isinstance(teacher, Tensor) and not setup.sequence_parallel)
-    try:  # a failure on some rank raises on every rank, through the loss's handshake
+    with raised_on_every_rank(lambda: setup.loss.options.tp_group):  # through the loss's handshake
         check_layouts(setup, student, labels, loss_mask, teacher)
         if loss_mask is not None:
             labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
         hidden = order.hidden_rows(student.hidden)
         descriptor = _teacher_descriptor(setup, order, hidden, teacher)
-    except (ValueError, TypeError) as error:
-        fail_on_every_rank(error, setup.loss.options.tp_group)
     out = setup.loss(hidden, student.weight, order.position_rows(labels), descriptor)
     batch, seq = labels.shape
     return DistillationLossOutput(*(order.positions(value, batch, seq) for value in out))

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..arguments.options import LossOptions
-from ..arguments.plan import LossPlan
 from ..arguments.validation import (
+    ValueChecks,
     check_denominator,
     check_inputs,
     check_token_weights,
@@ -225,39 +225,31 @@ def shard_inputs(
     return replace(local, denominator=denominator, row_weights=row_weights), shard
 
 
-def local_error(
-    plan: LossPlan, local: LocalInputs, teacher: TeacherSource, layout: VocabLayout, host_checks: bool
-) -> LocalError | None:
-    """The first failed value check of this rank's tensors (``local``; ``teacher`` is the
-    descriptor as the call received it), as a :class:`LocalError` (global column numbers) that the
-    first record exchange shares, so that every rank raises it; or None. The checks are those of
-    :func:`orda_tp.arguments.validation.check_values` on one device: a cache modified in place, a non-finite
-    cache where it is read (``host_checks`` run and the teacher's logits are read), and with
-    ``check_finite_inputs`` a non-finite hidden state or weight.
-
-    A descriptor that cannot stand for one vocabulary shard raised before the handshake
+def local_error(values: ValueChecks, layout: VocabLayout, host_checks: bool) -> LocalError | None:
+    """The first failed value check of this rank's tensors, as a :class:`LocalError` (global
+    column numbers) that the first record exchange shares, so that every rank raises it; or None.
+    The checks are those of :func:`orda_tp.arguments.validation.check_values` on one device: a
+    cache modified in place, a non-finite cache where it is read (host checks run and the
+    teacher's logits are read), and with ``check_finite_inputs`` a non-finite hidden state or
+    weight. A descriptor that cannot stand for one vocabulary shard raised before the handshake
     (:func:`shard_inputs`)."""
+    teacher, read_cache = values.local_teacher, host_checks and values.reads_teacher
     try:
-        teacher.check_unmodified()
+        values.teacher.check_unmodified()
     except ValueError:
         return LocalError(LocalErrorCode.CACHE_MODIFIED)
-    if plan.needs_teacher_logits and host_checks:
+    if read_cache:
         # Tensors the same on every rank (a top-k cache's, like the labels): every rank raises alike.
-        local.teacher.check_cache_values(layout.vocab_size)
-    checks = (
-        local.teacher.checked_values(layout.real_local_columns) if plan.needs_teacher_logits and host_checks else []
-    )
-    for check in checks:
+        teacher.check_cache_values(layout.vocab_size)
+    for check in teacher.checked_values(layout.real_local_columns) if read_cache else []:
         index = first_non_finite(check.tensor, allow_neg_inf=check.allow_neg_inf)
         if index is not None:
             # A logits cache (−inf allowed) is located by row and global column; a hidden cache is not.
             if check.allow_neg_inf:
                 return LocalError(LocalErrorCode.TEACHER_LOGITS_NOT_FINITE, index[0], layout.vocab_start + index[1])
             return LocalError(LocalErrorCode.CACHE_NOT_FINITE)
-    if plan.config.check_finite_inputs:
-        tensors = [("student_hidden", local.student_hidden), ("weight", local.weight), *local.teacher.trained_tensors()]
-        for _, tensor in tensors:
-            index = first_non_finite(tensor)
-            if index is not None:
-                return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1])
+    for _, tensor in [*values.inputs, *teacher.trained_tensors()] if values.inputs else []:
+        index = first_non_finite(tensor)
+        if index is not None:
+            return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1])
     return None

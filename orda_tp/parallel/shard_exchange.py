@@ -124,6 +124,9 @@ class ShardExchange:
     def sum_over_shards(self, local: Tensor) -> Tensor:
         return all_gather_rows(local, self.group).sum(dim=0)
 
+    def gather_stacked(self, local: Tensor) -> Tensor:
+        return all_gather_rows(local, self.group)
+
     def finish(self, like: Tensor) -> None:
         """Exchange the errors if no round did (a call with no rows to process), and wait for the
         gradient sums the forward started: a forward returns with no collective in flight,

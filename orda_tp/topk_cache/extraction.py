@@ -24,7 +24,6 @@ reads (:meth:`TeacherTopK.teacher`) and what :mod:`orda_tp.topk_cache` stores.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,26 +33,20 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from ..arguments.config import ExecutionConfig
-from ..arguments.options import check_group
+from ..arguments.options import BACKENDS, check_group
 from ..arguments.orda_kernel import own_config
 from ..arguments.validation import check_choice, check_count, check_floating, check_number, check_same_device
-from ..engine.logits import logits_mm, softcapped, statistics_dtype
-from ..engine.topk_rows import UNSEEN, TopKRows, block_topk, kernel_topk, merge_topk
-from ..kernels import unavailable_reason
-from ..loss import agreed_call
-from ..parallel.collectives import all_gather_rows
+from ..engine.call import Call, agree, prepare_call, raised_on_every_rank
+from ..engine.logits import HeadLogits, SideLogits, StoredLogits, statistics_dtype
+from ..engine.row_walk import row_ranges
+from ..engine.topk_rows import KERNEL_MAX_K, UNSEEN, TopKRows, block_topk, merge_topk
+from ..engine.workspace import row_layout
 from ..parallel.dtensor import is_dtensor, local_shard, placement_text, shard_axis
-from ..parallel.layout import HeadShard, LocalShard, VocabLayout
+from ..parallel.layout import HeadShard, LocalShard
 from ..parallel.local_shards import call_group, same_ranks
 from ..teachers import PrecomputedTeacher
 
-__all__ = ["BACKENDS", "KERNEL_MAX_K", "WORKSPACE_MIB", "TeacherTopK", "teacher_topk", "teacher_topk_of_logits"]
-
-BACKENDS = ("auto", "triton", "torch", "reference")
-#: The default workspace: a chunk's fp32 logits over the widest shard fit in it.
-WORKSPACE_MIB = 512
-#: The largest ``k`` the Triton kernel extracts ("auto" takes the torch backend above it).
-KERNEL_MAX_K = 256
+__all__ = ["TeacherTopK", "TopKPlan", "teacher_topk", "teacher_topk_of_logits"]
 
 
 class TeacherTopK(NamedTuple):
@@ -71,8 +64,12 @@ class TeacherTopK(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _Extraction:
-    """A call's checked settings and the backend it runs: "triton", "torch" or "reference"."""
+class TopKPlan:
+    """What an extraction computes: the ``k`` best columns of ``cap(z)/temperature``
+    (``logit_softcap`` the cap, None for none) over a real vocabulary of ``vocab_size`` columns
+    (None: every column), on the ``backend`` asked for, with its execution settings (``config``;
+    the handshake's host checks always run: an extraction is offline, and a head that is not a
+    vocabulary shard must raise on every rank)."""
 
     k: int
     temperature: float
@@ -81,34 +78,28 @@ class _Extraction:
     backend: str
     config: ExecutionConfig
 
+    @staticmethod
+    def checked(
+        k: object, temperature: object, logit_softcap: object, vocab_size: object, backend: object, config: object
+    ) -> TopKPlan:
+        """The plan of the keywords, each checked."""
+        if config is not None and not isinstance(config, ExecutionConfig):
+            raise TypeError(f"config must be an orda_tp.KernelConfig or None, got {type(config).__name__}")
+        own = ExecutionConfig() if config is None else own_config(config)
+        return TopKPlan(
+            k=check_count("k", k, 1),
+            temperature=check_number("temperature", temperature, positive=True),
+            logit_softcap=None
+            if logit_softcap is None
+            else check_number("logit_softcap", logit_softcap, positive=True),
+            vocab_size=None if vocab_size is None else check_count("vocab_size", vocab_size, 1),
+            backend=check_choice("backend", backend, BACKENDS),
+            config=ExecutionConfig(**{**vars(own), "host_checks": True}),
+        )
+
     def text(self) -> str:
         """The settings every rank of a group must share, as ``name=value`` lines."""
         return "\n".join(f"{name}={value!r}" for name, value in vars(self).items())
-
-
-def _settings(
-    k: object, temperature: object, logit_softcap: object, vocab_size: object, backend: object, config: object,
-    device: torch.device, dtype: torch.dtype,
-) -> _Extraction:  # fmt: skip
-    """The checked keywords, with the backend "auto" resolved for inputs on ``device``
-    whose statistics are ``dtype``."""
-    k = check_count("k", k, 1)
-    temperature = check_number("temperature", temperature, positive=True)
-    cap = None if logit_softcap is None else check_number("logit_softcap", logit_softcap, positive=True)
-    vocab = None if vocab_size is None else check_count("vocab_size", vocab_size, 1)
-    backend = check_choice("backend", backend, BACKENDS)
-    if config is not None and not isinstance(config, ExecutionConfig):
-        raise TypeError(f"config must be an orda_tp.KernelConfig or None, got {type(config).__name__}")
-    reason = unavailable_reason(device, dtype)
-    if backend == "triton" and reason is not None:
-        raise ValueError(f"backend='triton' is unavailable for these inputs: {reason}")
-    if backend == "triton" and k > KERNEL_MAX_K:
-        raise ValueError(f"backend='triton' extracts k <= {KERNEL_MAX_K}, got k={k} (use backend='torch')")
-    if backend == "auto":
-        backend = "triton" if reason is None and device.type == "cuda" and k <= KERNEL_MAX_K else "torch"
-    return _Extraction(
-        k, temperature, cap, vocab, backend, own_config(config) if config is not None else ExecutionConfig()
-    )
 
 
 def _check_tp_group(tp_group: object, mesh_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -119,46 +110,31 @@ def _check_tp_group(tp_group: object, mesh_group: dist.ProcessGroup | None) -> d
     return tp_group if tp_group is not None else mesh_group
 
 
-class _Source(NamedTuple):
-    """Where a chunk's logits come from: ``block(b, e, s, t, dtype)``, rows ``[b, e)`` on local
-    columns ``[s, t)`` as a new tensor of ``dtype`` (the torch backends scale it in place);
-    ``kernel(b, e)``, rows ``[b, e)`` on every real local column, as the kernel reads them (fp32,
-    or stored logits as stored; columns contiguous)."""
-
-    block: Callable[[int, int, int, int, torch.dtype], Tensor]
-    kernel: Callable[[int, int], Tensor]
-
-
-def _agreed(
-    group: dist.ProcessGroup | None, checks: Callable[[], tuple[tuple[Tensor, ...], _Extraction, LocalShard]]
-) -> tuple[tuple[Tensor, ...], _Extraction, VocabLayout]:
-    """:func:`orda_tp.loss.agreed_call` of an extraction (host checks on: an extraction is offline, and
-    a head that is not a vocabulary shard must raise on every rank), and its vocabulary checked."""
-    held: list[_Extraction] = []
-
-    def checked() -> tuple[tuple[Tensor, ...], LocalShard]:
-        tensors, settings, shard = checks()
-        held.append(settings)
-        return tensors, shard
-
-    tensors, layout = agreed_call(group, checked, True, lambda: held[0].text())
-    settings = held[0]
-    if layout.vocab_size > layout.total_columns:
-        raise ValueError(f"vocab_size must lie in [1, {layout.total_columns}] (the columns), got {layout.vocab_size}")
-    if settings.k > layout.vocab_size:
-        raise ValueError(f"k must be at most the real vocabulary ({layout.vocab_size} ids), got k={settings.k}")
-    return tensors, settings, layout
-
-
-def _local_shard(
-    head: HeadShard, rows: int, settings: _Extraction, replicated: tuple[str, Tensor] | None
-) -> LocalShard:
+def _local_shard(head: HeadShard, rows: int, plan: TopKPlan, replicated: tuple[str, Tensor] | None) -> LocalShard:
     """This rank's share for the handshake: its head, ``rows`` rows (as labels, which every rank
-    must agree on) and the tensor every rank must hold alike."""
+    must agree on; the extraction reads none) and the tensor every rank must hold alike."""
     labels = torch.zeros(rows, dtype=torch.int64, device=head.tensor.device)
     return LocalShard(
-        head=head, labels=labels, vocab_size=settings.vocab_size, replicated=(replicated,) if replicated else ()
+        head=head, labels=labels, vocab_size=plan.vocab_size, replicated=(replicated,) if replicated else ()
     )
+
+
+def _prepared(group: dist.ProcessGroup | None, shard: LocalShard, plan: TopKPlan, dtype: torch.dtype) -> Call[TopKPlan]:
+    """The extraction's call: the layout agreed, the vocabulary checked against ``k``, then every
+    door's constructor (the exchange, the backend: the kernels extract ``k`` ≤
+    :data:`~orda_tp.engine.topk_rows.KERNEL_MAX_K`)."""
+    layout = agree(group, shard, True, plan.text)
+    if layout.vocab_size > layout.total_columns:
+        raise ValueError(f"vocab_size must lie in [1, {layout.total_columns}] (the columns), got {layout.vocab_size}")
+    if plan.k > layout.vocab_size:
+        raise ValueError(f"k must be at most the real vocabulary ({layout.vocab_size} ids), got k={plan.k}")
+    refused = None
+    if plan.k > KERNEL_MAX_K:
+        refused = f"the Triton kernel extracts k <= {KERNEL_MAX_K}, got k={plan.k} (use backend='torch')"
+    return prepare_call(
+        plan, layout, shard.labels, backend=plan.backend, dtype=dtype, ignore_index=None, reads_labels=False,
+        refused=refused,
+    )  # fmt: skip
 
 
 def teacher_topk(
@@ -179,8 +155,8 @@ def teacher_topk(
     DTensor: Replicate); ``weight`` (V_local, H): its LM head, or this rank's vocabulary shard
     with ``tp_group`` (a DTensor: ``Shard(0)``); ``vocab_size``: the real vocabulary, when the
     head has padding rows past it. Runs without autograd."""
-
-    def checks() -> tuple[tuple[Tensor, ...], _Extraction, LocalShard]:
+    with raised_on_every_rank(lambda: call_group(weight, tp_group)):
+        plan = TopKPlan.checked(k, temperature, logit_softcap, vocab_size, backend, config)
         check_floating("hidden", hidden, "(rows, hidden)", dims=2)
         check_floating("weight", weight, "(vocab, hidden)", dims=2)
         axis = shard_axis(weight, "weight") if is_dtensor(weight) else None
@@ -195,21 +171,11 @@ def teacher_topk(
                 f"{tuple(local_weight.shape)}"
             )
         check_same_device("hidden", local_hidden.device, [("weight", local_weight)])
-        dtype = statistics_dtype(local_hidden, local_weight)
-        settings = _settings(k, temperature, logit_softcap, vocab_size, backend, config, local_hidden.device, dtype)
         replicated = ("hidden", local_hidden) if group is not None else None
-        shard = _local_shard(HeadShard("weight", local_weight, 0), local_hidden.shape[0], settings, replicated)
-        return (local_hidden, local_weight), settings, shard
-
-    (local_hidden, local_weight), settings, layout = _agreed(call_group(weight, tp_group), checks)
-    real = layout.real_local_columns
-    source = _Source(
-        block=lambda b, e, s, t, dtype: logits_mm(local_hidden[b:e], local_weight[s:t], dtype),
-        kernel=lambda b, e: logits_mm(local_hidden[b:e], local_weight[:real], torch.float32),
-    )
+        shard = _local_shard(HeadShard("weight", local_weight, 0), local_hidden.shape[0], plan, replicated)
+    dtype = statistics_dtype(local_hidden, local_weight)
     with torch.no_grad():
-        dtype = statistics_dtype(local_hidden, local_weight)
-        return _extract(source, local_hidden.shape[0], dtype, local_hidden.device, layout, settings)
+        return _extract(_prepared(group, shard, plan, dtype), HeadLogits(local_hidden, local_weight), dtype)
 
 
 def _local_logits(logits: Tensor) -> tuple[Tensor, dist.ProcessGroup | None]:
@@ -238,63 +204,36 @@ def teacher_topk_of_logits(
     """:func:`teacher_topk` of logits a caller holds: ``logits`` (rows, V_local), the whole
     vocabulary or this rank's columns of it with ``tp_group`` (a DTensor: ``Shard(1)``), in any
     floating dtype (read as stored; never copied whole)."""
-
-    def checks() -> tuple[tuple[Tensor, ...], _Extraction, LocalShard]:
+    with raised_on_every_rank(lambda: call_group(logits, tp_group)):
+        plan = TopKPlan.checked(k, temperature, logit_softcap, vocab_size, backend, config)
         check_floating("logits", logits, "(rows, vocab)", dims=2)
         local, mesh_group = _local_logits(logits)
-        _check_tp_group(tp_group, mesh_group)
-        settings = _settings(k, temperature, logit_softcap, vocab_size, backend, config, local.device, local.dtype)
-        return (local,), settings, _local_shard(HeadShard("logits", local, 1), local.shape[0], settings, None)
-
-    (local,), settings, layout = _agreed(call_group(logits, tp_group), checks)
-    real = layout.real_local_columns
-    source = _Source(
-        block=lambda b, e, s, t, dtype: local[b:e, s:t].to(dtype, copy=True),
-        kernel=lambda b, e: local[b:e, :real] if local.stride(1) == 1 else local[b:e, :real].contiguous(),
-    )
+        group = _check_tp_group(tp_group, mesh_group)
+        shard = _local_shard(HeadShard("logits", local, 1), local.shape[0], plan, None)
+    dtype = statistics_dtype(local)
     with torch.no_grad():
-        return _extract(source, local.shape[0], statistics_dtype(local), local.device, layout, settings)
+        return _extract(_prepared(group, shard, plan, dtype), StoredLogits(local), dtype)
 
 
-def _chunk_rows(config: ExecutionConfig, columns: int) -> int:
-    """Rows per chunk: ``config.chunk_size.nrows``, or as many as keep fp32 logits over ``columns``
-    (the widest shard's: the same on every rank) within the workspace, a multiple of 64 where
-    that is at least 64."""
-    if config.chunk_size.nrows is not None:
-        return config.chunk_size.nrows
-    budget = (WORKSPACE_MIB if config.workspace_mib is None else config.workspace_mib) << 20
-    rows = budget // (4 * max(columns, 1))
-    return max(1, rows - rows % 64 if rows >= 64 else rows)
-
-
-def _scaled(logits: Tensor, settings: _Extraction) -> Tensor:
-    """``cap(logits)/T`` in place."""
-    softcapped(logits, settings.logit_softcap)
-    return logits if settings.temperature == 1.0 else logits.div_(settings.temperature)
-
-
-def _local_topk(
-    source: _Source,
-    rows: tuple[int, int],
-    dtype: torch.dtype,
-    device: torch.device,
-    layout: VocabLayout,
-    s: _Extraction,
-) -> TopKRows:
-    """This rank's candidates and log-partition for ``rows`` ``[begin, end)`` (on ``device``, in
-    ``dtype``): from the kernel, or merged block by block (the reference: one block)."""
-    (begin, end), real, first_id = rows, layout.real_local_columns, layout.vocab_start
-    if real == 0:  # a shard of padding only
-        empty = torch.full((end - begin, s.k), float("-inf"), dtype=dtype, device=device)
-        return TopKRows(empty, torch.full_like(empty, UNSEEN, dtype=torch.int64), empty[:, 0])  # log_sum: -inf
-    if s.backend == "triton":
-        return kernel_topk(source.kernel(begin, end), s.k, first_id, 1.0 / s.temperature, s.logit_softcap)
-    width = real if s.backend == "reference" else min(s.config.vocab_block, real)
+def _local_topk(call: Call[TopKPlan], source: SideLogits, begin: int, end: int, dtype: torch.dtype) -> TopKRows:
+    """This rank's candidates and log-partition for rows ``[begin, end)`` (in ``dtype``), merged
+    block by block: the kernels' whole chunk at once (its logits in fp32, stored logits as stored),
+    the torch backend's blocks of ``vocab_block`` columns, the reference's one fp64 block."""
+    plan, layout, math = call.plan, call.layout, call.math
+    real, first_id = layout.real_local_columns, layout.vocab_start
+    if real == 0:  # a shard of padding only: no candidate, log-partition −inf
+        empty = torch.full((end - begin, plan.k), float("-inf"), dtype=dtype, device=call.labels.device)
+        return TopKRows(empty, torch.full_like(empty, UNSEEN, dtype=torch.int64), empty[:, 0])
+    whole = math is None or math.whole_blocks
+    width = real if whole else min(plan.config.vocab_block, real)
+    as_stored = math is not None and math.reads_stored_cache
+    block_dtype = torch.float32 if as_stored else dtype
+    topk = block_topk if math is None else math.topk
     found: TopKRows | None = None
     for start in range(0, real, width):
-        stop = min(real, start + width)
-        block = block_topk(_scaled(source.block(begin, end, start, stop, dtype), s), first_id + start, s.k)
-        found = block if found is None else merge_topk([found, block], s.k)
+        block = source.block(begin, end, start, min(real, start + width), block_dtype, as_stored)
+        part = topk(block, plan.k, first_id + start, plan.temperature, plan.logit_softcap)
+        found = part if found is None else merge_topk([found, part], plan.k)
     assert found is not None
     return found
 
@@ -308,35 +247,39 @@ def _from_int64(packed: Tensor, dtype: torch.dtype) -> Tensor:
     return packed.contiguous().view(dtype) if dtype == torch.float64 else packed.to(torch.int32).view(dtype)
 
 
-def _merged_across(local: TopKRows, k: int, group: dist.ProcessGroup) -> TopKRows:
-    """Every rank's candidates and log-partitions of the same rows, gathered in one all-gather of
-    ``(rows, 2k + 1)`` int64 and merged (the same on every rank)."""
-    dtype = local.values.dtype
+def _merged_across(call: Call[TopKPlan], local: TopKRows) -> TopKRows:
+    """Every rank's candidates and log-partitions of the same rows, gathered by the exchange in one
+    all-gather of ``(rows, 2k + 1)`` int64 and merged (the same on every rank)."""
+    assert call.exchange is not None
+    k, dtype = call.plan.k, local.values.dtype
     packed = torch.cat([_as_int64(local.values), local.ids, _as_int64(local.log_sum[:, None])], dim=1)
     parts = [
         TopKRows(_from_int64(part[:, :k], dtype), part[:, k : 2 * k], _from_int64(part[:, 2 * k], dtype))
-        for part in all_gather_rows(packed, group)
+        for part in call.exchange.gather_stacked(packed)
     ]
     return merge_topk(parts, k)
 
 
-def _extract(
-    source: _Source, rows: int, dtype: torch.dtype, device: torch.device, layout: VocabLayout, settings: _Extraction
-) -> TeacherTopK:
+def _extract(call: Call[TopKPlan], source: SideLogits, dtype: torch.dtype) -> TeacherTopK:
     """The chunks' candidates, merged across the group, as log-probabilities; raises on every rank
-    (the merged values are the same on each) where a row's log-partition is not finite."""
-    k = settings.k
-    dtype = torch.float64 if settings.backend == "reference" else dtype
-    chunk = rows if settings.backend == "reference" else _chunk_rows(settings.config, layout.max_local_columns)
-    ids = torch.empty(rows, k, dtype=torch.int64, device=device)
-    logprobs = torch.empty(rows, k, dtype=dtype, device=device)
+    (the merged values are the same on each) where a row's log-partition is not finite. Rows per
+    chunk: the workspace's (:func:`~orda_tp.engine.workspace.row_layout`, a chunk's logits over the
+    widest shard in ``dtype``); the reference backend walks every row at once, in fp64."""
+    plan, layout, rows, device = call.plan, call.layout, call.labels.shape[0], call.labels.device
+    if call.math is None:
+        dtype, chunk = torch.float64, max(rows, 1)
+    else:
+        shards, workspace = layout.world_size, layout.workspace_mib
+        chunk = row_layout(plan.config, rows, layout.max_local_columns, dtype.itemsize, 0, shards, workspace).chunk_rows
+    ids = torch.empty(rows, plan.k, dtype=torch.int64, device=device)
+    logprobs = torch.empty(rows, plan.k, dtype=dtype, device=device)
     log_partition = torch.empty(rows, dtype=dtype, device=device)
-    for begin in range(0, rows, max(chunk, 1)):
-        end = min(rows, begin + chunk)
-        found = _local_topk(source, (begin, end), dtype, device, layout, settings)
-        if layout.group is not None:
-            found = _merged_across(found, k, layout.group)
+    for begin, end in row_ranges(0, rows, chunk):
+        found = _local_topk(call, source, begin, end, dtype)
+        if call.exchange is not None:
+            found = _merged_across(call, found)
         ids[begin:end], log_partition[begin:end] = found.ids, found.log_partition
+        # Relative to the row's best value: a peaked row's log-probabilities stay as exact as log_softmax's.
         logprobs[begin:end] = (found.values - found.values[:, :1]) - found.log_sum[:, None]
     bad = ~torch.isfinite(log_partition)
     if bool(bad.any()):
