@@ -127,8 +127,12 @@ def _kd_loss(
         )
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
     teacher_text = "teacher_logits=<tensor>" if cache is None else cache.settings_text()
-    settings = (options.settings_text, teacher_text, token_weights, ("num_batch_labels", num_batch_labels))
-    layout = agree(group, shard, options.config.host_checks, lambda: call_text(*settings))
+    layout = agree(
+        group,
+        shard,
+        options.config.host_checks,
+        lambda: call_text(options.settings_text, teacher_text, token_weights, ("num_batch_labels", num_batch_labels)),
+    )
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
     student = checked.student.reshape(-1, checked.student.shape[-1])
     teacher: TeacherBlocks

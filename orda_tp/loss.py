@@ -132,8 +132,14 @@ def _run(
         if not isinstance(teacher, TeacherSource):
             raise _teacher_type_error(teacher)
         local, shard = checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
-    settings = (options.settings_text, teacher.settings_text(), token_weights, ("num_valid_tokens", num_valid_tokens))
-    layout = agree(group, shard, options.kernel_config.host_checks, lambda: call_text(*settings))
+    layout = agree(
+        group,
+        shard,
+        options.kernel_config.host_checks,
+        lambda: call_text(
+            options.settings_text, teacher.settings_text(), token_weights, ("num_valid_tokens", num_valid_tokens)
+        ),
+    )
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     *teacher_tensors, teacher_blocks = local.teacher.logits_inputs(layout.vocab_start, layout.vocab_size)
     inputs = HeadTensors(local.student_hidden, local.weight, *teacher_tensors)

@@ -16,12 +16,12 @@ import torch
 from orda_tp import KL_VARIANTS, TiedTeacher
 from orda_tp.arguments.options import LossOptions
 from orda_tp.arguments.plan import LossPlan
+from orda_tp.engine.call import Call
 from orda_tp.engine.logits import LogitGrads, LogitsBlock
 from orda_tp.engine.records import merge_stacked_records, packed_columns
 from orda_tp.engine.reference import reference_loss
-from orda_tp.engine.call import Call
 from orda_tp.engine.row_walk import GradTarget, chunk_row_stats, stage_grads
-from orda_tp.engine.torch_math import TorchBlockMath, block_record
+from orda_tp.engine.torch_math import TorchBlockMath
 from orda_tp.parallel.layout import VocabLayout
 
 from .cases import COTRAINED, VARIANT_KWARGS, relative_error
@@ -106,7 +106,8 @@ def test_records_merge_in_any_order() -> None:
     labels = torch.randint(0, 40, (6,), generator=generator)
     plan = make_plan("forward", 40, TiedTeacher(logits))
     records = [
-        block_record(logits[:, a:b], logits[:, a:b], labels, a, plan.families) for a, b in [(0, 20), (20, 27), (27, 40)]
+        TorchBlockMath().partition(logits[:, a:b], logits[:, a:b], labels, a, plan.families)
+        for a, b in [(0, 20), (20, 27), (27, 40)]
     ]
     families = len(plan.families)
     expected = torch.stack([torch.logsumexp(logits / f.temperature, 1) for f in plan.families], 1)

@@ -15,8 +15,8 @@ import orda_tp
 from orda_tp import KernelConfig, PrecomputedTeacher, TiedTeacher
 from orda_tp.engine import fused, gradient_gemms
 from orda_tp.engine.block_math import select_backend
-from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
 from orda_tp.engine.call import Call
+from orda_tp.engine.logits import HeadLogits, LogitGrads, PairedLogits, StoredLogits, TiedLogits
 from orda_tp.engine.row_walk import GradTarget, row_ranges, walk_rows
 from orda_tp.engine.workspace import RowLayout
 from orda_tp.parallel.layout import VocabLayout

@@ -111,12 +111,6 @@ class Call(Generic[P]):
     gemms: GemmPolicy = GemmPolicy()
     teacher_blocks: TeacherBlocks | None = None
 
-    @property
-    def block_math(self) -> BlockMath:
-        """The chunked backend's block math (a walk never runs on the reference backend)."""
-        assert self.math is not None
-        return self.math
-
 
 @contextmanager
 def raised_on_every_rank(group: Callable[[], dist.ProcessGroup | None]) -> Iterator[None]:

@@ -110,7 +110,8 @@ def _walk_groups(
     Returns the chunks' statistics in row order."""
     plan, exchange, columns = call.plan, call.exchange, call.layout.real_local_columns
     # The logits source caps the blocks unless the block math does as it reads them.
-    caps = (None, None) if call.block_math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
+    assert call.math is not None
+    caps = (None, None) if call.math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
     source = logits_source(head, plan.needs_teacher_logits, plan.tied_head, call.teacher_blocks, caps)
     upstream_scale = upstream
     if buffers is not None:

@@ -41,7 +41,8 @@ def chunks_of(call: Call[LossPlan], dtype: torch.dtype, formed_sides: int = 0) -
     stored logits (torch), the two stored sides' copies too; when it holds none (the Triton kernels
     read both sides in place, a top-k cache's rows too), the whole batch is one chunk: its
     temporaries are a few values per row."""
-    held_sides = formed_sides if call.block_math.reads_stored_cache else 2
+    assert call.math is not None
+    held_sides = formed_sides if call.math.reads_stored_cache else 2
     rows, layout, config = call.labels.shape[0], call.layout, call.plan.config
     chunk_rows = max(rows, 1)
     if held_sides or config.chunk_size.nrows is not None:

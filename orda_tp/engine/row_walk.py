@@ -82,13 +82,14 @@ def walk_rows(
     """Walk ``chunks`` in order: each chunk's row statistics (computed, or ``saved[i]`` for
     ``chunks[i]``), with ``target`` its logit gradients written. Returns the statistics in chunk
     order. ``dtype``: the statistics dtype. A chunk's logits live only while it is walked."""
-    like = torch.empty(0, dtype=dtype, device=call.labels.device)
+    like, math = torch.empty(0, dtype=dtype, device=call.labels.device), call.math
+    assert math is not None  # a walk runs on a chunked backend, never the reference's
     columns = call.layout.real_local_columns
-    block = max(columns, 1) if call.block_math.whole_blocks else call.plan.config.vocab_block
+    block = max(columns, 1) if math.whole_blocks else call.plan.config.vocab_block
     column_ranges = [(start, min(start + block, columns)) for start in range(0, columns, block)]
     walked = []
     for index, (begin, end) in enumerate(chunks):
-        blocks = source.blocks(begin, end, column_ranges, dtype, call.block_math.reads_stored_cache)
+        blocks = source.blocks(begin, end, column_ranges, dtype, math.reads_stored_cache)
         labels, chunk_target = call.labels[begin:end], None if target is None else (target, begin, end)
         if saved is None:
             stats = chunk_row_stats(call, blocks, labels, like, chunk_target)
@@ -114,7 +115,8 @@ def chunk_row_stats(
     Where the plan allows (``LossPlan.kl_sums_in_gradient_pass``) and gradients are formed, round 2
     is summed by the gradient pass instead of a pass of its own: the gradient then reads the KL's
     ``keep`` from round 1 (``present``), which is the finish step's when ``D`` cannot be ``+inf``."""
-    plan, math, exchange = call.plan, call.block_math, call.exchange
+    plan, math, exchange = call.plan, call.math, call.exchange
+    assert math is not None
     vocab_start, families = call.layout.vocab_start, plan.families
     sums, caps = plan.column_sums, (plan.student_softcap, plan.teacher_softcap)
     records = [
@@ -167,7 +169,8 @@ def _kl_round(
     """Round 2 and the finish step, from the partition step's outputs ``partition``: the rows' KL
     component ``T_s²·max(D, 0)`` and the KL term's statistics. Round 2's sums merge by addition,
     block after block; ``local_sums``: this device's, when the gradient pass summed them."""
-    plan, math = call.plan, call.block_math
+    plan, math = call.plan, call.math
+    assert math is not None
     divergence = plan.divergence
     assert divergence is not None
     lse_u, lse_v = partition["lse_u"], partition["lse_v"]
@@ -216,7 +219,8 @@ def stage_grads(
     ``keep`` and the variant's constants) and each block's logit gradients written into the
     target's rows ``[begin, end)``; with ``sums_out`` (a plan whose ``kl_sums_in_gradient_pass`` is
     set) the blocks' round-2 sums added into it, (rows, num_sums)."""
-    plan, math = call.plan, call.block_math
+    plan, math = call.plan, call.math
+    assert math is not None
     grad_target, begin, end = target
     program = grad_step(plan.step_key)
     values = {name: statistics[name] for name in program.inputs if name not in ("upstream", "valid")}

@@ -24,7 +24,7 @@ from .row_formulas import RowProgram
 from .stats import GradRows
 from .topk_rows import block_topk
 
-__all__ = ["TorchBlockMath", "block_record", "evaluate", "evaluate_rows"]
+__all__ = ["TorchBlockMath", "evaluate", "evaluate_rows"]
 
 _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "exp": torch.exp,
@@ -125,50 +125,9 @@ def evaluate_rows(
     return torch.stack(outputs, dim=1)
 
 
-def block_record(
-    student: Tensor,
-    teacher: Tensor | None,
-    labels: Tensor,
-    col_start: int,
-    families: Sequence[LogitFamily],
-    column_sums: Tensor | None = None,
-) -> Tensor:
-    """The packed round-1 record (:mod:`.records`) of a block whose columns start at global column
-    ``col_start``, with torch ops; ``column_sums``: the block's (rows, E) column sums, formed by the
-    caller (none by default).
-
-    ``student``/``teacher``: (rows, cols) raw logits in the statistics dtype; ``labels``: (rows,)
-    global label ids. Per family ``x = logits/T``: ``(max x, Σ e^{x − max x})``, an all −inf row
-    giving (−inf, 0); the logits at the label column for rows whose label lies in the block, else 0.
-    """
-    sides = {"student": student, "teacher": teacher}
-    maxes, sumexps = [], []
-    for family in families:
-        logits = sides[family.side]
-        assert logits is not None, f"family {family} needs {family.side} logits"
-        x = logits if family.temperature == 1.0 else logits / family.temperature
-        row_max = x.amax(dim=1)
-        # An all −inf row is shifted by 0: x − (−inf) would be NaN; its sum is then Σ e^{−inf} = 0.
-        shift = torch.where(row_max == float("-inf"), 0.0, row_max)
-        maxes.append(row_max)
-        sumexps.append(torch.exp(x - shift[:, None]).sum(dim=1))
-    local_labels = labels - col_start
-    owned = (local_labels >= 0) & (local_labels < student.shape[1])
-    # A label outside the block is read at column 0 and zeroed: it is never used as an index.
-    index = torch.where(owned, local_labels, 0)[:, None]
-    target_student = torch.where(owned, student.gather(1, index).squeeze(1), 0.0)
-    if teacher is None:
-        target_teacher = torch.zeros_like(target_student)
-    else:
-        target_teacher = torch.where(owned, teacher.gather(1, index).squeeze(1), 0.0)
-    columns = [*maxes, *sumexps, target_student, target_teacher, owned.to(student.dtype)]
-    record = torch.stack(columns, dim=1)
-    return record if column_sums is None else torch.cat([record, column_sums], dim=1)
-
-
 class TorchBlockMath:
-    """Torch ops on (rows × block) tensors: the records of :func:`block_record`, merged as
-    :mod:`.records` says, the trees interpreted here."""
+    """Torch ops on (rows × block) tensors: the records merged as :mod:`.records` says, the trees
+    interpreted here."""
 
     reads_stored_cache = False
     applies_softcap = False  # its blocks arrive capped (engine.logits.softcapped)
@@ -184,19 +143,42 @@ class TorchBlockMath:
         labels: Tensor,
         col_start: int,
         families: Sequence[LogitFamily],
-        column_sums: tuple[Expr, ...],
+        column_sums: tuple[Expr, ...] = (),
         caps: tuple[float | None, float | None] = (None, None),
     ) -> Tensor:
-        """The packed round-1 record of a block (:func:`block_record`), with the row sums of
-        ``column_sums`` over the student (and teacher) logits (``caps`` unused: the blocks arrive
-        capped)."""
+        """The packed round-1 record (:mod:`.records`) of a block whose columns start at global
+        column ``col_start``: per family ``x = logits/T``, ``(max x, Σ e^{x − max x})`` (an all −inf
+        row gives (−inf, 0)); the raw logits at the label column for rows whose label lies in the
+        block, else 0; and the row sums of ``column_sums`` (trees over ``RAW_STUDENT``,
+        ``RAW_TEACHER``). ``student``/``teacher``: (rows, cols) raw logits in the statistics dtype;
+        ``caps`` unused: the blocks arrive capped."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
-        sums = None
-        if column_sums:
-            raw = {str(RAW_STUDENT.value): student, str(RAW_TEACHER.value): teacher}
-            terms = evaluate(column_sums, raw, {}, shape=str(RAW_STUDENT.value))
-            sums = torch.stack([term.sum(1) for term in terms], dim=1)
-        return block_record(student, teacher, labels, col_start, families, sums)
+        sides = {"student": student, "teacher": teacher}
+        maxes, sumexps = [], []
+        for family in families:
+            logits = sides[family.side]
+            assert logits is not None, f"family {family} needs {family.side} logits"
+            x = logits if family.temperature == 1.0 else logits / family.temperature
+            row_max = x.amax(dim=1)
+            # An all −inf row is shifted by 0: x − (−inf) would be NaN; its sum is Σ e^{−inf} = 0.
+            shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+            maxes.append(row_max)
+            sumexps.append(torch.exp(x - shift[:, None]).sum(dim=1))
+        local_labels = labels - col_start
+        owned = (local_labels >= 0) & (local_labels < student.shape[1])
+        # A label outside the block is read at column 0 and zeroed: it is never used as an index.
+        index = torch.where(owned, local_labels, 0)[:, None]
+        target_student = torch.where(owned, student.gather(1, index).squeeze(1), 0.0)
+        if teacher is None:
+            target_teacher = torch.zeros_like(target_student)
+        else:
+            target_teacher = torch.where(owned, teacher.gather(1, index).squeeze(1), 0.0)
+        record = torch.stack([*maxes, *sumexps, target_student, target_teacher, owned.to(student.dtype)], dim=1)
+        if not column_sums:
+            return record
+        raw = {str(RAW_STUDENT.value): student, str(RAW_TEACHER.value): teacher}
+        terms = evaluate(column_sums, raw, {}, shape=str(RAW_STUDENT.value))
+        return torch.cat([record, torch.stack([term.sum(1) for term in terms], dim=1)], dim=1)
 
     def kl_sums(
         self,

@@ -41,7 +41,7 @@ from .records import packed_columns
 from .row_formulas import RowProgram
 from .stats import GradRows
 from .topk_rows import TopKRows, decode_keys
-from .torch_math import block_record
+from .torch_math import TorchBlockMath
 
 __all__ = ["KERNEL_BLOCK", "KERNEL_GROUP", "KERNEL_WARPS", "TritonBlockMath", "grid_launcher", "scale_in_place"]
 
@@ -120,12 +120,12 @@ class TritonBlockMath:
         column_sums: tuple[Expr, ...],
         caps: Caps = (None, None),
     ) -> Tensor:
-        """The packed round-1 record of a block (see :func:`.torch_math.block_record`), with
+        """The packed round-1 record of a block (see ``TorchBlockMath.partition``), with
         the row sums of the student terms' ``column_sums``, of the logits soft-capped by ``caps``."""
         rows, cols = student.shape
         count = len(families)
         if count == 0:  # no family: no student term and no teacher term, so no column sums or t_y
-            return block_record(student, None, labels, col_start, families)
+            return TorchBlockMath().partition(student, None, labels, col_start, families)
         sums = variant_terms.record_column_sums(column_sums).function if column_sums else None
         chosen, launch, per_split = _tiles_and_grid("partition", student)
         width = len(packed_columns(count, len(column_sums)))
