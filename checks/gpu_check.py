@@ -90,7 +90,7 @@ REDUCTIONS = ("mean", "sum", "none")
 CHECK_BACKENDS = ("triton", "torch")
 PAD_FILL = 30.0  # cached teacher logits on padding columns: large, so that any leak into padding shows
 FIELDS = ("loss", "student_ce", "teacher_ce", "kl", "z_loss")
-#: Cases with the student's loss terms on (orda_tp/terms.py), named "<variant>+terms": the
+#: Cases with the student's loss terms on (orda_tp/divergences/terms.py), named "<variant>+terms": the
 #: variant's case with label smoothing and a z-loss added.
 TERMS = {"label_smoothing": 0.1, "z_loss_weight": 1e-3}
 TERM_CASES = ("forward+terms", "skew_js+terms")

@@ -1,7 +1,7 @@
 """Logits near ±1000 whose maximum lies in one column block (or one shard): problems and the gloo worker.
 
 The records of column blocks and shards merge their partial log-partitions ``(m, z)`` by
-rescaling every ``z`` to the largest ``m`` (orda_tp/records.py). With ordinary logits a merge
+rescaling every ``z`` to the largest ``m`` (orda_tp/engine/records.py). With ordinary logits a merge
 that picked another ``m`` still gives finite, nearly right values; with one block near +1000 and
 the others near −1000 (spread 2000, and 1000 after dividing by a temperature of 2) any other
 choice overflows ``e^{m − M}`` in fp64. :func:`extreme_problem` builds such heads for the student

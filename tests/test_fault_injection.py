@@ -21,10 +21,10 @@ LOCAL_FAILURE = "invalid inputs on tp_group rank(s)"
 
 # The modules whose checks a loss call runs (directly or through the helpers of checks.py).
 CHECK_MODULES = (
-    "api.py",
-    "checks.py",
-    "options.py",
-    "plan.py",
+    "loss.py",
+    "arguments/validation.py",
+    "arguments/options.py",
+    "arguments/plan.py",
     "lm_head.py",
     "divergences/base.py",
     "divergences/power.py",
@@ -36,10 +36,11 @@ CHECK_MODULES = (
     "parallel/layout.py",
     "parallel/dtensor.py",
     "parallel/shard_exchange.py",
-    "logits_losses/kd_loss.py",
-    "logits_losses/flash_kd.py",
-    "logits_losses/logits_shards.py",
+    "kd_loss.py",
+    "flash_kd.py",
+    "parallel/logits_shards.py",
     "engine/block_math.py",
+    "engine/call.py",
 )
 
 # Functions whose raises no fault reaches, and why.
@@ -55,9 +56,9 @@ EXEMPT = {
     "teachers/cached.py:PrecomputedTeacher._version_of": BUILT_BY_THE_USER,
     "teachers/cached.py:PrecomputedTeacher.prepare_logits": BUILT_BY_THE_USER + " (a method the user calls)",
     "lm_head.py:DistillationHead.from_linear": BUILT_BY_THE_USER,
-    "options.py:resolve_divergence": "its second raise (a parameter the variant does not read) is raised with "
+    "arguments/options.py:resolve_divergence": "its second raise (a parameter the variant does not read) is raised with "
     "unused='raise' only, by KDLoss's constructor; the first is reached",
-    "options.py:LogitsOptions.resolve": "its raise (a keyword no variant reads) is KDLoss's constructor's: "
+    "arguments/options.py:LogitsOptions.resolve": "its raise (a keyword no variant reads) is KDLoss's constructor's: "
     + BUILT_BY_THE_USER,
     "parallel/local_shards.py:_localize": "its tp_group-against-mesh check needs a second process group of other "
     "ranks than the mesh's (test_tensor_parallel's DTensor workers cover it); the others are reached",
@@ -65,10 +66,12 @@ EXEMPT = {
     "dimension than the student's; test_tensor_parallel's 2-D workers)",
     "parallel/dtensor.py:local_shard": "its mesh and two-row-shard checks need a second or 2-D mesh "
     "(test_tensor_parallel's DTensor workers); the placement check is reached",
-    "logits_losses/logits_shards.py:_vocab_axis": "its second raise needs a 2-D mesh; the first is reached",
-    "logits_losses/logits_shards.py:logits_group": "its second raise needs a second process group; the first "
+    "parallel/logits_shards.py:_vocab_axis": "its second raise needs a 2-D mesh; the first is reached",
+    "parallel/logits_shards.py:logits_group": "its second raise needs a second process group; the first "
     "is reached",
-    "logits_losses/logits_shards.py:local_head_weight": "needs a head sharded on a second mesh",
+    "parallel/logits_shards.py:local_head_weight": "needs a head sharded on a second mesh",
+    "engine/block_math.py:select_backend": "its second raise (the kernels refuse a call they could run: the top-k "
+    "kernel's largest k) needs a CUDA device where the kernels run; the first is reached",
 }
 
 

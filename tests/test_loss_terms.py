@@ -1,4 +1,4 @@
-"""The student's loss terms (orda_tp/terms.py): label smoothing and z-loss, against textbook torch.
+"""The student's loss terms (orda_tp/divergences/terms.py): label smoothing and z-loss, against textbook torch.
 
 - ``label_smoothing=ε``: the student CE equals ``torch.nn.functional.cross_entropy(logits, labels,
   label_smoothing=ε)`` over the real vocabulary (padding columns excluded), with ``ignore_index``

@@ -55,7 +55,7 @@ class VocabLayout:
     ``real_local_columns`` lie below ``vocab_size`` (the rest is padding); ``total_columns``: all
     shards' columns; ``max_local_columns``: the widest shard's. On one device the layout is the
     whole head (:func:`orda_tp.loss.agreed_call`). ``workspace_mib``: the
-    call's default chunk workspace (:mod:`orda_tp.workspace`), under a group the smallest rank's,
+    call's default chunk workspace (:func:`orda_tp.engine.workspace.default_workspace_mib`), under a group the smallest rank's,
     so that every rank walks the same chunks.
     """
 
@@ -97,7 +97,7 @@ class ShardClaim:
     """What one rank brings to the handshake (−1 where a field is not given): its shard's sizes
     and range, its label rows, whether its own checks failed (:func:`failure_code`), the digest
     of its call's settings (:func:`text_digest` of the ``call_text`` of :func:`resolve_layout`)
-    and its device's default chunk workspace in MiB (:func:`orda_tp.workspace.default_workspace_mib`)."""
+    and its device's default chunk workspace in MiB (:func:`orda_tp.engine.workspace.default_workspace_mib`)."""
 
     local_columns: int = -1
     teacher_columns: int = -1
