@@ -56,8 +56,8 @@ EXEMPT = {
     "teachers/cached.py:PrecomputedTeacher._version_of": BUILT_BY_THE_USER,
     "teachers/cached.py:PrecomputedTeacher.prepare_logits": BUILT_BY_THE_USER + " (a method the user calls)",
     "lm_head.py:DistillationHead.from_linear": BUILT_BY_THE_USER,
-    "arguments/options.py:resolve_divergence": "its second raise (a parameter the variant does not read) is raised with "
-    "unused='raise' only, by KDLoss's constructor; the first is reached",
+    "arguments/options.py:resolve_divergence": "its second raise (a parameter the variant does not read) is raised "
+    "with unused='raise' only, by KDLoss's constructor; the first is reached",
     "arguments/options.py:LogitsOptions.resolve": "its raise (a keyword no variant reads) is KDLoss's constructor's: "
     + BUILT_BY_THE_USER,
     "parallel/local_shards.py:_localize": "its tp_group-against-mesh check needs a second process group of other "
@@ -67,8 +67,7 @@ EXEMPT = {
     "parallel/dtensor.py:local_shard": "its mesh and two-row-shard checks need a second or 2-D mesh "
     "(test_tensor_parallel's DTensor workers); the placement check is reached",
     "parallel/logits_shards.py:_vocab_axis": "its second raise needs a 2-D mesh; the first is reached",
-    "parallel/logits_shards.py:logits_group": "its second raise needs a second process group; the first "
-    "is reached",
+    "parallel/logits_shards.py:logits_group": "its second raise needs a second process group; the first is reached",
     "parallel/logits_shards.py:local_head_weight": "needs a head sharded on a second mesh",
     "engine/block_math.py:select_backend": "its second raise (the kernels refuse a call they could run: the top-k "
     "kernel's largest k) needs a CUDA device where the kernels run; the first is reached",

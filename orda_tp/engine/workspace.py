@@ -126,7 +126,8 @@ def row_layout(
     columns = max(local_vocab, 1)
     rows = max(total_rows, 1)
     # The most rows with CHUNKS_PER_GROUP chunks per group, and those as a multiple of 16 (at least 1).
-    fitting = budget // (columns * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes))
+    row_bytes = columns * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
+    fitting = budget // row_bytes if row_bytes else rows  # a chunk that keeps nothing per column: any rows fit
     fitting_16 = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
     candidates = [(cost, RowLayout(chunk * shards, group * shards)) for (chunk, group), cost in LAYOUT_COSTS.items()]
     fits = [(cost, c) for cost, c in candidates if c.workspace_bytes(columns, logit_bytes, staged_bytes) <= budget]

@@ -54,9 +54,9 @@ class VocabLayout:
     Global columns ``[vocab_start, vocab_stop)`` are this rank's ``local_columns``, of which
     ``real_local_columns`` lie below ``vocab_size`` (the rest is padding); ``total_columns``: all
     shards' columns; ``max_local_columns``: the widest shard's. On one device the layout is the
-    whole head (:func:`orda_tp.loss.agreed_call`). ``workspace_mib``: the
-    call's default chunk workspace (:func:`orda_tp.engine.workspace.default_workspace_mib`), under a group the smallest rank's,
-    so that every rank walks the same chunks.
+    whole head (:func:`orda_tp.engine.call.agree`). ``workspace_mib``: the call's default chunk
+    workspace (:func:`orda_tp.engine.workspace.default_workspace_mib`), under a group the smallest
+    rank's, so that every rank walks the same chunks.
     """
 
     vocab_start: int

@@ -188,7 +188,7 @@ def shard_inputs(
     token_weights: object,
 ) -> tuple[LocalInputs, LocalShard]:
     """This rank's checked tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs)
-    and its share for the layout handshake (:func:`orda_tp.loss.agreed_call`). Every check that
+    and its share for the layout handshake (:func:`orda_tp.engine.call.agree`). Every check that
     reads only this rank's own arguments runs here: FSDP2 shards posing as vocabulary shards, the
     backend, the placements, types, shapes and devices, the teacher descriptor,
     ``num_valid_tokens`` and ``token_weights``."""

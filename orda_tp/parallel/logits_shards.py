@@ -7,7 +7,7 @@ whose shards follow ``torch.chunk`` order. Other mesh dimensions may be ``Replic
 leading (row) dimensions, e.g. data parallelism: each rank then works on its local rows.
 
 On a group, ranks agree on the layout through the handshake every loss shares
-(:func:`orda_tp.loss.agreed_call`), so a bad input on one rank raises the same error on every rank.
+(:func:`orda_tp.engine.call.agree`), so a bad input on one rank raises the same error on every rank.
 """
 
 from __future__ import annotations
