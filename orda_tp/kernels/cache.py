@@ -70,11 +70,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to a unique ``0o600`` temporary file beside ``path``, then move it over
     ``path`` (replacing a link there, never writing through it)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Beside the target: os.replace is atomic only within one file system.
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
         os.replace(temporary, path)
+    # Also on KeyboardInterrupt: no temporary file is left behind.
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)

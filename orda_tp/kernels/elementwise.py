@@ -53,6 +53,7 @@ def expm1(x: tl.tensor) -> tl.tensor:
     ``u`` is so large that the ratio would overflow."""
     u: tl.tensor = exp(x)
     um1 = u - 1.0
+    # log u is 0 where u rounds to 1: log 2 there keeps the unused quotient finite instead of 0/0 = NaN.
     accurate = um1 * x / tl.log(tl.where(u == 1.0, 2.0, u))
     return tl.where(u == 1.0, x, tl.where(um1 == -1.0, -1.0, tl.where(u > 3.0e38, u, accurate)))
 
@@ -61,5 +62,6 @@ def expm1(x: tl.tensor) -> tl.tensor:
 def logaddexp(a: tl.tensor, b: tl.tensor) -> tl.tensor:
     """``log(e^a + e^b)`` shifted by ``max(a, b)``; ``logaddexp(−inf, −inf) = −inf``."""
     m = tl.maximum(a, b)
+    # Both −inf: shifted by 0, so a − shift stays −inf, its exponential 0, and the result log 0 = −inf, not NaN.
     shift = tl.where(m == float("-inf"), 0.0, m)
     return shift + tl.log(exp(a - shift) + exp(b - shift))

@@ -106,6 +106,7 @@ def wrapped(text: str, indent: str) -> list[str]:
 
 def _literal(value: float) -> str:
     if math.isfinite(value):
+        # repr round-trips a float exactly, −0.0 included: the kernel gets the tree's constant bit for bit.
         return repr(float(value))
     return f'float("{value}")'  # inf, -inf, nan
 
@@ -125,6 +126,7 @@ class _Writer:
         self.helpers: set[str] = set()
 
     def intern(self, expr: Expr) -> int:
+        # id() is a safe key here: the spec holds every tree alive while the writer runs, so no id is reused.
         known = self.seen.get(id(expr))
         if known is not None:
             return known
@@ -161,6 +163,7 @@ class _Writer:
                 self.flush(pending, refs)
                 refs[index] = self.expression(node, refs)
             pending[:] = [arg for arg in pending if arg not in operands]
+            # A result, or a value used twice, gets a variable: computed once, on its own line.
             if index in names or uses[index] > 1:
                 self.flush(pending, refs)
                 name = self.unique(names[index]) if index in names else self.variable_name(node, refs)
@@ -183,6 +186,7 @@ class _Writer:
         if node.op == "const":
             assert isinstance(node.value, float)
             text = _literal(node.value)
+            # A negative literal is a unary minus to Python, parenthesized wherever one would be.
             return text, UNARY if text.startswith("-") else ATOM
         if node.op == "column":
             return str(node.value), ATOM
@@ -192,13 +196,16 @@ class _Writer:
         if node.op in BINARY:
             symbol, level, _ = BINARY[node.op]
             (left, left_level), (right, right_level) = args
+            # Python chains comparisons (a == b == c): a comparison on the left of another needs parentheses.
             if left_level < level or (level == COMPARE and left_level == COMPARE):
                 left = f"({left})"
+            # The operators are left-associative: a right operand of equal precedence needs them (a - (b - c)).
             if right_level <= level:
                 right = f"({right})"
             return f"{left} {symbol} {right}", level
         if node.op == "neg":
             operand, level = args[0]
+            # −(a * b), not −a * b: the text keeps the tree's order of operations, negation last.
             return ("-" + (f"({operand})" if level <= UNARY else operand)), UNARY
         if node.op in HELPERS:
             self.helpers.add(node.op)

@@ -51,8 +51,11 @@ def online_lse_update(m: tl.tensor, z: tl.tensor, x: tl.tensor) -> tuple[tl.tens
     """``(m, z)`` of the columns seen so far, updated with a (BLOCK_R, BLOCK_C) tile ``x``:
     ``m' = max(m, max x)``, ``z' = z·e^{m−m'} + Σ e^{x−m'}`` (shifted by 0 while ``m'`` is −inf)."""
     new = tl.maximum(m, tl.max(x, axis=1))
+    # A row with nothing finite yet (new = −inf) shifts by 0: x − new would be −inf − (−inf) = NaN.
     shift = tl.where(new == float("-inf"), 0.0, new)
+    # Nothing seen before this tile (m = −inf): z is 0 and stays 0, whatever the shift.
     z = tl.where(m == float("-inf"), 0.0, z * exp(m - shift))
+    # Padded entries are −inf: e^(−inf − shift) = 0 adds nothing.
     z += tl.sum(exp(x - shift[:, None]), axis=1)
     return new, z
 
@@ -70,20 +73,27 @@ def listed_partition(
     """``(m, z)`` of ``x = t/T`` over global columns ``first … end − 1`` of a sparse block, from
     its rows alone: the listed values inside the range, and ``n`` unlisted columns at the fill
     ``τ`` (``z += n·e^{τ/T − m}``), so no tile of the teacher is formed."""
+    # No soft-cap here: the plan refuses a teacher soft-cap on a cache, whose values are taken as capped.
     m = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
     z = tl.zeros(rows.shape, dtype=tl.float32)
     listed = tl.zeros(rows.shape, dtype=tl.int32)
     ids_ptr, values_ptr, stride, k = sparse
     for m0 in tl.range(0, k, SPARSE_STEP):
         ids, values = listed_step(sparse, rows, row_ok, m0)
+        # Ids of other splits (and NO_ID) count neither as listed here nor in the partition: −inf adds nothing.
         inside = (ids >= first) & (ids < end)
         listed += tl.sum(inside.to(tl.int32), axis=1)
         m, z = online_lse_update(m, z, tl.where(inside, values * inv_temperature, float("-inf")))
+    # A missing row reads a −inf fill, so it has no unlisted columns.
     fill = tl.load(fill_ptr + rows, mask=row_ok, other=float("-inf")).to(tl.float32) * inv_temperature
+    # The range's other columns all hold the fill; a −inf fill (no mass off the list) counts none of them.
     unlisted = tl.where(row_ok & (fill > float("-inf")), end - first - listed, 0).to(tl.float32)
+    # The fill counts toward the max only where some column holds it, not when the list covers the range.
     top = tl.where(unlisted > 0.0, tl.maximum(m, fill), m)
+    # As in online_lse_update: an all −inf row shifts by 0, so no −inf − (−inf).
     shift = tl.where(top == float("-inf"), 0.0, top)
     z = tl.where(m == float("-inf"), 0.0, z * exp(m - shift))
+    # The n unlisted columns in one term, n·e^(τ/T − top), instead of one exponential each.
     z += tl.where(unlisted > 0.0, unlisted * exp(fill - shift), 0.0)
     return top, z
 
@@ -110,17 +120,21 @@ def label_logits(
     up among the row's listed ids (:func:`.block_io.sparse_at`; block column 0 is global column
     ``col_start``)."""
     cap_s, cap_t = caps
+    # Masked to the owner: every other split and shard reads 0, so the summed records hold the owner's logit.
     target_s = tl.load(s_ptr + rows * stride_s + label, mask=owned, other=0.0).to(tl.float32)
     if CAPPED[0]:
+        # softcap(0) = 0: the 0 of a row that does not own the label stays 0.
         target_s = softcap(target_s, cap_s)
     if HAS_T:
         if SPARSE:
+            # Looked up among the row's listed ids, which are global columns: no teacher tile is needed.
             target_t = sparse_at(t_ptr, sparse, rows, col_start + label, owned)
         else:
             target_t = tl.load(t_ptr + rows * stride_t + label, mask=owned, other=0.0).to(tl.float32)
         if CAPPED[1]:
             target_t = softcap(target_t, cap_t)
     else:
+        # No teacher: t_y is 0, as on a row whose label another split owns.
         target_t = tl.zeros([BLOCK_R], dtype=tl.float32)
     return target_s, target_t
 
@@ -133,6 +147,7 @@ def nothing_seen(
     (BLOCK_R, BLOCK_C) tile of zeros (accumulated per element, reduced once at the end)."""
     partials = empty_tuple()
     for _ in tl.static_range(NUM_FAMILIES):
+        # (−inf, 0) is the identity of the merge: merged with any (m, z) it gives (m, z) back.
         partials += ((tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32)),)
     return partials, zero_sums(NUM_COLUMN_SUMS, BLOCK_R, BLOCK_C)
 
@@ -154,6 +169,7 @@ def with_listed_teacher(
     taken from a sparse block's rows (:func:`listed_partition`); the student's families as given."""
     families = empty_tuple()
     for f in tl.static_range(NUM_FAMILIES):
+        # READS_TEACHER is constexpr: each family's branch is chosen when the kernel is compiled.
         if READS_TEACHER[f]:
             families += (listed_partition(fill_ptr, sparse, rows, row_ok, first, end, inv_temperatures[f]),)
         else:
@@ -177,6 +193,7 @@ def tile_update(
     for f in tl.static_range(NUM_FAMILIES):
         m, z = partials[f]
         if READS_TEACHER[f] and TEACHER_LISTED:
+            # Already formed over the whole split from the listed values; this tile's t is only the −inf stand-in.
             updated += ((m, z),)
         else:
             updated += (online_lse_update(m, z, (t if READS_TEACHER[f] else s) * inv_temperatures[f]),)
@@ -206,6 +223,7 @@ def store_record(
         tl.store(base + 2 * NUM_FAMILIES + 3 + k, tl.sum(sums[k], axis=1), mask=row_ok)
 
 
+# R and col_start change with every chunk and shard: not specialized on, so a new value compiles nothing.
 @triton.jit(do_not_specialize=["R", "col_start"])
 def partition_kernel(
     s_ptr: tl.tensor,
@@ -243,10 +261,12 @@ def partition_kernel(
     ``TEACHER_LISTED`` (a sparse teacher whose tiles no column sum reads) the teacher's families
     come from its listed values and fill (:func:`listed_partition`) and the tiles hold the
     student alone."""
+    # The teacher's tiles are loaded only when something reads them: not when its families come from its list.
     TILE_T: tl.constexpr = tl.constexpr(HAS_T and not TEACHER_LISTED)
     TILE_SPARSE: tl.constexpr = SPARSE and TILE_T
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     label = local_labels(labels_ptr, rows, row_ok, col_start)
+    # A label's column lies in one split of one block only, so the merged s_y, t_y and hits count it once.
     owned = row_ok & (label >= c_begin) & (label < c_end)
     target_s, target_t = label_logits(
         s_ptr, t_ptr, rows, stride_s, stride_t, label, owned, caps, col_start, sparse,
@@ -254,10 +274,12 @@ def partition_kernel(
     )  # fmt: skip
     partials, sums = nothing_seen(NUM_FAMILIES, NUM_COLUMN_SUMS, BLOCK_R, BLOCK_C)
     if TEACHER_LISTED:
+        # The split's teacher partition from each row's k listed values and its fill, before any tile.
         partials = with_listed_teacher(
             partials, t_ptr, sparse, rows, row_ok, col_start + c_begin, col_start + c_end, inv_temperatures,
             READS_TEACHER, NUM_FAMILIES,
         )  # fmt: skip
+    # Where each row's sorted ids reach the split's first global column; zeros unless the tiles walk them.
     ahead = sparse_start(sparse, rows, row_ok, col_start + c_begin, TILE_SPARSE)
     for c0 in tl.range(c_begin, c_end, BLOCK_C):
         cols, ok, s, t, ahead = load_tile(
@@ -265,14 +287,18 @@ def partition_kernel(
             sparse, ahead, TILE_T, TILE_SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
         partials = tile_update(partials, s, t, inv_temperatures, READS_TEACHER, TEACHER_LISTED, NUM_FAMILIES)
+        # A constexpr test: a plan without column sums compiles no call of COLUMN_SUMS at all.
         if NUM_COLUMN_SUMS > 0:
             sums = accumulated(sums, COLUMN_SUMS(s, t), ok, s, NUM_COLUMN_SUMS)
+    # Each split writes its own record, no atomics: merge_kernel then folds them in split order.
     base = out_ptr + tl.program_id(1) * R * WIDTH + rows * WIDTH
+    # hits is 1 from the owner alone: summed over splits and shards, 1 where some block owns the label, else 0.
     store_record(
         base, partials, (target_s, target_t, tl.where(owned, 1.0, 0.0)), sums, row_ok, NUM_FAMILIES, NUM_COLUMN_SUMS
     )
 
 
+# R and S (the splits, or the shards gathered) vary between calls: not specialized on, so nothing recompiles.
 @triton.jit(do_not_specialize=["R", "S"])
 def merge_kernel(
     in_ptr: tl.tensor,
@@ -288,17 +314,21 @@ def merge_kernel(
     then the sums of ``s_y``, ``t_y``, ``hits`` and the column sums; the same merge as
     :func:`orda_tp.engine.records.merge_stacked_partition_records`."""
     rows, row_ok = row_tile(R, BLOCK_R)
+    # Two passes per family: the overall max first, so each z_k is rescaled once, as the torch merge does.
     for f in tl.static_range(NUM_FAMILIES):
         top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        # The splits in index order, in every loop here: one stack always merges to the same bits, on any rank.
         for split in tl.range(S):
             top = tl.maximum(top, tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + f, mask=row_ok, other=0.0))
         total = tl.zeros([BLOCK_R], dtype=tl.float32)
         for split in tl.range(S):
             m = tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + f, mask=row_ok, other=0.0)
             z = tl.load(in_ptr + split * R * WIDTH + rows * WIDTH + NUM_FAMILIES + f, mask=row_ok, other=0.0)
+            # A split that saw nothing finite adds 0: where top is −inf too, m − top would be −inf − (−inf) = NaN.
             total += tl.where(m == float("-inf"), 0.0, z * exp(m - top))
         tl.store(out_ptr + rows * WIDTH + f, top, mask=row_ok)
         tl.store(out_ptr + rows * WIDTH + NUM_FAMILIES + f, total, mask=row_ok)
+    # s_y, t_y, hits and the column sums add up: a split that does not own the label holds 0 in the first three.
     for k in tl.static_range(2 * NUM_FAMILIES, WIDTH):
         total = tl.zeros([BLOCK_R], dtype=tl.float32)
         for split in tl.range(S):

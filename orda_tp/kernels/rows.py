@@ -17,6 +17,7 @@ from .block_io import empty_tuple, row_tile
 __all__ = ["rows_kernel"]
 
 
+# R changes with every chunk: not specialized on, so a new row count compiles nothing.
 @triton.jit(do_not_specialize=["R"])
 def rows_kernel(
     out_ptr: tl.tensor,
@@ -36,6 +37,7 @@ def rows_kernel(
     values = empty_tuple()
     for i in tl.static_range(len(inputs)):
         pointer, stride = inputs[i]
+        # A missing row reads 0 (log 0 = −inf in a formula is harmless: the row is never stored).
         values += (tl.load(pointer + rows * stride, mask=row_ok, other=0).to(tl.float32),)
     results = FORMULAS(values, scalars)
     for j in tl.static_range(NUM_OUTPUTS):

@@ -29,6 +29,7 @@ from .variant_terms import GeneratedFunction
 __all__ = ["KERNELS", "RowStep", "kernel_source", "print_kernel"]
 
 KERNELS = ("partition", "merge", "sums", "grads", "rows", "scale")
+# The repository root: sections name files orda_tp/kernels/…, whatever the working directory.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -98,6 +99,7 @@ def _python_function(jitted: object) -> FunctionType | None:
     """The Python function of an orda_tp ``@triton.jit`` (or ``triton.constexpr_function``)
     function, None for anything else."""
     function = getattr(jitted, "fn", None)
+    # Only orda_tp's own: tl builtins stay out, and generated functions (module orda_tp_generated_…) get sections.
     if isinstance(function, FunctionType) and function.__module__.startswith("orda_tp.kernels"):
         return function
     return None
@@ -124,6 +126,7 @@ def _called(function: FunctionType) -> list[FunctionType]:
         (node for node in ast.walk(ast.parse(_text(function))) if isinstance(node, ast.Name)),
         key=lambda node: (node.lineno, node.col_offset),
     )
+    # Resolved in the defining module's globals, so a helper imported from another kernel file is followed.
     found = (_python_function(function.__globals__.get(node.id)) for node in names)
     return list(dict.fromkeys(called for called in found if called is not None))
 

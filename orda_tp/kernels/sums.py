@@ -27,6 +27,7 @@ from .block_io import (
 __all__ = ["sums_kernel"]
 
 
+# R and col_start change with every chunk and shard: not specialized on, so a new value compiles nothing.
 @triton.jit(do_not_specialize=["R", "col_start"])
 def sums_kernel(
     s_ptr: tl.tensor,
@@ -60,6 +61,8 @@ def sums_kernel(
     per tile element and reduced across the columns once, at the end."""
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
+    # Read through their strides: lse_u, lse_v are columns of the row step's (rows, outputs) result, not copied.
+    # A missing row reads a finite 0; nothing of it is stored.
     lse_u = tl.load(lse_u_ptr + rows * stride_lu, mask=row_ok, other=0.0)[:, None]
     lse_v = tl.load(lse_v_ptr + rows * stride_lv, mask=row_ok, other=0.0)[:, None]
     sums = zero_sums(NUM_SUMS, BLOCK_R, BLOCK_C)
@@ -69,7 +72,10 @@ def sums_kernel(
             s_ptr, t_ptr, rows, row_ok, stride_s, stride_t, c0, c_end, col_start, caps,
             sparse, ahead, HAS_T, SPARSE, CAPPED, BLOCK_R, BLOCK_C,
         )  # fmt: skip
+        # A label outside this split matches no entry inside ok (at most a padded one, which is masked).
         is_target = cols[None, :] == local_label
+        # Padded entries give log p = log q = −inf and p = q = 0: accumulated drops them by ok, whatever the terms.
         logp, logq, p, q = normalized(s, t, inv_temperatures, lse_u, lse_v)
         sums = accumulated(sums, COLUMN_TERMS(logp, logq, p, q, is_target), ok, p, NUM_SUMS)
+    # One slot per split (program_id(1)): the engine adds the splits' slots, and the shards' sums after them.
     store_sums(out_ptr, sums, rows, row_ok, R, NUM_SUMS)

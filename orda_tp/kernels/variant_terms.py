@@ -38,6 +38,7 @@ from .expr_compiler import FunctionSpec, function_source, wrapped
 __all__ = ["GeneratedFunction", "column_terms", "kl_grad", "row_step", "record_column_sums"]
 
 COLUMNS = ("logp", "logq", "p", "q", "is_target")
+# ROW_CONSTANTS is constexpr so that position() turns each name into a tuple index at compile time.
 GRAD_PARAMETERS = (*COLUMNS, "rowc", "ROW_CONSTANTS: tl.constexpr")
 STEM_LIMIT = 48  # the characters of a row step's inputs kept in its file name
 
@@ -131,6 +132,7 @@ def row_step(inputs: tuple[str, ...], scalars: tuple[str, ...], exprs: tuple[Exp
         read_row=positions.__getitem__,
         row_order=(*inputs, *scalars),
     )
+    # The stem is only a readable label: the hash that load_generated_module adds tells modules apart.
     stem = "rows"
     for name in inputs:
         if len(stem) + 1 + len(name) > STEM_LIMIT:
