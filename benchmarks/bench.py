@@ -99,6 +99,7 @@ from benchmarks.harness import (  # noqa: E402
     run_script,
     sync_device,
 )
+from benchmarks.harness import pyplot as harness_pyplot  # noqa: E402
 from orda_tp import (  # noqa: E402
     KL_VARIANTS,
     KernelConfig,
@@ -1072,15 +1073,7 @@ def report_not_run(bench: Bench) -> None:
 
 def pyplot(reporter: Reporter) -> Any:
     """matplotlib's pyplot on the Agg backend, or None (printed) where matplotlib is not importable."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        reporter.line(f"   plot skipped: matplotlib is not importable ({error})")
-        return None
-    return plt
+    return harness_pyplot(lambda text: reporter.line(f"   {text}"))
 
 
 def _line_label(impl: str, rows: list[dict[str, Any]], key: str, name: str) -> str:

@@ -1,7 +1,9 @@
 """The run harness that ``benchmarks/bench.py`` and ``checks/gpu_check.py`` share: the command-line
 options both take, the run's output (printed, logged, one JSON document), guarded steps, the
 environment record and the tensor-parallel runtime (torchrun, NCCL on GPUs, gloo on the CPU). The
-problems they run are built from the tests' helpers (``tests/cases.py``).
+problems they run are built from the tests' helpers (``tests/cases.py``). ``train_step.py`` takes
+its environment record and device helpers from here too, and ``bench.py`` and ``train_step_report.py``
+their matplotlib (:func:`pyplot`).
 
 Import it before ``orda_tp`` and ``torch.distributed`` are set up: it turns NVLink multicast off for
 NCCL, PyTorch and NVSHMEM, and chooses Triton's interpreter when no GPU is visible.
@@ -79,6 +81,20 @@ def plain(value: Any) -> Any:
 def fmt(value: float | None, spec: str) -> str:
     """``value`` in ``spec``, or "-" when there is none."""
     return "-" if value is None else format(value, spec)
+
+
+def pyplot(say: Callable[[str], None]) -> Any:
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not importable (``say``
+    gets the line that says so)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        say(f"plot skipped: matplotlib is not importable ({error})")
+        return None
+    return plt
 
 
 class Reporter:

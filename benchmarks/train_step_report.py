@@ -40,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import pyplot  # noqa: E402
 from benchmarks.train_step import METHODS, REFERENCE  # noqa: E402
 
 LABELS = {
@@ -375,19 +376,6 @@ def report(entries: dict[Key, Entry], kernels: bool = False) -> str:
 # ------------------------------------------------------------------------------------------------ the plot
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend, or None (with a message on stderr)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        print(f"plot skipped: matplotlib is not importable ({error})", file=sys.stderr)
-        return None
-    return plt
-
-
 def plot_layout(rows: list[Row]) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """The y position of each method (in the table's order) and of each task's heading, a gap between tasks."""
     positions: dict[str, float] = {}
@@ -435,7 +423,7 @@ def batch_note(row: Row) -> str:
 
 def plot(entries: dict[Key, Entry], path: Path) -> bool:
     """The two panels to ``path``; False where matplotlib is not importable."""
-    plt = pyplot()
+    plt = pyplot(lambda text: print(text, file=sys.stderr))
     if plt is None:
         return False
     from matplotlib.ticker import FuncFormatter, MaxNLocator
