@@ -1,7 +1,7 @@
 """The run harness that ``benchmarks/bench.py`` and ``checks/gpu_check.py`` share: the command-line
 options both take, the run's output (printed, logged, one JSON document), guarded steps, the
 environment record and the tensor-parallel runtime (torchrun, NCCL on GPUs, gloo on the CPU). The
-problems they run are built from the tests' helpers (``tests/cases.py``).
+problems they run are built from the tests' helpers (``tests/support/cases.py``).
 
 Import it before ``orda_tp`` and ``torch.distributed`` are set up: it turns NVLink multicast off for
 NCCL, PyTorch and NVSHMEM, and chooses Triton's interpreter when no GPU is visible.

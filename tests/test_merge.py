@@ -28,7 +28,7 @@ from orda_tp.records import (
     merge_stacked_partition_records,
 )
 
-from .cases import COTRAINED, VARIANT_KWARGS, relative_error
+from .support.cases import COTRAINED, VARIANT_KWARGS, relative_error
 
 BOUNDARIES = [0, 5, 6, 50, 51, 120, 203]  # blocks of 5, 1, 44, 1, 69 and 83 columns
 

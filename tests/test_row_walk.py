@@ -20,7 +20,7 @@ from orda_tp.engine.row_groups import RowLayout
 from orda_tp.engine.row_walk import GradTarget, RowWalk, row_ranges, walk_rows
 from orda_tp.parallel.layout import VocabLayout
 
-from .cases import (
+from .support.cases import (
     COTRAINED,
     TEACHER_MODES,
     NanFilledEmpty,
