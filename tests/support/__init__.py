@@ -9,6 +9,8 @@
   in a temporary directory, timeouts, each rank's traceback), and ``note``.
 - doc_snippets: reads the ```python snippets of README.md and docs/*.md and their markers, for
   test_doc_snippets.py.
+- error_cases: the small problem, the ``no_compute`` fixture and the shared checks of the error
+  tests (test_errors_*.py).
 - exit_job: a 2-rank job run by test_clean_exit.py under torchrun as a script (by its path).
 - extreme_logit_workers: logits near ±1000 with their maximum in one block or shard, and their gloo
   worker (test_extreme_logits.py).
