@@ -1,4 +1,5 @@
-"""Helpers of the tests (tests/test_*.py): shared problems, oracles and the workers of multi-process tests.
+"""Helpers of the tests (tests/test_*.py): shared problems, oracles and the workers of multi-process tests
+(tests/README.md: which test file checks what).
 
 - cases: the shared problems (random heads, teachers of every mode), the variants' keywords
   (``VARIANT_KWARGS``, ``call_kwargs``), ``loss_and_grads`` and the error measures; benchmarks/ and
