@@ -109,8 +109,8 @@ from orda_tp import (  # noqa: E402
     distillation_loss,
 )
 from orda_tp.engine.logits import logits_mm  # noqa: E402
-from tests.cases import VARIANT_KWARGS  # noqa: E402
-from tests.topk_cases import topk_of  # noqa: E402
+from tests.support.cases import VARIANT_KWARGS  # noqa: E402
+from tests.support.topk_cases import topk_of  # noqa: E402
 
 MATMUL_TFLOPS = 788.0  # bf16 8192³ on an H200, measured (shared/ANCHORS.md)
 WARMUP, REPEATS = 3, 10  # on a GPU; the CPU takes CPU_WARMUP, CPU_REPEATS

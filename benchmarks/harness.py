@@ -1,7 +1,7 @@
 """The run harness that ``benchmarks/bench.py`` and ``checks/gpu_check.py`` share: the command-line
 options both take, the run's output (printed, logged, one JSON document), guarded steps, the
 environment record and the tensor-parallel runtime (torchrun, NCCL on GPUs, gloo on the CPU). The
-problems they run are built from the tests' helpers (``tests/cases.py``). ``train_step.py`` takes
+problems they run are built from the tests' helpers (``tests/support/cases.py``). ``train_step.py`` takes
 its environment record and device helpers from here too, and ``bench.py`` and ``train_step_report.py``
 their matplotlib (:func:`pyplot`).
 

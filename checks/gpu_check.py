@@ -1,6 +1,6 @@
 """GPU validation of orda_tp: correctness against the fp64 reference, and tensor-parallel TP=2 against
 TP=1, in one command. Speed and memory are measured by ``benchmarks/bench.py``. The problems are the
-tests' (``tests/cases.py``: ``Problem``, the loss keywords of ``call_kwargs``, ``loss_and_grads``,
+tests' (``tests/support/cases.py``: ``Problem``, the loss keywords of ``call_kwargs``, ``loss_and_grads``,
 ``relative_error``) on a larger, padded shape; the harness is ``benchmarks/harness.py``.
 
 Parts (each step is guarded: a failure is printed, counted as FAIL, and the script goes on):
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # Run from a checkout without installing: the repository root holds `orda_tp`, the harness this script
-# shares with the benchmark (`benchmarks/harness.py`) and the tests' problems (`tests/cases.py`).
+# shares with the benchmark (`benchmarks/harness.py`) and the tests' problems (`tests/support/cases.py`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (  # noqa: E402  (first: it sets the NCCL and Triton environment)
@@ -75,7 +75,7 @@ from orda_tp import (  # noqa: E402
     TiedTeacher,
     distillation_loss,
 )
-from tests.cases import (  # noqa: E402
+from tests.support.cases import (  # noqa: E402
     COTRAINED,
     TEACHER_MODES,
     Problem,
@@ -95,7 +95,7 @@ FIELDS = ("loss", "student_ce", "teacher_ce", "kl", "z_loss")
 TERMS = {"label_smoothing": 0.1, "z_loss_weight": 1e-3}
 TERM_CASES = ("forward+terms", "skew_js+terms")
 #: The teacher modes of (a): the tests' three and "topk", a top-64 cache of the cached logits
-#: (``tests.cases.Problem.teacher``); (b) runs the tests' three.
+#: (``tests.support.cases.Problem.teacher``); (b) runs the tests' three.
 CHECK_MODES = (*TEACHER_MODES, "topk")
 GRAD_NAMES = {
     "tied": ("student_hidden", "weight", "teacher_hidden"),
@@ -194,8 +194,8 @@ def stable_seed(*parts: object) -> int:  # STEP-A: the old seed, for a bitwise c
 
 
 def make_check_problem(shape: CheckShape, seed: int, device: torch.device, mode: str) -> tuple[Problem, Tensor]:
-    """The problem of one case as the tests hold it (``tests.cases.Problem``; a separate teacher reads
-    its own hidden states, of width H + 3, as in ``tests.cases.separate_problem``), in fp64 on
+    """The problem of one case as the tests hold it (``tests.support.cases.Problem``; a separate teacher reads
+    its own hidden states, of width H + 3, as in ``tests.support.cases.separate_problem``), in fp64 on
     ``device``: logits of standard deviation ≈ 2, 1 row in 7 ignored, labels below vocab_size, cached
     logits of PAD_FILL on the padding columns. Also returned: the weights of a per-row loss's
     gradient (reduction="none"), exact in fp32."""
@@ -227,7 +227,7 @@ def make_check_problem(shape: CheckShape, seed: int, device: torch.device, mode:
 
 
 def check_kwargs(variant: str, mode: str, reduction: str, shape: CheckShape, device: torch.device) -> dict[str, object]:
-    """The tests' loss keywords (``tests.cases.call_kwargs``: every term on, T_s ≠ T_t where the
+    """The tests' loss keywords (``tests.support.cases.call_kwargs``: every term on, T_s ≠ T_t where the
     variant allows it) on this shape's padded vocabulary and chunks; a ``<variant>+terms`` case
     adds label smoothing, a z-loss, token weights in [-0.5, 1.5] and soft-caps."""
     name, plus, _ = variant.partition("+")

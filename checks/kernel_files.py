@@ -45,7 +45,7 @@ from checks.gpu_check import (  # noqa: E402  (first: its harness chooses Triton
 )
 from orda_tp import KDLoss  # noqa: E402
 from orda_tp.kernels.cache import CACHE_ENV, PSEUDO_FILENAME  # noqa: E402
-from tests.cases import loss_and_grads, relative_error, stable_seed  # noqa: E402
+from tests.support.cases import loss_and_grads, relative_error, stable_seed  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1] / "orda_tp"
 #: The kinds of generated module: the first words of their names (orda_tp/kernels/variant_terms.py).

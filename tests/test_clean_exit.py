@@ -1,4 +1,4 @@
-"""A tensor-parallel job exits cleanly on a loaded machine: every run of tests/exit_job.py (2 gloo
+"""A tensor-parallel job exits cleanly on a loaded machine: every run of tests/support/exit_job.py (2 gloo
 ranks under torchrun) exits 0 with the single-device loss and gradients.
 
 The bug this guards against: gloo runs each collective on a worker thread that drops its
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-JOB = str(REPO_ROOT / "tests" / "exit_job.py")
+JOB = str(REPO_ROOT / "tests" / "support" / "exit_job.py")
 PATHS = ("hidden", "logits")
 JOBS_PER_PATH = 10
 CONCURRENT_JOBS = 2
@@ -51,7 +51,7 @@ def busy_processes(count: int) -> Iterator[None]:
 
 
 def start_job(path: str) -> subprocess.Popen[str]:
-    """torchrun with 2 ranks on tests/exit_job.py."""
+    """torchrun with 2 ranks on tests/support/exit_job.py."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", JOB, path]
     return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -1,6 +1,6 @@
 """The tensor-parallel collectives (orda_tp/parallel/collectives.py) on 2 gloo ranks: what a call
 leaves to the process group, and which torch.distributed names it uses. Workers are in
-tests/collective_workers.py."""
+tests/support/collective_workers.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from orda_tp.parallel import collectives
 
-from . import collective_workers
-from .distributed import run_distributed
+from .support import collective_workers
+from .support.distributed import run_distributed
 
 TIMEOUT_S = 120.0
 

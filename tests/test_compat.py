@@ -25,8 +25,8 @@ from torch import Tensor
 import orda_tp
 from orda_tp import DistillationLoss, EntropyGate, IgnoredArgumentWarning, PrecomputedTeacher, distillation_loss
 
-from .cases import SMALL_CHUNKS, VARIANT_KWARGS, Problem, make_problem
-from .distributed import run_distributed
+from .support.cases import SMALL_CHUNKS, VARIANT_KWARGS, Problem, make_problem
+from .support.distributed import run_distributed
 
 # A value for each variant parameter, in range for the variants that do read it.
 UNREAD_VALUES: dict[str, object] = {"kl_alpha": 0.5, "kl_beta": 0.25, "entropy_gate": EntropyGate(tau=0.2)}

@@ -1,5 +1,5 @@
 """Every ```python snippet of README.md and docs/*.md runs as it stands, or is marked as an excerpt of a
-file that exists (marker convention: tests/doc_snippets.py). Complete snippets run in a subprocess
+file that exists (marker convention: tests/support/doc_snippets.py). Complete snippets run in a subprocess
 (``python``, or torchrun on gloo for ``<!-- torchrun: N -->``), and their output comments must be what
 they print."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .doc_snippets import REPO_ROOT, Snippet, all_snippets, line_matches, output_mismatch, read_snippets
+from .support.doc_snippets import REPO_ROOT, Snippet, all_snippets, line_matches, output_mismatch, read_snippets
 from .test_examples import TORCHRUN
 from .test_launch import run
 
@@ -63,7 +63,7 @@ def test_snippets_are_found() -> None:
 
 
 def test_reader_markers_and_output_comments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from . import doc_snippets
+    from .support import doc_snippets
 
     doc = tmp_path / "doc.md"
     doc.write_text(

@@ -11,7 +11,7 @@ import torch
 
 from orda_tp import KL_VARIANTS
 
-from .cases import (
+from .support.cases import (
     COTRAINED,
     SMALL_CHUNKS,
     TEACHER_MODES,

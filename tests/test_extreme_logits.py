@@ -3,7 +3,7 @@
 The merge of block records must rescale every partial log-partition to the largest maximum; with
 ordinary logits a merge that took another maximum still passes (only test_merge.py would see it).
 Here the spread is 2000, so any other choice overflows. The heads are built so that
-``hidden · weightᵀ`` has these magnitudes (tests/extreme_logit_workers.py), for the student side
+``hidden · weightᵀ`` has these magnitudes (tests/support/extreme_logit_workers.py), for the student side
 and for the teacher side, and the chunked torch backend with several column blocks per row chunk
 (SMALL_CHUNKS: blocks of 64 over V = 203) is compared with the fp64 reference: values and every
 gradient, all finite. On 2 gloo ranks the hot columns are one whole shard or one block inside a
@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from . import extreme_logit_workers
-from .cases import (
+from .support import extreme_logit_workers
+from .support.cases import (
     COTRAINED,
     SMALL_CHUNKS,
     TEACHER_MODES,
@@ -29,9 +29,9 @@ from .cases import (
     separate_problem,
     stable_seed,
 )
-from .distributed import run_distributed
-from .extreme_logit_workers import REDUCTIONS, SIDES, construction_problems, extreme_problem
-from .tp_workers import SAMPLE_VARIANTS, Columns
+from .support.distributed import run_distributed
+from .support.extreme_logit_workers import REDUCTIONS, SIDES, construction_problems, extreme_problem
+from .support.tp_workers import SAMPLE_VARIANTS, Columns
 
 TOLERANCE = 1e-10  # fp64, as tests/test_equivalence.py
 # Blocks of SMALL_CHUNKS over V = 203: [0, 64), [64, 128), [128, 192), [192, 203).

@@ -1,6 +1,6 @@
 """Every check of a tensor-parallel call that fails, on every rank or on one rank only, raises the
 same error on every rank, naming the argument, with no hang and no collective left behind
-(tests/fault_cases.py injects the faults); and every ``raise`` of the checks' modules is reached
+(tests/support/fault_cases.py injects the faults); and every ``raise`` of the checks' modules is reached
 by some fault, so that a new check without a fault case fails here."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from functools import cache
 
 import pytest
 
-from . import fault_cases
-from .distributed import run_distributed
-from .fault_cases import FAULTS, PACKAGE, Outcome
+from .support import fault_cases
+from .support.distributed import run_distributed
+from .support.fault_cases import FAULTS, PACKAGE, Outcome
 
 WORLDS = (2, 3)
 TIMEOUT_S = 240.0
@@ -182,6 +182,6 @@ def test_every_check_has_a_fault() -> None:
                 stale.append(key)
         elif unreached:
             missing.append(f"{key}: raise at line(s) {unreached}")
-    assert not missing, "checks without a fault case (add one to tests/fault_cases.py):\n" + "\n".join(missing)
+    assert not missing, "checks without a fault case (add one to tests/support/fault_cases.py):\n" + "\n".join(missing)
     unknown = [key for key in EXEMPT if key not in _raise_sites()]
     assert not stale and not unknown, f"exemptions whose raises are all reached or gone: {stale + unknown}"

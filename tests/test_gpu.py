@@ -17,7 +17,7 @@ import orda_tp
 from orda_tp import ChunkSize, KernelConfig, PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from orda_tp.engine import gradient_gemms
 
-from .cases import NanFilledEmpty
+from .support.cases import NanFilledEmpty
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -173,7 +173,7 @@ def test_fp16_gradients_through_the_scaled_tensor_core_path(scaling: str) -> Non
 def test_kd_loss_on_given_logits_matches_the_fp64_formulas(variant: str, dtype: torch.dtype) -> None:
     """KDLoss on CUDA (the Triton kernels reading the stored logits, bf16 included): the seed's
     loss and its gradient in fp64 on the same rounded logits; the gradient in the logits' dtype."""
-    from .cases import VARIANT_KWARGS
+    from .support.cases import VARIANT_KWARGS
     from .test_logits_losses import kd_loss_fp64
 
     generator = torch.Generator(device="cuda").manual_seed(3)

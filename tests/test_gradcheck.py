@@ -19,7 +19,7 @@ import torch
 import orda_tp
 from orda_tp import KL_VARIANTS, KernelConfig, SeparateTeacher, TiedTeacher
 
-from .cases import VARIANT_KWARGS
+from .support.cases import VARIANT_KWARGS
 
 TINY = KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=3), vocab_block=4)
 ROWS, HIDDEN, VOCAB = 5, 3, 11

@@ -32,7 +32,7 @@ from transformers import LlamaForCausalLM, TrainerCallback, default_data_collato
 
 import orda_tp
 
-from .distributed import run_distributed
+from .support.distributed import run_distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PATH = REPO_ROOT / "examples" / "hf_trainer_distill.py"

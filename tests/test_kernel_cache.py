@@ -242,7 +242,7 @@ def test_processes_writing_one_file_at_once_each_leave_it_complete(cache_path: P
 LOSS_SCRIPT = """
 import torch
 import orda_tp
-from tests.cases import make_problem, relative_error
+from tests.support.cases import make_problem, relative_error
 
 p = make_problem(rows=6, vocab=40).to(torch.float32)
 kwargs = dict(kl_weight=1.0, teacher_ce_weight=0.5, kl_divergence="forward")

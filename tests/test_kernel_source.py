@@ -42,7 +42,7 @@ from orda_tp.kernels.__main__ import main
 from orda_tp.kernels.expr_compiler import FunctionSpec, function_source
 from orda_tp.kernels.source import KERNELS
 
-from .cases import VARIANT_KWARGS
+from .support.cases import VARIANT_KWARGS
 
 pytest.importorskip("triton")
 

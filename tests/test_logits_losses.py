@@ -6,7 +6,7 @@
 - flash_kd (seeds/001): ``ce = LSE(s) − s_y`` (0 at ``ignore_index``), ``kd = KL(q_T‖p_T)`` not
   multiplied by ``T²``, the teacher's logits ``teacher_hidden · weightᵀ``.
 
-Tensor parallelism (TP = 2 and 3 on gloo, against TP = 1) runs in tests/logits_workers.py.
+Tensor parallelism (TP = 2 and 3 on gloo, against TP = 1) runs in tests/support/logits_workers.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import Tensor
 import orda_tp
 from orda_tp import KL_VARIANTS, EntropyGate
 
-from .cases import VARIANT_KWARGS, relative_error
+from .support.cases import VARIANT_KWARGS, relative_error
 
 VOCAB = 37
 SHAPE = (2, 5)  # leading dimensions of the logits: 10 rows
@@ -484,9 +484,9 @@ def test_tensor_parallel_equals_single_device(world_size: int) -> None:
     """Vocabulary-sharded logits (plain shards with tp_group, DTensors with the group inferred),
     every variant, several row chunks: the loss bitwise identical on every rank and equal to TP =
     1, each rank's gradient its slice; flash scores likewise; a bad shard on one rank raises the
-    same error everywhere (tests/logits_workers.py)."""
-    from . import logits_workers
-    from .distributed import run_distributed
+    same error everywhere (tests/support/logits_workers.py)."""
+    from .support import logits_workers
+    from .support.distributed import run_distributed
 
     reports = run_distributed(world_size, logits_workers.tensor_parallel_worker, timeout=180)
     problems = [f"rank {rank}: {problem}" for rank, report in enumerate(reports) for problem in report]

@@ -9,7 +9,7 @@
 - ``logit_softcap=c``, ``teacher_logit_softcap=c_t``: each side's logits ``c·tanh(z/c)`` before
   every term, gradients through the cap (a teacher cache of logits is taken as capped).
 - Each on the reference, torch and Triton (interpreted) backends, fp64 ≤ 1e-12 on the first two;
-  on 2 and 3 gloo ranks equal to the single-device call (tests/term_workers.py); bad values raise.
+  on 2 and 3 gloo ranks equal to the single-device call (tests/support/term_workers.py); bad values raise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import Tensor
 
 import orda_tp
 
-from .cases import SMALL_CHUNKS, Problem, make_problem, relative_error, separate_problem, stable_seed
+from .support.cases import SMALL_CHUNKS, Problem, make_problem, relative_error, separate_problem, stable_seed
 
 IGNORE = -100
 VOCAB = 203
@@ -370,8 +370,8 @@ def test_a_logits_cache_is_taken_as_capped() -> None:
 def test_terms_under_tensor_parallelism(world_size: int) -> None:
     """On 2 and 3 gloo ranks (uneven and padded shards, every teacher mode and reduction, fp64
     and fp32, the Triton kernels too): equal to the single-device call, bitwise across ranks."""
-    from . import term_workers
-    from .distributed import run_distributed
+    from .support import term_workers
+    from .support.distributed import run_distributed
 
     reports = run_distributed(world_size, term_workers.terms_worker, timeout=300)
     problems = [f"rank {rank}: {p}" for rank, found in enumerate(reports) for p in found]

@@ -1,5 +1,5 @@
 """orda_tp.integrations.megatron on real megatron-core 0.16.1 GPTModels: tensor parallel over 2
-gloo ranks on the CPU (workers in tests/megatron_workers.py, one spawn per test), and the example
+gloo ranks on the CPU (workers in tests/support/megatron_workers.py, one spawn per test), and the example
 script under torchrun.
 
 - CE only: the installed model's ``[b, s]`` losses and every gradient equal Megatron's own
@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from . import megatron_workers  # noqa: E402
-from .distributed import run_distributed  # noqa: E402
+from .support import megatron_workers  # noqa: E402
+from .support.distributed import run_distributed  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(REPO_ROOT / "examples" / "megatron_distill.py")

@@ -24,7 +24,7 @@ from orda_tp.engine.row_walk import GradTarget, chunk_row_stats, stage_grads
 from orda_tp.engine.torch_math import TorchBlockMath
 from orda_tp.parallel.layout import VocabLayout
 
-from .cases import COTRAINED, VARIANT_KWARGS, relative_error
+from .support.cases import COTRAINED, VARIANT_KWARGS, relative_error
 
 BOUNDARIES = [0, 5, 6, 50, 51, 120, 203]  # blocks of 5, 1, 44, 1, 69 and 83 columns
 

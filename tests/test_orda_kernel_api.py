@@ -49,7 +49,7 @@ from orda_tp import (
 from orda_tp.arguments.orda_kernel import LOSS_OVERRIDES, apply_loss_overrides, own_config
 from orda_tp.engine.workspace import row_layout
 
-from .distributed import run_distributed
+from .support.distributed import run_distributed
 
 DEFAULTS = {name: p.default for name, p in inspect.signature(distillation_loss).parameters.items()}
 

@@ -20,7 +20,7 @@ from orda_tp.engine.workspace import (
 )
 from orda_tp.parallel.layout import ShardClaim, _layout_from_claims
 
-from .cases import make_problem
+from .support.cases import make_problem
 
 MIB = 1 << 20
 

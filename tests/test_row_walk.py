@@ -21,7 +21,7 @@ from orda_tp.engine.row_walk import GradTarget, row_ranges, walk_rows
 from orda_tp.engine.workspace import RowLayout
 from orda_tp.parallel.layout import VocabLayout
 
-from .cases import (
+from .support.cases import (
     COTRAINED,
     TEACHER_MODES,
     NanFilledEmpty,

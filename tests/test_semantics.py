@@ -12,7 +12,7 @@ import orda_tp
 from orda_tp import KL_VARIANTS, DistillationLoss, PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from orda_tp.engine import fused as chunked
 
-from .cases import SMALL_CHUNKS, VARIANT_KWARGS, make_problem, relative_error, separate_problem
+from .support.cases import SMALL_CHUNKS, VARIANT_KWARGS, make_problem, relative_error, separate_problem
 
 BACKENDS = ["torch", "reference"]
 

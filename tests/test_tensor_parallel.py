@@ -1,11 +1,12 @@
-"""The tensor-parallel contract (docs/guide.md §12.7) on real gloo process groups (2–4 ranks, tests/distributed.py).
+"""The tensor-parallel contract (docs/guide.md §12.7) on real gloo process groups (2–4 ranks,
+tests/support/distributed.py).
 
 Every tensor-parallel call is compared, in the same process, with the single-device call on the
 full tensors: loss and components bitwise identical on every rank and equal to the single-device
 values (fp64 ≤ 1e-12, fp32 ≤ 1e-6 relative); each rank's head gradients equal its slice of the
 single-device gradients; hidden gradients equal the full ones (or this rank's rows under sequence
-parallelism). The workers are in tests/tp_workers.py; each spawn runs many cases and reports every
-mismatch at once.
+parallelism). The workers are in tests/support/tp_workers.py; each spawn runs many cases and
+reports every mismatch at once.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import pytest
 
 from orda_tp.parallel.layout import ShardClaim
 
-from . import tp_workers
-from .distributed import run_distributed
+from .support import tp_workers
+from .support.distributed import run_distributed
 
 # The full matrix runs 270 cases per spawn; generous bounds, CI runs other tests alongside.
 MATRIX_TIMEOUT_S = 300.0

@@ -1,8 +1,8 @@
 """``orda_tp.teacher_topk`` and ``teacher_topk_of_logits`` against the fp64 oracle
-(tests/topk_extraction_cases.py): ids identical (ties: lowest id first), values and log-partitions
+(tests/support/topk_extraction_cases.py): ids identical (ties: lowest id first), values and log-partitions
 ≤ 1e-12 in fp64 on the reference and torch backends, fp32 rounding on the Triton kernel (run by
 Triton's interpreter without a GPU); the extracted cache with ``k = V`` read as the dense teacher;
-bad input raising; 2 and 3 gloo ranks with uneven and padded shards (tests/topk_extraction_workers.py).
+bad input raising; 2 and 3 gloo ranks with uneven and padded shards (tests/support/topk_extraction_workers.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import orda_tp
 from orda_tp.engine.logits import logits_mm
 
-from .topk_extraction_cases import oracle_topk, topk_problems
+from .support.topk_extraction_cases import oracle_topk, topk_problems
 
 SMALL_CHUNKS = orda_tp.KernelConfig(chunk_size=orda_tp.ChunkSize(nrows=5), vocab_block=64)
 #: The Triton kernel keeps fp32 statistics: its values are the fp32 logits' within fp32 rounding.
@@ -185,8 +185,8 @@ def test_triton_refuses_what_it_cannot_run() -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tensor_parallel_extraction_is_the_single_device_one(world_size: int) -> None:
-    from . import topk_extraction_workers
-    from .distributed import run_distributed
+    from .support import topk_extraction_workers
+    from .support.distributed import run_distributed
 
     reports = run_distributed(world_size, topk_extraction_workers.extraction_worker, timeout=400)
     problems = [f"rank {rank}: {p}" for rank, found in enumerate(reports) for p in found]

@@ -1,7 +1,7 @@
 """Top-k teacher caches: ``PrecomputedTeacher(topk_ids=..., topk_logprobs=..., tail=...)``.
 
 Every precomputed-capable variant (13: all but the co-training ones) on a top-k cache equals the
-same loss on the dense teacher it stands for (tests/topk_cases.py, built from the definition):
+same loss on the dense teacher it stands for (tests/support/topk_cases.py, built from the definition):
 fp64 ≤ 1e-9 for values and gradients on the torch and reference backends, with ``tail="uniform"``
 (the missing mass spread over the other real columns) and ``tail="renormalize"`` (the softmax of
 the cached values; the variants that are +inf where the teacher has no mass raise), T_s ≠ T_t,
@@ -17,8 +17,8 @@ import torch
 import orda_tp
 from orda_tp import KL_VARIANTS
 
-from .cases import COTRAINED, SMALL_CHUNKS, VARIANT_KWARGS, make_problem, relative_error, stable_seed
-from .topk_cases import dense_teacher, topk_of
+from .support.cases import COTRAINED, SMALL_CHUNKS, VARIANT_KWARGS, make_problem, relative_error, stable_seed
+from .support.topk_cases import dense_teacher, topk_of
 
 CACHE_VARIANTS = [variant for variant in KL_VARIANTS if variant not in COTRAINED]
 INFINITE_WITHOUT_SUPPORT = ("reverse", "jeffreys", "entropy_adaptive")
@@ -273,8 +273,8 @@ def test_kdloss_refuses_other_caches_and_infinite_variants() -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_topk_cache_under_tensor_parallelism(world_size: int) -> None:
-    from . import topk_workers
-    from .distributed import run_distributed
+    from .support import topk_workers
+    from .support.distributed import run_distributed
 
     reports = run_distributed(world_size, topk_workers.topk_worker, timeout=300)
     problems = [f"rank {rank}: {p}" for rank, found in enumerate(reports) for p in found]

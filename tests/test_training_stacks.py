@@ -2,13 +2,13 @@
 
 Each case is right (fp64 loss and gradients within 1e-12 of the single-process result; gradients
 averaged over data parallelism as FSDP averages them) or raises a ValueError on every rank. The
-workers are in tests/stack_workers.py.
+workers are in tests/support/stack_workers.py.
 """
 
 from __future__ import annotations
 
-from . import stack_workers
-from .distributed import run_distributed
+from .support import stack_workers
+from .support.distributed import run_distributed
 from .test_tensor_parallel import run_and_check
 
 TIMEOUT_S = 240.0

@@ -21,7 +21,7 @@ from orda_tp.divergences.terms import RAW_STUDENT
 from orda_tp.engine.records import merge_stacked_records
 from orda_tp.engine.torch_math import TorchBlockMath, evaluate_rows
 
-from .cases import (
+from .support.cases import (
     COTRAINED,
     TEACHER_MODES,
     call_kwargs,
@@ -168,8 +168,8 @@ def test_triton_backend_rejects_fp64() -> None:
 
 def test_triton_backend_on_two_gloo_ranks() -> None:
     """The kernels produce the same records as the torch path, so they work on vocabulary shards."""
-    from . import triton_workers
-    from .distributed import run_distributed
+    from .support import triton_workers
+    from .support.distributed import run_distributed
 
     variants = ["forward", "mutual", "skew_js", "dkd", "abkd", "renyi_reverse"]
     reports = run_distributed(2, triton_workers.triton_tp_worker, variants, timeout=300)

@@ -2,7 +2,7 @@
 
 The chunked backends form the "mean"/"sum" gradient in the forward with a unit upstream gradient
 and scale it in backward; the other tests backpropagate ``loss`` itself (upstream 1), so a lost
-or doubled scale would pass them. Each way of backpropagating ``c · loss`` (tests/upstream_workers.py's
+or doubled scale would pass them. Each way of backpropagating ``c · loss`` (tests/support/upstream_workers.py's
 ``WAYS``: ``c`` = 3, −0.75 and 1e-30; ``grad_outputs``; ``loss + 2 · loss``; a second backward
 through a retained graph) is compared with ``c`` × the same call's unit gradient, for the
 student's hidden states and head and the teacher's hidden states and head where the loss trains
@@ -19,10 +19,10 @@ import torch
 
 import orda_tp
 
-from . import upstream_workers
-from .cases import SMALL_CHUNKS, make_problem, separate_problem, stable_seed
-from .distributed import run_distributed
-from .upstream_workers import SETUPS, TeacherSetup, presence_mismatches, scaled_mismatches, unit_gradients
+from .support import upstream_workers
+from .support.cases import SMALL_CHUNKS, make_problem, separate_problem, stable_seed
+from .support.distributed import run_distributed
+from .support.upstream_workers import SETUPS, TeacherSetup, presence_mismatches, scaled_mismatches, unit_gradients
 
 REDUCTIONS = ("mean", "sum")
 

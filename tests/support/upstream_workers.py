@@ -58,7 +58,7 @@ class TeacherSetup:
         return f"{self.mode}/{'trained' if self.trained else 'frozen'}"
 
     def kwargs(self, reduction: str) -> dict[str, object]:
-        """The loss keywords (tests/cases.py's call_kwargs, the teacher CE off for a frozen teacher)."""
+        """The loss keywords (tests/support/cases.py's call_kwargs, the teacher CE off for a frozen teacher)."""
         if self.trained:
             return cases.call_kwargs("mutual", self.mode, reduction)
         return {**cases.call_kwargs("forward", self.mode, reduction), "teacher_ce_weight": 0.0}

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = ("README.md", *sorted(f"docs/{path.name}" for path in (REPO_ROOT / "docs").glob("*.md")))
 
 FENCE = re.compile(r"^(?P<prefix>[ >]*)```(?P<lang>\w*)\s*$")

@@ -1,6 +1,6 @@
 """Worker bodies of tests/test_loss_terms.py's tensor-parallel cases (importable by spawned ranks).
 
-Each case is one of tests/tp_workers.py's: the call on this rank's vocabulary shard against the
+Each case is one of tests/support/tp_workers.py's: the call on this rank's vocabulary shard against the
 single-device call on the full tensors (loss, components and gradients; bitwise equal on every
 rank), with the loss terms switched on.
 """

@@ -10,7 +10,7 @@
 - Every collective has a timeout (``collective_timeout``), and the whole run a hard one
   (``timeout``): ranks still running then are killed and the test fails with "rank(s) N hung",
   together with the last :func:`note` each rank left (what it was doing).
-- Workers must live in an importable module (e.g. ``tests.tp_workers``) and return picklable
+- Workers must live in an importable module (e.g. ``tests.support.tp_workers``) and return picklable
   values. Each rank runs single-threaded (``OMP_NUM_THREADS=1``): CI machines have few cores.
 """
 

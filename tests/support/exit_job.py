@@ -1,7 +1,7 @@
 """A 2-rank tensor-parallel job written like the guide's examples (§12.2 and §13.3), for
 tests/test_clean_exit.py: one loss call and its backward, one line per rank, exit.
 
-Run with: python -m torch.distributed.run --standalone --nproc-per-node 2 tests/exit_job.py PATH
+Run with: python -m torch.distributed.run --standalone --nproc-per-node 2 tests/support/exit_job.py PATH
 where PATH is ``hidden`` (``distillation_loss`` from hidden states: the row walk's asynchronous
 gradient sums) or ``logits`` (``KDLoss`` on vocabulary-sharded logits: all-gathers only). Each
 rank prints ``exit_job PATH RANK loss=L reference=R grad_error=E``: the tensor-parallel loss, the
