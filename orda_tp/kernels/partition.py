@@ -5,7 +5,7 @@ temperature) a row's record holds the partial log-partition ``(m, z)``, ``m = ma
 ``z = Σ e^{x−m}``; then the raw student and teacher logits at the label, whether this block
 owns the label and the row sums of the student terms' ``E`` column terms (the generated
 ``COLUMN_SUMS`` of :mod:`.variant_terms`). Packed as one fp32 row per token, in the columns that
-:meth:`orda_tp.engine.records.PartitionRecord.packed_columns` names.
+:func:`orda_tp.engine.records.packed_columns` names.
 
 Records merge by ``M = max(m1, m2)``, ``z = z1·e^{m1−M} + z2·e^{m2−M}`` (a −inf max adds
 nothing) and by sums for the other columns; :func:`merge_kernel` folds a stack of them (the
@@ -253,7 +253,7 @@ def partition_kernel(
 ) -> None:
     """The record of this program's rows over its column split, written to split
     ``program_id(1)`` of ``out`` (splits, R, WIDTH), in the packed layout
-    (:meth:`orda_tp.engine.records.PartitionRecord.packed_columns`). Family ``f`` reads ``t`` when
+    (:func:`orda_tp.engine.records.packed_columns`). Family ``f`` reads ``t`` when
     ``READS_TEACHER[f]``, else ``s``, times ``inv_temperatures[f] = 1/T``. The label's logits are
     loaded once per row, by the split that owns the label column. A side whose ``CAPPED`` flag is
     set is soft-capped by its ``caps = (cap_s, cap_t)`` as it is read. ``COLUMN_SUMS(s, t)``: the
@@ -312,7 +312,7 @@ def merge_kernel(
     """Fold ``S`` stacked packed records (S, R, WIDTH), contiguous fp32, into one
     (R, WIDTH): per family ``M = max_k m_k`` and ``z = Σ_k z_k·e^{m_k−M}`` (0 for ``m_k = −inf``),
     then the sums of ``s_y``, ``t_y``, ``hits`` and the column sums; the same merge as
-    :func:`orda_tp.engine.records.merge_stacked_partition_records`."""
+    :func:`orda_tp.engine.records.merge_stacked_records`."""
     rows, row_ok = row_tile(R, BLOCK_R)
     # Two passes per family: the overall max first, so each z_k is rescaled once, as the torch merge does.
     for f in tl.static_range(NUM_FAMILIES):
