@@ -29,7 +29,7 @@ a value below float16's range, −65504, becomes −inf (a probability that is 0
 −inf (no mass) stays −inf. float16
 is the default: against a float32 cache it moves the loss and its gradients far less than rounding
 the student's inputs to bfloat16 does, and about eight times less than bfloat16 storage
-(``benchmarks/topk_cache_dtype.py``, V = 32000, k ≤ 128).
+(docs/benchmarks.md, "cache on disk"; V = 32000, k ≤ 128).
 
 :class:`TopKCacheReader` checks every shard's header, size and settings and that the shards
 tile ``[0, num_tokens)``; it reads the rows asked for from the memory-mapped files and
