@@ -9,6 +9,10 @@
   blocks included), so each module can be read after the ones it uses.
 - No import runs up the floors (:data:`FLOORS`, the same imports counted), so the house reads
   bottom-up: a floor's modules use those of their own floor and of the floors below.
+- One call pipeline: the steps every door shares after its own checks (the rank-consistent error
+  path, the default workspace, the label range, the exchange, the backend choice) are taken in
+  ``engine/call.py`` alone (:data:`PIPELINE_STEPS`), and rows per chunk come from the one
+  workspace rule, ``engine.workspace.row_layout``, in the walks alone.
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "vocab_parallel",
     ),  # the public doors
 )
+
+
+#: The steps of every door's path: called in ``engine/call.py`` and nowhere else in the package.
+PIPELINE_STEPS = ("fail_on_every_rank", "default_workspace_mib", "check_label_range", "ShardExchange", "select_backend")
+#: The walks that size their chunks by the workspace rule (``row_layout``).
+CHUNKED_WALKS = ("engine/fused.py", "engine/given_logits.py", "topk_cache/extraction.py")
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, orda_tp.TiedTeacher]:
@@ -221,3 +231,26 @@ def test_no_import_runs_up_the_floors() -> None:
         if target in modules and floors[target] > floors[module]
     ]
     assert not upward, "\n".join(upward)
+
+
+def _calls(tree: ast.Module) -> Iterator[str]:
+    """The names called in ``tree`` (``f(...)`` and ``module.f(...)``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name):
+                yield func.id
+            elif isinstance(func, ast.Attribute):
+                yield func.attr
+
+
+def test_one_call_pipeline_under_every_door() -> None:
+    misplaced = []
+    for name, tree, _ in _modules():
+        module = os.path.relpath(name, "orda_tp")
+        for called in _calls(tree):
+            if called in PIPELINE_STEPS and module != "engine/call.py":
+                misplaced.append(f"{module} calls {called} (a step of every door's path: engine/call.py)")
+            if called == "row_layout" and module not in CHUNKED_WALKS:
+                misplaced.append(f"{module} calls row_layout (the walks alone: {CHUNKED_WALKS})")
+    assert not misplaced, "\n".join(misplaced)
