@@ -1,10 +1,5 @@
-"""The per-block math of a row walk: how one block of logits becomes a round-1 record, round-2
-sums and logit gradients, and how a row step runs.
-
-The walk (row chunks, column blocks, record exchange) is the same for every backend; the block
-math differs: torch ops (:class:`.torch_math.TorchBlockMath`) or generated Triton kernels
-(:class:`.triton_math.TritonBlockMath`). Both read the same variant formulas.
-:func:`select_backend` picks one for a call.
+"""The per-block math of a row walk (:class:`BlockMath`, the seam between the backends: torch ops
+or Triton kernels) and the one backend table (:func:`select_backend`).
 """
 
 from __future__ import annotations
@@ -51,10 +46,11 @@ class BlockMath(Protocol):
         column_sums: tuple[Expr, ...],
         caps: tuple[float | None, float | None] = (None, None),
     ) -> Tensor:
-        """The packed round-1 record (:mod:`.records`) of a block whose first column is global
-        column ``col_start``, with the row sums of ``column_sums`` (trees over the raw student logit
-        ``RAW_STUDENT``); ``caps``: the soft-caps of the two sides, where the block math applies
-        them (``applies_softcap``)."""
+        """The packed round-1 record (:mod:`.records`) of a block whose first column is global column
+        ``col_start``: per family ``x = side/T`` the partial ``(max x, Σ e^{x − max x})`` (``(−inf,
+        0)`` for an all −inf row), the raw logits at the label where the block holds it (else 0) and
+        whether it does, and the row sums of ``column_sums`` (trees over the raw logits); ``caps``:
+        the two sides' soft-caps, where the block math applies them (``applies_softcap``)."""
         ...
 
     def merge_stacked(self, stacked: Tensor, num_families: int) -> Tensor:
@@ -78,7 +74,8 @@ class BlockMath(Protocol):
         lse_u: Tensor,
         lse_v: Tensor,
     ) -> Tensor:
-        """(rows, num_sums) round-2 sums of the plan's variant over the block."""
+        """(rows, num_sums) round-2 sums over the block's columns of the variant's column terms of
+        ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)``, ``p`` and ``q``."""
         ...
 
     def rows(
@@ -114,18 +111,18 @@ class BlockMath(Protocol):
         ...
 
 
+# Cached per combination: the fallback's warning comes once, and every call's decision is the same.
 @functools.cache
 def select_backend(
     requested: str, device_type: str, dtype: torch.dtype, refused: str | None = None
 ) -> BlockMath | None:
     """The block math of the chunked backend that runs a call on ``device_type`` tensors whose
-    statistics are ``dtype`` (None: the "reference" backend), for every door: the one backend
-    table (``arguments.options.BACKENDS``); decided once per combination.
+    statistics are ``dtype`` (None: the "reference" backend), for every door.
 
     "auto" takes the Triton kernels on a CUDA device with fp16/bf16/fp32 inputs, and otherwise the
-    chunked torch backend; on a CUDA device it says once why it fell back. ``refused``: why the
-    kernels cannot run this call although they run here (the top-k kernel's largest ``k``), which
-    "auto" also falls back on. An explicit "triton" that cannot run raises.
+    chunked torch backend, with a warning on a CUDA device; ``refused``: why the kernels cannot run
+    this call although they run here, which "auto" also falls back on. An explicit "triton" that
+    cannot run raises a ValueError.
     """
     if requested == "reference":
         return None

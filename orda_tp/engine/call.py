@@ -1,14 +1,6 @@
-"""Every door's path after its own argument checks: the rank-consistent error path, the layout
-handshake, and the one constructor that prepares the call for the engine (:func:`prepare_call`).
-
-A door (``distillation_loss``, ``DistillationLoss``, ``DistillationHead``, ``KDLoss``,
-``flash_ce_kd_loss``, ``teacher_topk``) checks its own arguments inside
-:func:`raised_on_every_rank`, so that a failure on one rank raises on every rank of the group;
-:func:`agree` then gives the call's :class:`~orda_tp.parallel.layout.VocabLayout` (the whole head
-on one device, the handshake on a group); :func:`prepare_call` decides the host checks and checks
-the labels' range and the values, makes the exchange (none on one device), selects the backend
-(:func:`.block_math.select_backend`, the one table) and the denominator of "mean", and returns the
-one problem type, :class:`Call`, which the engine's walks read.
+"""Every door's path after its own argument checks: a failure raised on every rank
+(:func:`raised_on_every_rank`), the call's layout (:func:`agree`) and the one problem type the
+engine reads (:func:`prepare_call` → :class:`Call`); docs/architecture.md, "Every door's path".
 """
 
 from __future__ import annotations
@@ -89,15 +81,12 @@ P = TypeVar("P", bound=Plan)
 class Call(Generic[P]):
     """A call prepared for the engine: everything it reads besides the tensors it differentiates.
 
-    ``plan``: what to compute (a loss's :class:`~orda_tp.arguments.plan.LossPlan`, the top-k
-    extraction's settings); ``layout``: this device's columns; ``math``: the block math of the
-    chunked backend (None: the fp64 reference); ``exchange``: how records meet those of the other
-    shards (None on one device); ``labels``: (rows,) as the statistics read them (a valid row's
-    label where a term reads it, else column 0, which exactly one rank owns; an ignored row's 0);
-    ``valid``: (rows,) the rows that count; ``denominator``: N of "mean" (a number, or a 0-d
-    tensor never read on the host); ``row_weights``: (rows,) weights of the rows' losses;
-    ``gemms``: how the gradient GEMMs run; ``teacher_blocks``: a teacher that forms its blocks
-    itself (a top-k cache).
+    ``plan``: what to compute; ``layout``: this device's columns; ``math``: the chunked backend's
+    block math (None: the reference); ``exchange``: None on one device; ``labels``: (rows,) as the
+    statistics read them (a valid row's label where a term reads it, else column 0, which exactly
+    one rank owns); ``valid``: (rows,) the rows that count; ``denominator``: N of "mean" (a number,
+    or a 0-d tensor never read on the host); ``row_weights``: (rows,) weights of the rows' losses;
+    ``teacher_blocks``: a teacher that forms its blocks itself (a top-k cache).
     """
 
     plan: P
@@ -114,14 +103,12 @@ class Call(Generic[P]):
 
 @contextmanager
 def raised_on_every_rank(group: Callable[[], dist.ProcessGroup | None]) -> Iterator[None]:
-    """A ValueError or TypeError raised inside is raised on every rank of the call's ``group()``:
-    the failing rank enters the layout handshake with its failure, where the others enter it with
-    their claims (:func:`~orda_tp.parallel.layout.fail_on_every_rank`); on one device (None) it
-    propagates as it is. ``group`` is called only on failure: the keywords that name the group may
-    be what failed."""
+    """A ValueError or TypeError raised inside is raised on every rank of the call's ``group()``
+    (:func:`~orda_tp.parallel.layout.fail_on_every_rank`); on one device (None) as it is."""
     try:
         yield
     except (ValueError, TypeError) as error:
+        # group() only now: the keyword that names the group may be what failed.
         fail_on_every_rank(error, group())
 
 
@@ -138,10 +125,10 @@ def agree(
     group: dist.ProcessGroup | None, shard: LocalShard, host_checks: bool | None, call_text: Callable[[], str]
 ) -> VocabLayout:
     """The call's layout from this rank's checked ``shard``: on one device the whole head; on a
-    ``group`` the handshake, which also proves that the ranks' settings (``call_text()``,
-    ``name=value`` lines) and the tensors they must hold alike agree, so that every check after it
-    decides alike on every rank (:func:`~orda_tp.parallel.layout.agree_layout`)."""
+    ``group`` the handshake (:func:`~orda_tp.parallel.layout.agree_layout`), which also proves that
+    the ranks' settings (``call_text()``) and the tensors they must hold alike agree."""
     device = shard.head.tensor.device
+    # This rank's default; under a group the handshake takes the smallest, so every rank walks the same chunks.
     workspace_mib = default_workspace_mib(device) if shard.workspace_mib is None else shard.workspace_mib
     if group is not None:
         return agree_layout(group, shard, workspace_mib, host_checks, call_text())
@@ -175,34 +162,35 @@ def prepare_call(
     gemms: GemmPolicy | None = None,
     teacher_blocks: TeacherBlocks | None = None,
 ) -> Call[P]:
-    """The call of ``plan`` over this rank's ``layout``, every door's (module docstring).
+    """The :class:`Call` of ``plan`` over this rank's ``layout``.
 
     ``labels``: (rows,) global label ids, the same on every rank; ``ignore_index`` marks the rows
     that do not count (None: every row counts); ``reads_labels``: whether a term reads the label
-    column (then the labels are range-checked where host checks run, unless
-    ``assume_valid_labels``). ``backend`` and ``dtype`` (the statistics dtype) select the block
-    math; ``refused``: why the kernels cannot run this call, if they cannot ("auto" then takes the
-    torch backend). ``denominator``: N of "mean" (None: the valid rows). ``values``: the value
-    checks of a call where one can fail (decided alike on every rank): on one device they raise,
-    on a group their first failure travels with the first record exchange, so that every rank
-    raises it. ``row_weights``, ``gemms``, ``teacher_blocks``: as :class:`Call` holds them.
+    column. ``backend`` and ``dtype`` (the statistics dtype) select the block math; ``refused``:
+    why the kernels cannot run this call ("auto" then takes the torch backend). ``denominator``: N
+    of "mean" (None: the valid rows, counted on the device). ``values``: the value checks of a call
+    where one can fail: they raise on one device and on every rank of a group.
     """
     config, device = plan.config, labels.device
     host_checks = runs_host_checks(config.host_checks, device)
     valid = torch.ones_like(labels, dtype=torch.bool) if ignore_index is None else labels != ignore_index
+    # A host read of the labels, so only where host checks run (by default CPU tensors: no device sync).
     if reads_labels and host_checks and not config.assume_valid_labels:
         check_label_range(labels, layout.vocab_size, ignore_index, one_device=layout.group is None)
     # An ignored row (every row, where no term reads the label) reads column 0: finite, masked.
     stats_labels = torch.where(valid, labels, 0) if reads_labels else torch.zeros_like(labels)
     exchange = None
     if layout.group is not None:
+        # A shard's failed value check does not raise here: it travels with the first record exchange.
         error = None if values is None else local_error(values, layout, host_checks)
+        # Decided by the plan alike on every rank, so every rank's first exchange has the same width.
         shares_errors = values is not None
         exchange = ShardExchange(layout.group, layout.sequence_parallel, error, shares_errors, layout.inconsistent)
     elif values is not None:
         check_values(values, layout.real_local_columns, host_checks)
     math = select_backend(backend, device.type, dtype, refused)
     if denominator is None:
+        # Counted on the device, never read on the host; at least 1, so an all-ignored batch gives 0, not NaN.
         denominator = valid.sum().clamp_min(1)
     gemms = GemmPolicy() if gemms is None else gemms
     return Call(plan, layout, math, exchange, stats_labels, valid, denominator, row_weights, gemms, teacher_blocks)

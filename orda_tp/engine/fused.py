@@ -1,18 +1,6 @@
 """The fused loss's autograd Function: the chunked backends' loss from hidden states and head
-weights, never a (BT, V) tensor.
-
-Rows are walked in contiguous chunks (every row, ignored ones included, so that nothing depends on
-a count read from the device) by the row walk (:mod:`.row_walk`): per chunk its logits
-(``rows × V_local`` fp32 values, the bounded workspace; one GEMM for both sides of a tied head),
-its statistics rounds and, when a gradient is wanted, its logit gradients staged while its logits
-are at hand. Chunks form row groups: a group's staged gradients feed one pair of gradient GEMMs
-per side (:mod:`.gradient_gemms`) and are freed before the next group's are allocated.
-
-For "mean"/"sum" the gradient is formed during the forward with unit upstream gradient and
-scaled in backward (no second pass of logits GEMMs). For "none" the upstream gradient differs
-per row, so backward recomputes each chunk's logits and reuses the saved row statistics. Across
-vocabulary shards each row group's hidden gradients are summed as soon as the group is complete
-(one reduce-scatter at the end under sequence parallelism); backward waits for the sums.
+weights, walked in row chunks and row groups, never a (BT, V) tensor; eager gradients for
+"mean"/"sum", deferred ones for "none" (docs/architecture.md, "Gradients: eager and deferred").
 """
 
 from __future__ import annotations
@@ -67,10 +55,8 @@ class CallLayout(NamedTuple):
 
 
 def _call_layout(call: Call[LossPlan], head: HeadTensors, statistics: torch.dtype, gradients: bool) -> CallLayout:
-    """The call's rows per chunk and per group (:func:`.workspace.row_layout`), sized for staged
-    logit gradients whenever the call forms ``gradients`` (in the forward, or in a deferred
-    backward, which must walk the forward's chunks: it reads their saved statistics), from the
-    largest shard, so that every rank of a group walks the same chunks."""
+    """The call's rows per chunk and per group (:func:`.workspace.row_layout`) and staging dtype,
+    the same on every rank of a group (sized from the largest shard)."""
     plan, layout = call.plan, call.layout
     operands = [head.student_hidden, head.weight]
     if plan.teacher_receives_grad:
@@ -80,6 +66,8 @@ def _call_layout(call: Call[LossPlan], head: HeadTensors, statistics: torch.dtyp
     # write them once, in bf16), else in the statistics dtype.
     bf16 = statistics == torch.float32 and all(t.is_cuda and t.dtype == torch.bfloat16 for t in operands)
     staging_dtype = torch.bfloat16 if bf16 else statistics
+    # Sized for the staging whenever gradients are formed, in the forward or in a deferred backward:
+    # that backward reads the forward's saved statistics, so it must walk the forward's chunks.
     staged_bytes = (2 if plan.teacher_receives_grad else 1) * staging_dtype.itemsize if gradients else 0
     logit_bytes = (2 if plan.needs_teacher_logits else 1) * statistics.itemsize
     rows = row_layout(
@@ -105,8 +93,7 @@ def _walk_groups(
 ) -> list[RowStats]:
     """One pass over the rows in ``layout``'s chunks and groups: each chunk's statistics (computed,
     or ``saved`` from the forward) and, with ``buffers``, its logit gradients for the ``upstream``
-    gradient (÷ N for "mean", in the statistics dtype once per pass: 0-d, or (BT,) for "none")
-    staged in ``layout``'s staging dtype and the group's gradient GEMMs run into ``buffers``.
+    gradient (0-d, or (BT,) for "none") staged and the group's gradient GEMMs run into ``buffers``.
     Returns the chunks' statistics in row order."""
     plan, exchange, columns = call.plan, call.exchange, call.layout.real_local_columns
     # The logits source caps the blocks unless the block math does as it reads them.
@@ -116,6 +103,7 @@ def _walk_groups(
     upstream_scale = upstream
     if buffers is not None:
         assert upstream is not None
+        # ÷ N once per pass, on the device (a tensor N is never read on the host).
         upstream_scale = (upstream / call.denominator if plan.reduction == "mean" else upstream).to(statistics)
         if call.row_weights is not None:  # a row's weight scales its gradient as its loss
             upstream_scale = upstream_scale * call.row_weights.to(statistics)
@@ -130,6 +118,7 @@ def _walk_groups(
         assert upstream_scale is not None
         # The teacher's rows follow the student's in one buffer, so a tied head's dW takes both in one GEMM.
         sides, group_rows = (2 if plan.teacher_receives_grad else 1), group_end - group_begin
+        # Unwritten: the walk writes every row and real column before the GEMMs read them.
         stacked = torch.empty(sides * group_rows, columns, dtype=layout.staging_dtype, device=device)
         teacher, both = (stacked[group_rows:], stacked) if sides == 2 else (None, None)
         staged = LogitGrads(stacked[:group_rows], teacher, both)
@@ -141,15 +130,15 @@ def _walk_groups(
         )
         if exchange is not None:
             hidden_grads = [g for g in (buffers.student_hidden, buffers.teacher_hidden) if g is not None]
+            # The group's hidden-gradient rows are final: their sum over the ranks overlaps the next groups.
             exchange.start_row_gradient_sum(hidden_grads, group_begin, group_end)
         del staged, stacked, teacher, both  # the group's staging goes before the next group's is allocated
     return walked
 
 
 def _outputs(call: Call[LossPlan], walked: list[RowStats], like: Tensor) -> tuple[Tensor, ...]:
-    """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` (:data:`COMPONENTS`) from the
-    chunks' statistics, each row's times its token weight: ignored rows read 0; "sum"/"mean" add
-    the rows (÷ N for "mean")."""
+    """``(loss, *COMPONENTS)`` from the chunks' statistics, each row's times its token weight:
+    ignored rows read 0; "sum"/"mean" add the rows (÷ N for "mean")."""
     plan, valid = call.plan, call.valid
 
     per_chunk = [{**stats.student_terms, "teacher_ce": stats.teacher_ce, "kl": stats.kl} for stats in walked]
@@ -161,6 +150,7 @@ def _outputs(call: Call[LossPlan], walked: list[RowStats], like: Tensor) -> tupl
     per_row = sum(weighted, like.new_zeros(()))
     reduced, weights = [], call.row_weights
     for values in (per_row, *(components[name] for name in COMPONENTS)):
+        # where, not a product with valid: an ignored row reads exactly 0, even where its statistics are NaN.
         values = torch.where(valid, values if weights is None else values * weights.to(values.dtype), 0.0)
         if plan.reduction != "none":
             values = values.sum()
@@ -170,8 +160,7 @@ def _outputs(call: Call[LossPlan], walked: list[RowStats], like: Tensor) -> tupl
 
 
 class _ChunkedContext(FunctionCtx):
-    """What :class:`_ChunkedDistillation` keeps on its autograd context (annotations only: torch
-    declares ``saved_tensors`` on its C base class alone, as a one-element tuple)."""
+    """What :class:`_ChunkedDistillation` keeps on its autograd context (annotations only)."""
 
     call: Call[LossPlan]
     needs: GradNeeds
@@ -179,6 +168,7 @@ class _ChunkedContext(FunctionCtx):
     eager_buffers: GradientBuffers | None
     saved_stats: list[RowStats] | None
     gathered_hidden: GatheredHidden | None
+    # Annotated here: torch declares saved_tensors on its C base class alone, as a one-element tuple.
     saved_tensors: tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]
 
 
@@ -198,6 +188,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         head = inputs if call.exchange is None else _full_rows(call.exchange, inputs)
         statistics = statistics_dtype(*inputs)
         eager = any(needs) and call.plan.reduction != "none"
+        # Eager gradients are formed for a unit upstream gradient; backward scales them in place.
         unit = torch.ones((), dtype=statistics, device=student_hidden.device)
         buffers = None
         if eager:
@@ -207,6 +198,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         layout = _call_layout(call, head, statistics, any(needs))
         walked = _walk_groups(call, head, statistics, layout, buffers=buffers, upstream=unit if eager else None)
         if call.exchange is not None:
+            # Waits for the gradient sums in flight: a forward returns with no collective pending.
             call.exchange.finish(unit)
         outputs = _outputs(call, walked, unit)
 
@@ -219,20 +211,18 @@ class _ChunkedDistillation(torch.autograd.Function):
             ctx.gathered_hidden = GatheredHidden(head.student_hidden, head.teacher_hidden)
         # torch's stub takes tensors only; save_for_backward documents None as accepted (a no-op).
         ctx.save_for_backward(*inputs)  # type: ignore[arg-type]
-        ctx.mark_non_differentiable(*outputs[1:])
+        ctx.mark_non_differentiable(*outputs[1:])  # the components are reports; only the loss has a gradient
         return outputs
 
     @staticmethod
     @once_differentiable
     def backward(ctx: _ChunkedContext, grad_loss: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        """Gradients of (student_hidden, weight, teacher_hidden, teacher_weight), in their dtypes.
-
-        An eager call's buffers hold the gradient of a unit upstream (summed over shards): they are
-        scaled in place and handed over by the first backward; a later backward through the same
-        call (``retain_graph=True``) recomputes them like the deferred path."""
+        """Gradients of (student_hidden, weight, teacher_hidden, teacher_weight), in their dtypes."""
         inputs = HeadTensors(*ctx.saved_tensors)
         call, exchange = ctx.call, ctx.call.exchange
+        # Handed over once: a repeated backward (retain_graph=True) recomputes them like the deferred path.
         eager_buffers, ctx.eager_buffers = ctx.eager_buffers, None
+        # The recomputed logits and GEMMs run in the dtypes the forward chose, as its own walk did.
         with torch.autocast(inputs.student_hidden.device.type, enabled=False):
             buffers = eager_buffers
             if buffers is None:
@@ -254,8 +244,9 @@ class _ChunkedDistillation(torch.autograd.Function):
                     teacher_hidden=None if buffers.teacher_hidden is None else next(summed),
                 )
             if eager_buffers is not None:
+                # Scaled after the sum over the ranks: every rank backpropagates the same (replicated) loss.
                 scale_by_upstream([grad for grad in buffers if grad is not None], grad_loss)
-        # Only an input that is given has a gradient.
+        # Only an input that is given has a gradient, cast once from its buffer's dtype (fp32 on a shard).
         grads = [
             None if grad is None or tensor is None else grad.to(tensor.dtype) for grad, tensor in zip(buffers, inputs)
         ]
@@ -270,9 +261,9 @@ def chunked_loss(
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
 ) -> tuple[Tensor, ...]:
-    """``(loss, *COMPONENTS)`` reduced as the plan says; only ``loss`` is
-    differentiable. An input receives a gradient when grad mode is on, it requires grad and the
-    plan routes a gradient to it (a tied teacher's head gradient goes to the student's weight)."""
+    """``(loss, *COMPONENTS)`` reduced as the plan says; only ``loss`` is differentiable. An input
+    receives a gradient when grad mode is on, it requires grad and the plan routes a gradient to it
+    (a tied teacher's head gradient goes to the student's weight)."""
     plan, grad_on = call.plan, torch.is_grad_enabled()
     to_student, to_teacher = plan.student_receives_grad, plan.teacher_receives_grad
     requires = [

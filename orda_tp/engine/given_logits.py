@@ -1,18 +1,6 @@
 """Losses on logits the caller holds (``KDLoss``, ``flash_ce_kd_loss``): their row chunks, their
-walk, and the autograd function of ``KDLoss``, ``Σ_valid T²·D(p, q) / N``.
-
-When the student's logits need a gradient, forward walks the row chunks once, forming each
-chunk's statistics and writing ``∂loss/∂s`` for a unit upstream gradient straight into the
-gradient of the student's logits (the logit gradient *is* the input gradient here: no GEMM, no
-staging buffer), the way the fused path's eager gradients are formed; where the variant allows
-(``LossPlan.kl_sums_in_gradient_pass``: ``forward``) that gradient pass also sums round 2, so a
-call reads the logits twice in all. Backward scales the gradient in place by the upstream
-gradient (nothing to do for exactly 1) and hands it over. A second backward through the same call
-(``retain_graph=True``) walks the chunks again from the statistics kept by forward (a few values
-per row), as a call without gradients would need. No collective in backward: the statistics were
-merged across shards in forward, and each rank's gradient is its columns' slice. Ignored rows get
-exactly 0, rows whose label no column owns NaN. The teacher's logits (stored, or formed block by
-block from a top-k cache) never receive a gradient.
+walk, and ``KDLoss``'s autograd Function, whose gradient of the student's logits is formed in the
+forward and scaled in backward (docs/architecture.md, "Logits-level losses").
 """
 
 from __future__ import annotations
@@ -36,15 +24,13 @@ __all__ = ["chunks_of", "logits_distillation", "row_statistics"]
 def chunks_of(call: Call[LossPlan], dtype: torch.dtype, formed_sides: int = 0) -> list[RowRange]:
     """The row chunks of a loss on given logits, the same on every rank of a group (they set the
     collectives): ``KernelConfig.chunk_size.nrows`` rows, or as many as fit the default workspace
-    of the ``dtype`` logits a chunk holds, from the widest shard. A chunk holds the
-    ``formed_sides`` sides it forms (a teacher head's product) and, on a block math that converts
-    stored logits (torch), the two stored sides' copies too; when it holds none (the Triton kernels
-    read both sides in place, a top-k cache's rows too), the whole batch is one chunk: its
-    temporaries are a few values per row."""
+    of the ``dtype`` logits a chunk holds (its ``formed_sides``, and the stored sides' copies where
+    the block math converts them), from the widest shard; the whole batch where it holds none."""
     assert call.math is not None
+    # The Triton kernels read stored logits in place (a top-k cache's rows too); the torch backend copies both.
     held_sides = formed_sides if call.math.reads_stored_cache else 2
     rows, layout, config = call.labels.shape[0], call.layout, call.plan.config
-    chunk_rows = max(rows, 1)
+    chunk_rows = max(rows, 1)  # a chunk that holds no logits keeps a few values per row: one chunk
     if held_sides or config.chunk_size.nrows is not None:
         held, shards, workspace = held_sides * dtype.itemsize, layout.world_size, layout.workspace_mib
         chunk_rows = row_layout(config, rows, layout.max_local_columns, held, 0, shards, workspace).chunk_rows
@@ -59,17 +45,16 @@ def row_statistics(
     target: GradTarget | None = None,
 ) -> list[RowStats]:
     """Each chunk's finalized row statistics, in row order, with ``target`` the logit gradients
-    written in the same walk, and the end of the call's exchange (a chunk's blocks live only while
-    it is walked)."""
+    written in the same walk, and the end of the call's exchange."""
     walked = walk_rows(call, source, chunks, dtype, None, target)
     if call.exchange is not None:
+        # A call with no rows still exchanges its errors here, so that no rank skips a collective.
         call.exchange.finish(torch.empty(0, dtype=dtype, device=call.labels.device))
     return walked
 
 
 class _LogitsContext(FunctionCtx):
-    """What :class:`_LogitsDistillation` keeps on its autograd context (annotations only: torch
-    declares ``saved_tensors`` on its C base class alone, as a one-element tuple)."""
+    """What :class:`_LogitsDistillation` keeps on its autograd context (annotations only)."""
 
     call: Call[LossPlan]
     chunks: list[RowRange]
@@ -78,17 +63,19 @@ class _LogitsContext(FunctionCtx):
     teacher: TeacherBlocks
     dtype: torch.dtype
     eager_grad: Tensor | None
-    saved_tensors: tuple[Tensor]
+    saved_tensors: tuple[Tensor]  # annotated here: torch declares it on its C base class alone
 
 
 def _unit_scale(call: Call[LossPlan], dtype: torch.dtype, like: Tensor) -> Tensor:
     """Each row's gradient factor for a unit upstream gradient: ``1/N``, times the row's weight."""
+    # 1/N formed on the device: a tensor N is never read on the host.
     scale = (torch.ones((), dtype=dtype, device=like.device) / call.denominator).to(dtype)
     return scale if call.row_weights is None else scale * call.row_weights.to(dtype)
 
 
 def _gradient_target(student: Tensor, unit_scale: Tensor) -> GradTarget:
     """A new gradient of the student's logits, as the walk's target for ``unit_scale`` per row."""
+    # Unwritten: the walk writes every row and column of it (0 on ignored rows), in the logits' dtype.
     grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
     return GradTarget(LogitGrads(grad, None), 0, unit_scale)
 
@@ -121,6 +108,7 @@ class _LogitsDistillation(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: _LogitsContext, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        # Handed over once: a repeated backward (retain_graph=True) walks the chunks again.
         grad, ctx.eager_grad = ctx.eager_grad, None
         if grad is None:  # a repeated backward: the gradient walked again from the saved statistics
             (student,) = ctx.saved_tensors
@@ -128,6 +116,7 @@ class _LogitsDistillation(torch.autograd.Function):
             grad = target.grads.student
             with torch.autocast(student.device.type, enabled=False):
                 walk_rows(ctx.call, source, ctx.chunks, ctx.dtype, ctx.walked, target)
+        # In place, no collective: each rank's gradient is its own columns' slice, merged in the forward.
         scale_by_upstream([grad], grad_loss.to(ctx.dtype))
         return None, grad, None, None, None
 

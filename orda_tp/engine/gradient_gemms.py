@@ -1,9 +1,5 @@
 """What a row group does with its staged logit gradients: the input gradients' buffers and the
 gradient GEMMs ``dh = dS·W`` and ``dW += dSᵀ·h`` (docs/architecture.md, "GEMMs").
-
-Logit gradients are staged in the call's staging dtype (bf16 for bf16 operands on CUDA, else the
-statistics dtype); fp16 operands meet an fp32 staging through a scale that keeps small gradients
-out of fp16's subnormal range.
 """
 
 from __future__ import annotations
@@ -64,14 +60,9 @@ def allocate_buffers(
     accumulation: str,
     written_columns: int,
 ) -> GradientBuffers:
-    """Gradient buffers of the inputs that need one (see :class:`GradientBuffers`), left for the
-    row walk to write.
-
-    The walk's gradient GEMMs write what they cover without reading it first (β = 0,
-    :func:`run_gradient_gemms`): every row of a hidden gradient (each row group writes its own
-    rows), and a head gradient's first ``written_columns`` rows (the real local columns, written
-    by the first row group). Only what no GEMM writes is zeroed here: a padded shard's rows past
-    ``written_columns``, and everything when the call has no rows."""
+    """Gradient buffers of the inputs that need one (see :class:`GradientBuffers`), unwritten where
+    the gradient GEMMs will write them with β = 0: every row of a hidden gradient and a head
+    gradient's first ``written_columns`` rows (the real local columns); the rest is zeroed."""
     buffers: list[Tensor | None] = []
     walked = head.student_hidden.shape[0] > 0
     for tensor, need, is_weight in zip(head[:4], needs, (False, True, False, True)):
@@ -82,10 +73,11 @@ def allocate_buffers(
             own = accumulation == "compute" or (accumulation == "auto" and tensor.dtype == torch.bfloat16)
         else:
             own = not sharded
+        # Unwritten: no zero-fill, and no GEMM reads zeros (its first write is β = 0).
         buffer = torch.empty(tensor.shape, dtype=tensor.dtype if own else statistics, device=tensor.device)
-        if not walked:
+        if not walked:  # no rows: no GEMM runs, so the gradient is 0
             buffer.zero_()
-        elif is_weight:
+        elif is_weight:  # a padded shard's rows past its real columns: no GEMM writes them
             buffer[written_columns:].zero_()
         buffers.append(buffer)
     return GradientBuffers(*buffers)
@@ -100,21 +92,21 @@ class GemmPolicy:
     def accumulate(self, target: Tensor, staged: Tensor, operand: Tensor, beta: float) -> None:
         """``target = beta·target + staged · operand`` with ``staged`` in the call's staging dtype and
         ``beta`` 1 (add) or 0 (overwrite: ``target`` is not read, so it may hold anything, NaN
-        included).
-
-        bf16 on CUDA: one GEMM that adds into ``target`` in its epilogue (fp32 or bf16 target,
-        fp32 accumulation inside the GEMM). fp16 with a scale: the staged fp32 gradient is scaled
-        into fp16 for the tensor cores and the product unscaled. Otherwise in ``staged``'s dtype."""
+        included). bf16 staging: fp32 accumulation inside the GEMM; fp16 operands with a ``scale``:
+        the staged fp32 gradient scaled into fp16 (out of its subnormal range) for the tensor cores,
+        the product unscaled."""
         if staged.dtype == torch.bfloat16:
             if target.dtype == torch.bfloat16:
+                # In place, added in the GEMM's epilogue; with β = 0 cuBLAS reads nothing of target.
                 target.addmm_(staged, operand, beta=beta)
                 return
             if _ADDMM_OUT_DTYPE[0] and target.dtype == torch.float32 and target.is_contiguous():
                 try:
+                    # out=target: bf16 operands added into the fp32 target in the epilogue, no fp32 product tensor.
                     torch.addmm(target, staged, operand, beta=beta, out_dtype=torch.float32, out=target)
                     return
                 except TypeError:  # a torch without addmm(out_dtype=...)
-                    _ADDMM_OUT_DTYPE[0] = False
+                    _ADDMM_OUT_DTYPE[0] = False  # remembered: the fallback below from now on
             product = torch.mm(staged, operand, torch.float32)
         elif operand.is_cuda and operand.dtype == torch.float16 and self.scale is not None:
             # Lowered on the device where scale·max|gradient| would leave fp16's range.
@@ -124,9 +116,9 @@ class GemmPolicy:
         else:
             product = staged @ operand.to(staged.dtype)
         if beta == 0:
-            target.copy_(product)
+            target.copy_(product)  # written, never read: whatever the unwritten buffer held is gone
         else:
-            target += product.to(target.dtype)
+            target += product.to(target.dtype)  # in place, in the target's dtype: one rounding per group
 
 
 def run_gradient_gemms(
@@ -138,14 +130,11 @@ def run_gradient_gemms(
     gemms: GemmPolicy,
     tied: bool,
 ) -> None:
-    """Write the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``,
-    side by side: ``dh[rows] = dS·W`` (each group owns its rows) and ``dW += dSᵀ·h[rows]``, which
-    the first group (``begin == 0``) writes instead of adding to (β = 0: the buffers come unwritten
-    from :func:`allocate_buffers`, no zero-fill and no read of zeros). ``valid`` marks the group's rows
-    that are not ignored (the others' hidden rows are not read, so a non-finite ignored row stays
-    out). ``tied``: the teacher reads the student's head (``LossPlan.tied_head``); where it trains,
-    its weight gradient adds to the student head's in one GEMM over both sides' rows, the
-    staging's ``stacked`` (``buffers.teacher_weight`` is None then)."""
+    """Write the contribution of the group staged for rows ``[begin, begin + rows)`` to ``buffers``:
+    ``dh[rows] = dS·W`` and ``dW += dSᵀ·h[rows]`` (written, β = 0, by the first group, ``begin ==
+    0``). ``valid`` marks the group's rows that are not ignored. ``tied``: the teacher reads the
+    student's head; where it trains, its weight gradient adds to the student head's in one GEMM
+    over the staging's ``stacked`` rows (``buffers.teacher_weight`` is None then)."""
     one_gemm = tied and staged.teacher is not None
     sides = [(staged.student, head.student_hidden, head.weight, buffers.student_hidden, buffers.weight)]
     if staged.teacher is not None and head.teacher_hidden is not None:
@@ -155,7 +144,7 @@ def run_gradient_gemms(
             (staged.teacher, head.teacher_hidden, teacher_weight, buffers.teacher_hidden, buffers.teacher_weight)
         )
     end, columns = begin + staged.student.shape[0], staged.student.shape[1]
-    weight_beta = 0.0 if begin == 0 else 1.0
+    weight_beta = 0.0 if begin == 0 else 1.0  # the first group writes the unwritten head gradient
     # cuBLAS may not reduce split-K partial sums in bf16/fp16 here (torch allows it for bf16/fp16
     # outputs): a gradient GEMM then rounds once, to its output, as its fp32-output counterpart on
     # a vocabulary shard does.
@@ -165,9 +154,10 @@ def run_gradient_gemms(
     flags.allow_fp16_reduced_precision_reduction = False
     try:
         for logit_grads, hidden, weight, hidden_grad, weight_grad in sides:
-            if hidden_grad is not None:
+            if hidden_grad is not None:  # each group owns its rows: written once, β = 0
                 gemms.accumulate(hidden_grad[begin:end], logit_grads, weight.detach()[:columns], beta=0.0)
             if weight_grad is not None and not one_gemm:
+                # Ignored rows' hidden states replaced by 0: a non-finite ignored row cannot reach dW.
                 rows = torch.where(valid[:, None], hidden.detach()[begin:end], 0.0)
                 gemms.accumulate(weight_grad[:columns], logit_grads.T, rows, beta=weight_beta)
         if one_gemm and buffers.weight is not None:  # one GEMM over both sides' rows
@@ -175,7 +165,7 @@ def run_gradient_gemms(
             both = torch.cat([head.student_hidden.detach()[begin:end], head.teacher_hidden.detach()[begin:end]])
             rows = torch.where(valid.repeat(2)[:, None], both, 0.0)
             gemms.accumulate(buffers.weight[:columns], staged.stacked.T, rows, beta=weight_beta)
-    finally:
+    finally:  # restored whatever happens: the flags are process-wide
         flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 

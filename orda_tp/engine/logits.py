@@ -1,18 +1,6 @@
-"""Where a chunk's logits come from, block by block over this device's columns.
-
-A row walk (:mod:`.row_walk`) asks a :class:`LogitsSource` for the student and teacher logits of
-rows ``[begin, end)`` on each column block ``[start, stop)``:
-
-- :class:`StoredLogits`: logits held in memory (a teacher cache, or the logits a caller holds),
-  sliced per block;
-- :class:`HeadLogits`: ``hidden · weight_blockᵀ`` formed per block, never all at once;
-- :class:`TiedLogits`: a tied head, whose student and teacher rows are stacked once per chunk so
-  that one GEMM per block serves both sides.
-
-:class:`PairedLogits` pairs a student side with a teacher side (or none); :func:`logits_source`
-picks the fused path's source from its :class:`HeadTensors`. Logits are formed in the statistics
-dtype (:func:`statistics_dtype`), never rounded to bf16/fp16 first (:func:`logits_mm`); stored
-logits arrive either converted to it or as stored, for block math that upcasts them itself.
+"""Where a chunk's logits come from, block by block over this device's columns: a
+:class:`LogitsSource` (stored, a head's product per block, or one GEMM for a tied head's two sides),
+formed in the statistics dtype, never rounded to bf16/fp16 first (docs/architecture.md, "GEMMs").
 """
 
 from __future__ import annotations
@@ -56,26 +44,27 @@ def statistics_dtype(*tensors: Tensor | None) -> torch.dtype:
 
 
 def logits_mm(hidden: Tensor, weight_block: Tensor, dtype: torch.dtype) -> Tensor:
-    """``hidden · weight_blockᵀ`` in ``dtype`` (fp32/fp64), never rounded through the inputs' dtype:
-    fp16/bf16 operands of one dtype on CUDA run on the tensor cores with an fp32 result
-    (``torch.mm(a, b, out_dtype)``); anything else is cast to ``dtype`` first."""
+    """``hidden · weight_blockᵀ`` in ``dtype`` (fp32/fp64), never rounded through the inputs' dtype
+    (fp16/bf16 operands of one dtype on CUDA: the tensor cores' fp32 result)."""
     same_low_precision = hidden.dtype == weight_block.dtype and hidden.dtype in LOW_PRECISION
     if hidden.is_cuda and same_low_precision and dtype == torch.float32:
+        # The tensor cores' fp32 accumulator written as it is: the logits are never rounded to bf16/fp16.
         return torch.mm(hidden, weight_block.T, torch.float32)
+    # CPU, fp32/fp64 or mixed operands: cast first, so the product is formed in the statistics dtype.
     return hidden.to(dtype) @ weight_block.to(dtype).T
 
 
 def softcapped(logits: Tensor, cap: float | None) -> Tensor:
     """``cap·tanh(logits/cap)`` in place (Gemma 2's soft-capping), for the torch block math (the
     Triton kernels cap a tile as they load it); ``logits`` when ``cap`` is None."""
+    # In place: its callers hand it a GEMM's fresh output, which nothing else holds.
     return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
 
 @dataclass(frozen=True)
 class LogitsBlock:
-    """A chunk's logits on local columns ``[start, stop)``: ``student``, and ``teacher`` (None when
-    the call reads no teacher logits; :class:`SparseLogits` only for a block math that reads
-    stored logits as stored)."""
+    """A chunk's logits on local columns ``[start, stop)``: ``student`` and ``teacher`` (None: no
+    teacher logits; :class:`SparseLogits` only for a block math that reads stored logits as stored)."""
 
     start: int
     stop: int
@@ -117,12 +106,12 @@ def stored_logits_block(
     logits: Tensor, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool
 ) -> Tensor:
     """Rows ``[begin, end)`` and local columns ``[start, stop)`` of stored logits, detached: a view
-    in the stored dtype when ``as_stored`` (unit column stride, as the Triton kernels read it: a
-    copy of the block otherwise), else in ``dtype``. Only the block is ever copied, never the
-    whole tensor."""
+    in the stored dtype when ``as_stored`` (unit column stride: a copy of the block otherwise),
+    else in ``dtype``; never a copy of the whole tensor."""
     block = logits.detach()[begin:end, start:stop]
     if not as_stored:
         return block.to(dtype)
+    # The kernels read columns at unit stride; only a strided block is copied, in its stored dtype.
     return block if block.stride(1) == 1 or block.shape[1] <= 1 else block.contiguous()
 
 
@@ -186,6 +175,7 @@ class TiedLogits:
     def blocks(
         self, begin: int, end: int, columns: Sequence[ColumnRange], dtype: torch.dtype, as_stored: bool
     ) -> list[LogitsBlock]:
+        # Stacked once per chunk: each block's one GEMM reads the weight block once for both sides.
         stacked = torch.cat([self.student_hidden.detach()[begin:end], self.teacher_hidden.detach()[begin:end]])
         rows = end - begin
         blocks = []
@@ -199,12 +189,9 @@ class TiedLogits:
 
 
 class HeadTensors(NamedTuple):
-    """The fused path's differentiable tensors, which produce this device's logits.
-
-    ``weight`` (V_local, H) is the student head; the teacher reads ``teacher_weight`` when set
-    (separate head, or a cached hidden + head), ``weight`` when tied (neither ``teacher_weight``
-    nor ``teacher_logits``), or ``teacher_logits`` (a cache, (BT, V_local)).
-    """
+    """The fused path's differentiable tensors: ``weight`` (V_local, H) is the student head; the
+    teacher reads ``teacher_weight`` when set, ``weight`` when tied (neither ``teacher_weight`` nor
+    ``teacher_logits``), or ``teacher_logits`` (a cache, (BT, V_local))."""
 
     student_hidden: Tensor
     weight: Tensor

@@ -1,17 +1,6 @@
-"""Round-1 records: per row, a block's partial log-partitions and label logits, packed in one
-(rows, K₁) tensor, and their associative merge (docs/architecture.md §2.1).
-
-A block (a column range of one device's vocabulary, or one tensor-parallel shard) never sees the
-whole row. Its record holds, for each of the F logit families (``LossPlan.families``), the partial
-log-partition ``(m, z)``, ``m = max x``, ``z = Σ e^{x−m}``; the raw student and teacher logits at
-the label column (0 where the block does not own it); how many blocks own the label; and the E
-column sums of the student's terms. Packed columns, in order (:func:`packed_columns`)::
-
-    [ m_1 … m_F | z_1 … z_F | s_y  t_y | hits | sum_1 … sum_E ]
-
-Records merge in any grouping (:func:`merge_stacked_records`), and the merged record is what the
-whole row would have given; a record stays packed from the block math that forms it, through the
-exchange between shards, to the partition step that reads its columns by name.
+"""Round-1 records: per row, a block's partial log-partitions ``(m, z)``, label logits, label
+owners and column sums, packed in one (rows, K₁) tensor, and their associative merge; a merged
+record is what the whole row would have given (docs/architecture.md, "Round 1").
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ def empty_record(rows: int, num_families: int, num_column_sums: int, like: Tenso
     """The record of no columns (a shard that holds only vocabulary padding): ``m = −inf``, every
     other column 0."""
     record = like.new_zeros(rows, len(packed_columns(num_families, num_column_sums)))
+    # (m, z) = (−inf, 0), the merge's identity: the shard adds nothing to any family.
     record[:, :num_families] = float("-inf")
     return record
 
@@ -48,6 +38,7 @@ def merge_stacked_records(stacked: Tensor, num_families: int) -> Tensor:
     ranks that merge the same gathered stack get bitwise-identical records)."""
     f = num_families
     maxes, sumexps, rest = stacked[..., :f], stacked[..., f : 2 * f], stacked[..., 2 * f :]
+    # Every partial rescaled to the overall max at once, then summed along the stack in one op.
     new_max = maxes.amax(dim=0)
     # An empty partial (m = −inf) adds 0; e^{−inf − (−inf)} would be NaN (a NaN input still propagates).
     rescaled = torch.where(maxes == float("-inf"), 0.0, sumexps * torch.exp(maxes - new_max.unsqueeze(0)))

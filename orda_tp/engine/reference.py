@@ -1,8 +1,6 @@
-"""The reference backend: full (BT, V) logits, textbook formulas, autograd for gradients.
-
-It shares no formula with the chunked path (each divergence is written here from its
-definition, gradients come from autograd), which is what makes it the test oracle. It supports
-fp64 and is meant for tests and small problems: its memory grows with BT × V.
+"""The reference backend, the test oracle: full (BT, V) logits, each divergence written here from
+its definition (no formula shared with the chunked path), gradients from autograd; fp64 included,
+memory of order BT × V.
 """
 
 from __future__ import annotations
@@ -166,6 +164,7 @@ def reference_loss(
     teacher_weight = None if teacher_weight is None else teacher_weight[:vocab_size]
     teacher_logits = None if teacher_logits is None else teacher_logits[:, :vocab_size]
     in_range = (labels >= 0) & (labels < weight.shape[0])
+    # Ignored and out-of-range rows gather column 0, never an invalid index; below, they read 0 and NaN.
     safe_labels = torch.where(valid & in_range, labels, torch.zeros_like(labels))
     student = _capped(student_hidden.to(dtype) @ weight.to(dtype).T, plan.student_softcap)
     zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
@@ -181,6 +180,7 @@ def reference_loss(
         if not plan.teacher_receives_grad:
             teacher = teacher.detach()
         absent = (teacher == float("-inf")).all(-1)
+        # An all −inf teacher row read as zeros: its log-softmax stays finite, its values are masked.
         teacher = torch.where(absent[:, None], torch.zeros_like(teacher), teacher)
         if plan.teacher_ce_weight > 0:
             ce = torch.logsumexp(teacher, -1) - teacher.gather(1, safe_labels[:, None]).squeeze(1)
@@ -216,6 +216,7 @@ def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tens
 
     with torch.no_grad():
         blocked = absent | torch.isposinf(divergence(student, kl_teacher))
+    # A blocked row's logits detached: it keeps its value but passes no (inf or NaN) gradient.
     rows = blocked[:, None]
     value = divergence(torch.where(rows, student.detach(), student), torch.where(rows, kl_teacher.detach(), kl_teacher))
     value = _where_zero(absent, _value_clamped_at_zero(value))

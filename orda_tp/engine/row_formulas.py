@@ -1,31 +1,7 @@
-"""The per-row steps of a chunk, written once as row formulas (:mod:`orda_tp.divergences.expr`).
-
-Between the column passes of a chunk, every row turns its merged statistics into the numbers the
-next pass reads. The steps are elementwise over rows; each is one formula program, run as one
-torch evaluation (torch backend) or one generated Triton row kernel, instead of a few dozen
-small tensor ops per chunk.
-
-- :func:`partition_step`, after round 1, from the merged record's ``(m_f, z_f)``, label logits
-  ``s_y``, ``t_y``, label-owner count and the student terms' column sums: ``LSE_f = m_f + log
-  z_f`` (``−inf`` for an all ``−inf`` row), ``owned`` (exactly one column owns the label),
-  ``absent`` (the teacher's logits are all ``−inf``), each registered student term's value
-  (:mod:`orda_tp.divergences.terms`: ``student_ce``, ``z_loss``), ``CE_t = LSE(t) − t_y`` (0 on
-  absent rows) and, with a KL term, ``LSE(u)``, ``LSE(v)`` (0 on absent rows), ``log p_y = s_y/T_s −
-  LSE(u)``, ``log q_y =
-  t_y/T_t − LSE(v)`` and ``present`` (the teacher is not absent, and no ``UNSUPPORTED`` column
-  where round 1 counts them: the gradient's ``keep`` when round 2 is summed in the gradient pass,
-  ``LossPlan.kl_sums_in_gradient_pass``). The loss components are NaN on rows whose label no
-  column owns.
-- :func:`finish_step`, after round 2 and the variant's finalize: the row's divergence
-  ``max(D, 0)`` and ``KL = T_s²·max(D, 0)`` (both 0 on absent rows, NaN on unowned ones) and
-  ``keep``, whether the row's KL gradient is formed (teacher present and ``D ≠ +inf``).
-- :func:`grad_step`, before a gradient pass: the row constants of the gradient kernel
-  (:class:`.stats.GradRows` says what each holds, and their order), each formed where the call has
-  its term: the student terms' coefficients summed with their weights, ``c_p = Σ_k w_k·c_p,k``;
-  the teacher CE's coefficient ``w_t·scale``; the KL's and the variant's constants passed through.
-
-Flags are stored as 1.0/0.0 and read back with :func:`is_set`. Values that change between calls
-(temperatures, weights) are runtime scalars, so a program depends only on the call's structure.
+"""The per-row steps of a chunk between its column passes, written once as row formulas
+(:mod:`orda_tp.divergences.expr`) and each run as one evaluation (docs/architecture.md, "The row
+steps and the elementwise gradient"). Flags are stored as 1.0/0.0; temperatures and weights are
+runtime scalars, so a program depends only on the call's structure (its :class:`StepKey`).
 """
 
 from __future__ import annotations
@@ -85,15 +61,19 @@ def _term_values(terms: tuple[StudentTerm, ...], lse: Expr) -> dict[str, Expr]:
 
 @cache
 def partition_step(key: StepKey) -> RowProgram:
-    """Round 1's per-row values (see the module docstring) from the merged record's columns
-    (:func:`.records.packed_columns`); outputs ``lse0 … lse{F−1}`` first."""
+    """Round 1's per-row values from the merged record's columns (:func:`.records.packed_columns`):
+    ``lse0 … lse{F−1}`` (``LSE_f = m_f + log z_f``) first, ``owned``, ``absent``, each registered
+    student term's value, ``teacher_ce`` and, with a KL term, ``lse_u``, ``lse_v`` (0 on absent
+    rows), ``logp_y``, ``logq_y`` and ``present`` (the teacher not absent, and no ``UNSUPPORTED``
+    column where round 1 counts them), else ``kl``; each loss component NaN on unowned rows."""
     count = key.num_families
     lse = []
     for f in range(count):
         m = row(f"m{f}")
         lse.append(where(equal(m, NEG_INF), 0.0, m) + log(row(f"z{f}")))
     owned = equal(row("hits"), 1.0)
-    nan_elsewhere = where(owned, 0.0, NAN)  # added to every per-row value
+    # Added to every loss component: a label that no block owns makes its row NaN, never another class.
+    nan_elsewhere = where(owned, 0.0, NAN)
     outputs: dict[str, Expr] = {f"lse{f}": lse[f] for f in range(count)}
     outputs["owned"] = where(owned, 1.0, 0.0)
     absent = None
@@ -110,12 +90,14 @@ def partition_step(key: StepKey) -> RowProgram:
     if key.kl_student is not None:
         assert absent is not None and key.kl_teacher is not None
         lse_u = lse[key.kl_student]
+        # An absent teacher's LSE is −inf: 0 keeps its log q = −inf, not −inf − (−inf) = NaN.
         lse_v = where(absent, 0.0, lse[key.kl_teacher])
         outputs["lse_u"], outputs["lse_v"] = lse_u, lse_v
         outputs["logp_y"] = row("s_y") / row("t_s") - lse_u
         outputs["logq_y"] = row("t_y") / row("t_t") - lse_v
         present = where(absent, 0.0, 1.0)
         if key.unsupported_sum is not None:
+            # A column with s = −inf < t makes D infinite: that row's KL gradient is dropped.
             present = where(greater(row(f"sum{key.unsupported_sum}"), 0.0), 0.0, present)
         outputs["present"] = present
     else:
@@ -126,12 +108,14 @@ def partition_step(key: StepKey) -> RowProgram:
 
 @cache
 def finish_step() -> RowProgram:
-    """The row's divergence ``max(D, 0)`` (0 on absent rows, NaN on unowned ones; the max keeps
-    NaN), the KL component ``T_s²·`` that, and its gradient flag, from the variant's value ``D``
-    (see the module docstring)."""
+    """From the variant's value ``D``: the row's ``divergence`` ``max(D, 0)`` and ``kl`` (times
+    ``T_s²``), both 0 on absent rows and NaN on unowned ones, and ``keep``, whether the row's KL
+    gradient is formed (teacher present and ``D ≠ +inf``)."""
     value, absent = row("value"), is_set(row("absent"))
+    # Rounding can take D below 0; a where, not a max, keeps a NaN D NaN.
     clamped = where(less(value, 0.0), 0.0, value)
     divergence = where(absent, 0.0, clamped) + where(is_set(row("owned")), 0.0, NAN)
+    # No gradient where the teacher is absent or D = +inf: there ∂D is inf or NaN.
     keep = where(logical_or(absent, equal(value, float("inf"))), 0.0, 1.0)
     outputs = {"divergence": divergence, "kl": divergence * row("t_s_squared"), "keep": keep}
     return _program(["value", "absent", "owned"], ["t_s_squared"], outputs)
@@ -139,9 +123,10 @@ def finish_step() -> RowProgram:
 
 @cache
 def grad_step(key: StepKey) -> RowProgram:
-    """The gradient kernel's row constants, in :data:`.stats.GRAD_ROW_CONSTANTS` order, then the
-    variant's (``key.variant_constants``): those of the call's terms (see the module docstring),
-    each student term's coefficients times its weight ``w_<name>``."""
+    """The gradient kernel's row constants (:class:`.stats.GradRows`), in
+    :data:`.stats.GRAD_ROW_CONSTANTS` order, then the variant's (``key.variant_constants``): those
+    of the call's terms, the student terms' coefficients summed with their weights ``w_<name>``."""
+    # 0 on ignored rows (their gradients exactly 0), NaN on a row whose label no block owns.
     scale = where(is_set(row("valid")), where(is_set(row("owned")), row("upstream"), NAN), 0.0)
     formulas: dict[str, Expr] = dict(scale=scale)
     scalars = ["w_t"]
@@ -158,6 +143,7 @@ def grad_step(key: StepKey) -> RowProgram:
         scalars += _term_scalars(key.student_terms)
     if key.teacher_ce_trains:
         absent = is_set(row("absent"))
+        # An absent teacher's row trains nothing; LSE 0, not −inf, keeps its t − LSE at −inf, not NaN.
         formulas.update(
             lse_t=where(absent, 0.0, row(f"lse{key.ce_teacher}")), c_ce_t=where(absent, 0.0, row("w_t") * scale)
         )

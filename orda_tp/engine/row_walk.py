@@ -1,28 +1,8 @@
-"""The row walk: rows in chunks, columns in blocks, never a (rows, V) tensor.
-
-One walker serves the fused loss (logits formed from hidden states and head weights) and the
-logits-level losses (logits the caller holds). Per chunk of rows ``[begin, end)``:
-
-1. its logits blocks over this device's real columns come from a :class:`.logits.LogitsSource`
-   (stored, ``hidden · weight_blockᵀ``, or one GEMM for a tied head's two sides);
-2. round 1 merges the blocks' records (per logit family the partial log-partition ``(m, z)``,
-   the label logits ``s_y``, ``t_y`` and the label-owner count) and the partition step turns the
-   merged record into log-partitions, CE values and the KL's row inputs; round 2 (KL only) sums
-   the variant's column terms, and the variant's finalize and the finish step give the row's
-   divergence. Across a tensor-parallel group each round's record goes through the
-   :class:`RecordExchange` (one all-gather); on one device there is none. Statistics ``saved`` by
-   an earlier walk skip both rounds;
-3. when asked (a :class:`GradTarget`), the grad step forms the chunk's gradient row constants
-   and the block math writes each block's logit gradients into the target: a staging buffer for
-   the fused path's gradient GEMMs, the logits' gradient itself for the logits path. Where the
-   variant's gradient reads nothing of round 2 (``LossPlan.kl_sums_in_gradient_pass``: ``forward``,
-   and ``mutual`` with a head teacher), that gradient pass also sums round 2, in place of a pass of
-   its own.
-
-Each row step is one program of :mod:`.row_formulas` (one launch on the Triton backend), whose
-result is unpacked here, once, into the named fields of :mod:`.stats`. A chunk's logits live only
-while the chunk is processed: the next chunk's are formed after they are freed. Nothing here knows
-the variant, the number of ranks or what the gradients feed.
+"""The row walk of the fused and the logits-level losses: rows in chunks, columns in blocks, never
+a (rows, V) tensor. Per chunk: its logits blocks, round 1 and the partition step, round 2 and the
+finish step (KL only), and with a :class:`GradTarget` the grad step and the logit gradients
+(docs/architecture.md, "The record/merge protocol"). It knows neither the variant, nor the number
+of ranks, nor what the gradients feed.
 """
 
 from __future__ import annotations
@@ -84,7 +64,9 @@ def walk_rows(
     order. ``dtype``: the statistics dtype. A chunk's logits live only while it is walked."""
     like, math = torch.empty(0, dtype=dtype, device=call.labels.device), call.math
     assert math is not None  # a walk runs on a chunked backend, never the reference's
+    # Real columns only: vocabulary padding is never part of a block.
     columns = call.layout.real_local_columns
+    # The kernels tile a chunk's whole local vocabulary; the torch backend's temporaries are per block.
     block = max(columns, 1) if math.whole_blocks else call.plan.config.vocab_block
     column_ranges = [(start, min(start + block, columns)) for start in range(0, columns, block)]
     walked = []
@@ -110,11 +92,7 @@ def chunk_row_stats(
 ) -> RowStats:
     """Round 1 (and, with a KL term, round 2) of a chunk from its column blocks (no blocks: this
     device holds only vocabulary padding), and with ``target`` the chunk's logit gradients.
-    ``labels``: the chunk's (rows,) labels; ``like``: any tensor of the statistics dtype and device.
-
-    Where the plan allows (``LossPlan.kl_sums_in_gradient_pass``) and gradients are formed, round 2
-    is summed by the gradient pass instead of a pass of its own: the gradient then reads the KL's
-    ``keep`` from round 1 (``present``), which is the finish step's when ``D`` cannot be ``+inf``."""
+    ``labels``: the chunk's (rows,) labels; ``like``: any tensor of the statistics dtype and device."""
     plan, math, exchange = call.plan, call.math, call.exchange
     assert math is not None
     vocab_start, families = call.layout.vocab_start, plan.families
@@ -126,6 +104,7 @@ def chunk_row_stats(
         records = [empty_record(labels.shape[0], len(families), len(sums), like)]
     record = records[0] if len(records) == 1 else math.merge_stacked(torch.stack(records), len(families))
     if exchange is not None:
+        # Every rank merges the same gathered stack with the same ops: the record is bitwise the same on each.
         record = exchange.merge_partitions(record, len(families), math.merge_stacked)
     step = partition_step(plan.step_key)
     inputs = dict(zip(step.inputs, record.unbind(1)))  # the step reads the record's columns by name
@@ -137,6 +116,8 @@ def chunk_row_stats(
     kl, kl_stats, kl_sums = outputs.get("kl"), None, None
     in_gradient_pass = target is not None and plan.kl_sums_in_gradient_pass
     if in_gradient_pass:
+        # Round 2 summed by the gradient pass, one read of the logits fewer: the gradient reads
+        # the KL's keep from round 1 (present), which is the finish step's where D cannot be +inf.
         assert target is not None and plan.divergence is not None
         # −0.0, the identity of addition: the first block's sums are added exactly as they come.
         kl_sums = like.new_full((labels.shape[0], plan.divergence.num_sums), -0.0)
@@ -145,6 +126,7 @@ def chunk_row_stats(
         kl, kl_stats = _kl_round(call, blocks, labels, outputs, like, kl_sums)
         statistics.update(keep=kl_stats.keep, **kl_stats.consts)
     if target is not None and not in_gradient_pass:
+        # After round 2, where there is one: the gradient reads the finish step's keep and the variant's constants.
         stage_grads(call, blocks, labels, statistics, target, like)
     assert kl is not None
     return RowStats(
@@ -167,8 +149,8 @@ def _kl_round(
     local_sums: Tensor | None = None,
 ) -> tuple[Tensor, KLRowStats]:
     """Round 2 and the finish step, from the partition step's outputs ``partition``: the rows' KL
-    component ``T_s²·max(D, 0)`` and the KL term's statistics. Round 2's sums merge by addition,
-    block after block; ``local_sums``: this device's, when the gradient pass summed them."""
+    component ``T_s²·max(D, 0)`` and the KL term's statistics; ``local_sums``: this device's
+    round-2 sums, when the gradient pass summed them."""
     plan, math = call.plan, call.math
     assert math is not None
     divergence = plan.divergence
@@ -183,7 +165,7 @@ def _kl_round(
             if block.teacher is not None
         ]
         sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], divergence.num_sums)
-        for partial in partial_sums[1:]:
+        for partial in partial_sums[1:]:  # block after block, in column order: the same bits every run
             sums = sums + partial
     if call.exchange is not None:
         sums = call.exchange.sum_over_shards(sums)
@@ -214,17 +196,17 @@ def stage_grads(
     like: Tensor,
     sums_out: Tensor | None = None,
 ) -> None:
-    """The chunk's gradient row constants (``row_formulas.grad_step``, from its named row
-    ``statistics``: the families' ``lse<f>``, ``owned``, ``absent``, the KL's ``lse_u``, ``lse_v``,
-    ``keep`` and the variant's constants) and each block's logit gradients written into the
-    target's rows ``[begin, end)``; with ``sums_out`` (a plan whose ``kl_sums_in_gradient_pass`` is
-    set) the blocks' round-2 sums added into it, (rows, num_sums)."""
+    """The chunk's gradient row constants (``row_formulas.grad_step`` of its named row
+    ``statistics``) and each block's logit gradients written into the target's rows
+    ``[begin, end)``; with ``sums_out`` (``kl_sums_in_gradient_pass``) the blocks' round-2 sums
+    added into it, (rows, num_sums)."""
     plan, math = call.plan, call.math
     assert math is not None
     grad_target, begin, end = target
     program = grad_step(plan.step_key)
     values = {name: statistics[name] for name in program.inputs if name not in ("upstream", "valid")}
     upstream = grad_target.upstream
+    # A 0-d upstream gradient as a stride-0 view: broadcast to the rows without a copy.
     values["upstream"] = upstream[begin:end] if upstream.dim() else upstream.expand(end - begin)
     values["valid"] = call.valid[begin:end]
     weights = {f"w_{term.name}": weight for term, weight in zip(plan.student_terms, plan.term_weights)}

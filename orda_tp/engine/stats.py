@@ -1,9 +1,5 @@
-"""A chunk's per-row statistics, and the per-row constants of its logit gradients, by name.
-
-The row steps (:mod:`.row_formulas`) each produce one (rows, K) tensor; the row walk
-(:mod:`.row_walk`) unpacks it once into the fields below (views of it), so nothing downstream
-looks a statistic up by name. Flags are stored as 1.0/0.0. The variant's finalize constants
-stay a mapping keyed by the names its gradient expressions read (the variant's own namespace).
+"""A chunk's per-row statistics and the row constants of its logit gradients, as named fields:
+views of a row step's (rows, K) result, unpacked once by the row walk; flags are 1.0/0.0.
 """
 
 from __future__ import annotations
@@ -18,13 +14,11 @@ __all__ = ["GRAD_ROW_CONSTANTS", "GradRows", "KLRowStats", "RowStats"]
 
 @dataclass(frozen=True)
 class KLRowStats:
-    """The KL term's per-row statistics, ``u = s/T_s``, ``v = t/T_t``.
-
-    ``lse_u = LSE(u)``, ``lse_v = LSE(v)`` (0 on absent rows); ``logp_y = s_y/T_s − LSE(u)``,
-    ``logq_y = t_y/T_t − LSE(v)``; ``divergence = max(D, 0)`` (without ``T_s²``; 0 on absent
-    rows, NaN on unowned ones); ``keep``: whether the row's KL gradient is formed (teacher
-    present and ``D ≠ +inf``); ``consts``: the variant's finalize constants.
-    """
+    """The KL term's per-row statistics, ``u = s/T_s``, ``v = t/T_t``: ``lse_u = LSE(u)``,
+    ``lse_v = LSE(v)`` (0 on absent rows); ``logp_y``, ``logq_y``: ``log p``, ``log q`` at the
+    label; ``divergence = max(D, 0)`` (without ``T_s²``; 0 on absent rows, NaN on unowned ones);
+    ``keep``: whether the row's KL gradient is formed; ``consts``: the variant's finalize
+    constants, by the names its gradient expressions read."""
 
     lse_u: Tensor
     lse_v: Tensor
@@ -42,10 +36,9 @@ class RowStats:
     ``log_partitions``: (rows, F) ``LSE`` of each logit family in ``plan.families`` order;
     ``owned``: exactly one column owns the row's label; ``absent``: the teacher's logits are all
     ``−inf`` (None without teacher logits); ``student_terms``: each registered student term's
-    unweighted value (:mod:`orda_tp.divergences.terms`), by its name (0 for a term the call does not have);
-    ``teacher_ce``, ``kl``: the teacher's per-row loss components (``kl`` includes ``T_s²``); each
-    component NaN on rows whose label no column owns; ``kl_stats``: the KL term's statistics (None
-    without a KL term).
+    unweighted value by its name (0 for a term the call does not have); ``teacher_ce``, ``kl``
+    (with ``T_s²``): the teacher's loss components; each component NaN on rows whose label no
+    column owns; ``kl_stats``: None without a KL term.
     """
 
     log_partitions: Tensor
@@ -78,17 +71,14 @@ class RowStats:
 class GradRows:
     """The per-row constants of a chunk's logit gradients (:func:`.row_formulas.grad_step`).
 
-    The fields from ``scale`` to ``keep`` are the engine's row constants, in the order of the
-    columns the gradient kernel reads (:data:`GRAD_ROW_CONSTANTS`), each but ``scale`` None where
-    the call has no such term:
-    ``scale``, the upstream gradient (÷ N for "mean"; 0 on ignored rows, NaN on unowned ones);
-    ``lse_s``, ``LSE(s)`` of the student's terms, and ``c_p``, ``c_y``, ``c_u``, the coefficients of
-    their gradient (:mod:`orda_tp.divergences.terms`; weighted, summed over the terms);
-    ``lse_t``, ``c_ce_t``: ``LSE(t)`` and the coefficient ``w_t·scale`` of the teacher's CE when it
-    trains the teacher (both 0 on absent rows); ``lse_u``, ``lse_v``, ``keep``: the KL term's
-    (:class:`KLRowStats`). ``consts``: the variant's finalize constants, read after them.
-    ``packed`` holds them all as the columns ``names`` of one (rows, len(names)) tensor, the layout
-    the gradient kernel reads.
+    The fields from ``scale`` to ``keep``, in the order of :data:`GRAD_ROW_CONSTANTS`, each but
+    ``scale`` None where the call has no such term: ``scale``, the upstream gradient (÷ N for
+    "mean"; 0 on ignored rows, NaN on unowned ones); ``lse_s = LSE(s)`` and ``c_p``, ``c_y``,
+    ``c_u``, the student terms' gradient coefficients, weighted and summed over the terms;
+    ``lse_t`` and ``c_ce_t = w_t·scale`` for a teacher trained by its CE (both 0 on absent rows);
+    the KL's ``lse_u``, ``lse_v``, ``keep``. ``consts``: the variant's constants, after them.
+    ``packed``: all of them as the columns ``names`` of one (rows, len(names)) tensor, as the
+    gradient kernel reads it.
     """
 
     scale: Tensor

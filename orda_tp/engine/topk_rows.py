@@ -1,18 +1,7 @@
-"""The k largest scaled logits of each row and its log-partition, merged block by block.
-
-A row's top-k is ordered by value, largest first, and among equal values by column, lowest first
-(``−0.0`` counts as ``+0.0``): the order is a total order on (value, column), so the result is the
-same whichever blocks, chunks or ranks the columns were split into. :class:`TopKRows` holds the
-candidates seen so far; two of them merge with :func:`merge_topk` (two stable sorts: by column,
-then by value). A row's log-partition is held relative to its best value ``m = values[:, 0]``:
-``log_sum = log Σ_j e^{t_j − m}`` (so ``LSE = m + log_sum``), which keeps the log-probability
-``t − LSE = (t − m) − log_sum`` of a peaked row as exact as ``log_softmax``'s, never the difference
-of two large, rounded numbers. Where a row has fewer than ``k`` columns, the missing entries hold
-:data:`UNSEEN` (value ``−inf``), after every column.
-
-The Triton kernel (:mod:`orda_tp.kernels.topk`) orders the same pairs as one int64 key each
-(:func:`decode_keys` reads them back): the fp32 value's bits, made monotone, above the
-complemented column, so that a larger key is a larger value or an equal value at a lower column.
+"""The k largest scaled logits of each row and its log-partition, merged block by block, in a total
+order on (value, column): largest value first, the lowest column among equal values (``−0.0`` as
+``+0.0``), so the result is the same however the columns were split (docs/architecture.md, "The
+top-k extraction").
 """
 
 from __future__ import annotations
@@ -54,11 +43,14 @@ def merge_topk(parts: list[TopKRows], k: int) -> TopKRows:
     with ``m = max_p m_p`` the merged best value."""
     values = torch.cat([part.values for part in parts], dim=1)
     ids = torch.cat([part.ids for part in parts], dim=1)
+    # Two stable sorts, by column then by value: equal values end up in column order, UNSEEN last.
     by_id = torch.where(ids == UNSEEN, _LAST_ID, ids).argsort(dim=1, stable=True)
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    # −0.0 sorts as +0.0: the two compare equal, so only their column orders them.
     by_value = torch.where(values == 0, 0.0, values).argsort(dim=1, descending=True, stable=True)[:, :k]
     best = torch.stack([part.values[:, 0] for part in parts])
     shifts = torch.where(best == float("-inf"), float("-inf"), best - best.amax(dim=0))  # a part of no column: -inf
+    # Each part's log_sum re-based on the merged best value: no difference of two large, rounded LSEs.
     log_sum = (torch.stack([part.log_sum for part in parts]) + shifts).logsumexp(dim=0)
     return TopKRows(values.gather(1, by_value), ids.gather(1, by_value), log_sum)
 
@@ -68,6 +60,7 @@ def block_topk(logits: Tensor, k: int, first_id: int, temperature: float, cap: f
     (``cap``: the soft-cap, None for none), whose column 0 is global id ``first_id``, by a stable
     sort (equal values keep their column order), with ``UNSEEN`` entries where ``width < k``, and
     the block's log-partition. ``logits`` is read, never written (it may be a caller's tensor)."""
+    # A new tensor before the in-place mul_: the caller's logits are never written.
     scaled = logits if cap is None else torch.tanh(logits / cap).mul_(cap)
     scaled = scaled if temperature == 1.0 else scaled / temperature
     rows, width = scaled.shape
@@ -78,6 +71,7 @@ def block_topk(logits: Tensor, k: int, first_id: int, temperature: float, cap: f
     if width < k:
         values = torch.cat([values, values.new_full((rows, k - width), float("-inf"))], dim=1)
         ids = torch.cat([ids, ids.new_full((rows, k - width), UNSEEN)], dim=1)
+    # Held relative to the best value: t − LSE = (t − m) − log_sum stays exact on a peaked row.
     return TopKRows(values, ids, (scaled - values[:, :1]).logsumexp(dim=1))
 
 

@@ -1,10 +1,6 @@
-"""Block math on torch ops over (rows × block) tensors: runs anywhere, fp64 included.
-
-This is the torch interpreter of the expression trees (:mod:`orda_tp.divergences.expr`), as
-``orda_tp.kernels`` is their Triton compiler: a variant's column terms and gradients are
-evaluated on a block's symbols ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)``, ``p``, ``q``
-(and ``is_target`` for the variants that read the label column), a row program on (rows,) tensors.
-The logit gradients are those of :meth:`orda_tp.engine.block_math.BlockMath.stage_logit_grads`.
+"""Block math on torch ops over (rows × block) tensors, fp64 included (:class:`TorchBlockMath`),
+and the torch interpreter of the expression trees (:func:`evaluate`, :func:`evaluate_rows`), as
+``orda_tp.kernels`` is their Triton compiler.
 """
 
 from __future__ import annotations
@@ -112,8 +108,7 @@ def evaluate_rows(
 ) -> Tensor:
     """A row program on (rows,) tensors: ``values`` maps its inputs to (rows,) tensors (any dtype;
     booleans read as 0/1), ``scalars`` its scalars to floats; its outputs stacked as the columns of
-    one (rows, outputs) tensor in ``like``'s dtype and device (a constant result filled on the
-    device: no host-to-device copy)."""
+    one (rows, outputs) tensor in ``like``'s dtype and device."""
     constants = {name: torch.tensor(value, dtype=like.dtype) for name, value in scalars.items()}
     rows = {**values, **constants}
     memo: dict[int, Tensor] = {}
@@ -121,6 +116,7 @@ def evaluate_rows(
     outputs = []
     for expr in program.exprs:
         result = _evaluate(expr, memo, {}, rows, like, False)
+        # A constant result (0-d, on the CPU) added into zeros on the device: no host-to-device copy.
         outputs.append(result.to(like).expand(count) if result.dim() else like.new_zeros(count).add_(result))
     return torch.stack(outputs, dim=1)
 
@@ -146,12 +142,8 @@ class TorchBlockMath:
         column_sums: tuple[Expr, ...] = (),
         caps: tuple[float | None, float | None] = (None, None),
     ) -> Tensor:
-        """The packed round-1 record (:mod:`.records`) of a block whose columns start at global
-        column ``col_start``: per family ``x = logits/T``, ``(max x, Σ e^{x − max x})`` (an all −inf
-        row gives (−inf, 0)); the raw logits at the label column for rows whose label lies in the
-        block, else 0; and the row sums of ``column_sums`` (trees over ``RAW_STUDENT``,
-        ``RAW_TEACHER``). ``student``/``teacher``: (rows, cols) raw logits in the statistics dtype;
-        ``caps`` unused: the blocks arrive capped."""
+        """The protocol's packed round-1 record; ``student``/``teacher``: (rows, cols) logits in the
+        statistics dtype, already capped (``caps`` unused)."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         sides = {"student": student, "teacher": teacher}
         maxes, sumexps = [], []
@@ -210,10 +202,10 @@ class TorchBlockMath:
         out: LogitGrads,
         sums_out: Tensor | None = None,
     ) -> None:
-        """The protocol's logit gradients of the block, written into ``out``; rows whose ``scale`` is
-        0 get exactly 0, whatever their logits hold. With ``sums_out``, the block's round-2 sums
-        from the same column values added into it."""
+        """The protocol's logit gradients of the block, written into ``out``; with ``sums_out``, the
+        block's round-2 sums from the same column values added into it."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
+        # A label outside the block matches none of its columns.
         is_target = torch.arange(student.shape[1], device=student.device)[None, :] == (labels - col_start)[:, None]
         row_scale = rows.scale
         student_grad = torch.zeros_like(student)
@@ -237,19 +229,22 @@ class TorchBlockMath:
             symbols = _block_symbols(plan, student, teacher, rows.lse_u, rows.lse_v, target)
             sum_terms = formulas.column_terms if sums_out is not None else ()
             student_kl, *column_terms = evaluate([formulas.student_grad, *sum_terms], symbols, consts)
+            # A where, not keep·∂D: on a row not kept ∂D may be inf or NaN, and 0·inf is NaN.
             student_grad += (w_kl_s * row_scale)[:, None] * torch.where(keep, student_kl, 0.0)
             if teacher_grad is not None and plan.kl_trains_teacher:
                 assert formulas.teacher_grad is not None
                 (teacher_kl,) = evaluate([formulas.teacher_grad], symbols, consts)
                 teacher_grad += (w_kl_t * row_scale)[:, None] * torch.where(keep, teacher_kl, 0.0)
-            if sums_out is not None:
+            if sums_out is not None:  # in place: the chunk's round-2 sums, block after block
                 sums_out += torch.stack([term.sum(1) for term in column_terms], dim=1)
         if plan.student_softcap is not None:  # through s = c·tanh(z/c): ∂s/∂z = 1 − (s/c)²
             student_grad *= 1.0 - (student / plan.student_softcap) ** 2
         if teacher_grad is not None and plan.teacher_softcap is not None:
             assert teacher is not None
             teacher_grad *= 1.0 - (teacher / plan.teacher_softcap) ** 2
+        # An ignored row (scale 0) gets exactly 0 whatever its terms hold; a NaN scale (unowned) stays NaN.
         active = row_scale[:, None] != 0
+        # Written into the destination's view (the staging, or the logits' gradient), in its dtype.
         out.student.copy_(torch.where(active, student_grad, 0.0))
         if out.teacher is not None:
             assert teacher_grad is not None

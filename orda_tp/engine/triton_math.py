@@ -1,18 +1,6 @@
-"""The Triton backend's block math (:class:`TritonBlockMath`): the kernels launched on one block of
-logits (rows × columns; fp32 statistics).
-
-Each method is one step of the :class:`.block_math.BlockMath` protocol and returns what the torch
-block math returns: a packed record (:mod:`.records`), the variant's (rows, num_sums) sums, a row step's
-outputs, or the logit gradients written into their destination. The kernels are
-``orda_tp.kernels``' ``partition``, ``sums``, ``grads``, ``rows`` and ``scale``; the variant's
-formulas reach them as generated functions (``orda_tp.kernels.variant_terms``). A kernel is
-specialized on its ``tl.constexpr`` arguments (the families' sides, the variant and its parameters,
-the gradient terms and the row constants they read, the row step), never on the row count or the
-first column, so a new sequence length (or a last, shorter chunk) compiles nothing.
-
-Column splits (``program_id(1)``, tiles from ``orda_tp.kernels.tiles``) give enough programs for
-short, wide blocks; their partial records and sums are merged here, with the merge of the
-tensor-parallel shards.
+"""The Triton backend's block math (:class:`TritonBlockMath`): one launch of ``orda_tp.kernels``
+per step of the :class:`.block_math.BlockMath` protocol, on fp32 statistics, returning what the
+torch block math returns (docs/architecture.md, "The Triton backend: kernel design").
 """
 
 from __future__ import annotations
@@ -64,17 +52,17 @@ def grid_launcher(kernel: KernelInterface[Any], launch_grid: tuple[int, ...]) ->
 
 
 def _tiles_and_grid(kind: str, block: Tensor, sparse: bool = False) -> tuple[tiles.Tiles, tuple[int, int], int]:
-    """Kernel ``kind``'s tiles for a (rows, cols) ``block`` of student logits (the tables of
-    :mod:`.tiles`, read at every launch: by column bucket, for logits stored in 2 bytes, and for a
-    ``sparse`` teacher block), its launch grid (row tiles × column splits) and the columns of one
-    split (a multiple of ``BLOCK_C``)."""
+    """Kernel ``kind``'s tiles for a (rows, cols) ``block`` of student logits (``sparse``: for a top-k
+    cache's teacher), its launch grid (row tiles × column splits) and one split's columns."""
     rows, cols = block.shape
+    # The tables are read at every launch, so that benchmarks/tune_kernels.py can try others.
     key = (kind, cols >= 1 << 15)
     half = tiles.HALF_PRECISION_TILES.get(key) if block.element_size() == 2 else None
     listed = tiles.SPARSE_TEACHER_TILES.get(key) if sparse else None
     chosen = tiles.INTERPRETED if INTERPRETED else half or listed or tiles.CUDA_TILES[key]
     row_tiles = triton.cdiv(max(rows, 1), chosen.block_r)
     wanted_splits = max(1, min(triton.cdiv(cols, chosen.block_c), triton.cdiv(chosen.programs, row_tiles)))
+    # A whole number of column tiles per split: only the last split's last tile can be partial.
     per_split = triton.cdiv(triton.cdiv(max(cols, 1), wanted_splits), chosen.block_c) * chosen.block_c
     return chosen, (row_tiles, triton.cdiv(max(cols, 1), per_split)), per_split
 
@@ -92,12 +80,12 @@ def _teacher_operand(
 ) -> tuple[Tensor, int, tuple[Tensor, Tensor, int, int], bool]:
     """The kernels' teacher arguments ``(t, stride_t, sparse, SPARSE)``: the tensor ``t_ptr`` reads
     and its row stride; for a :class:`SparseLogits` block its fill at ``t_ptr`` and ``sparse =
-    (ids, values, row stride, k)``. The student's block stands in for a missing teacher
-    (``HAS_T`` off) and for the unused sparse operands."""
+    (ids, values, row stride, k)``."""
     if isinstance(teacher, SparseLogits):
         ids, values, fill = teacher
         assert ids.stride() == values.stride() and ids.stride(1) == 1
         return fill, fill.stride(0), (ids, values, ids.stride(0), ids.shape[1]), True
+    # The student's block stands in for a missing teacher (HAS_T off) and the unused sparse operands.
     other = student if teacher is None else teacher
     return other, other.stride(0), (student, student, 0, 0), False
 
@@ -120,8 +108,7 @@ class TritonBlockMath:
         column_sums: tuple[Expr, ...],
         caps: Caps = (None, None),
     ) -> Tensor:
-        """The packed round-1 record of a block (see ``TorchBlockMath.partition``), with
-        the row sums of the student terms' ``column_sums``, of the logits soft-capped by ``caps``."""
+        """The protocol's packed round-1 record of a block, of the logits soft-capped by ``caps``."""
         rows, cols = student.shape
         count = len(families)
         if count == 0:  # no family: no student term and no teacher term, so no column sums or t_y
@@ -129,6 +116,7 @@ class TritonBlockMath:
         sums = variant_terms.record_column_sums(column_sums).function if column_sums else None
         chosen, launch, per_split = _tiles_and_grid("partition", student)
         width = len(packed_columns(count, len(column_sums)))
+        # One record per column split, each written whole by its programs: no atomics, no zero-fill.
         partial = torch.empty(launch[1], rows, width, dtype=torch.float32, device=student.device)
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         cap_values, capped = _caps(caps)
@@ -150,6 +138,7 @@ class TritonBlockMath:
         )  # fmt: skip
         if launch[1] == 1:
             return partial[0]
+        # The splits folded in split order: one block always merges to the same bits.
         return self.merge_stacked(partial, count)
 
     def merge_stacked(self, stacked: Tensor, num_families: int) -> Tensor:
@@ -163,9 +152,8 @@ class TritonBlockMath:
         return merged
 
     def topk(self, logits: Tensor, k: int, first_id: int, temperature: float, cap: float | None) -> TopKRows:
-        """The top-k kernel's best ``k`` of (rows, columns) ``logits`` (columns contiguous; any
-        float dtype, read as fp32), scaled to ``cap(logits)/temperature``, column 0 being
-        ``first_id`` (``k`` ≤ ``topk_rows.KERNEL_MAX_K``)."""
+        """The protocol's top-k of ``logits`` (columns contiguous; any float dtype, read as fp32), for
+        ``k`` ≤ ``topk_rows.KERNEL_MAX_K``."""
         rows, columns = logits.shape
         width = max(2, 1 << (k - 1).bit_length())  # the kernel's K: a power of two
         keys = torch.empty(rows, width, dtype=torch.int64, device=logits.device)
@@ -176,16 +164,14 @@ class TritonBlockMath:
                 logits, logits.stride(0), columns, keys, log_sum, 1.0 / temperature, 1.0 if cap is None else cap,
                 HAS_CAP=cap is not None, K=width, GROUP=KERNEL_GROUP, BLOCK=block, num_warps=KERNEL_WARPS,
             )  # fmt: skip
-        values, ids = decode_keys(keys[:, :k], first_id)
+        values, ids = decode_keys(keys[:, :k], first_id)  # the kernel's K ≥ k keys, largest first: the best k
         return TopKRows(values, ids, log_sum)
 
     def kl_sums(
         self, plan: LossPlan, student: Tensor, teacher: TeacherBlock, labels: Tensor, col_start: int, lse_u: Tensor,
         lse_v: Tensor,
     ) -> Tensor:  # fmt: skip
-        """(rows, num_sums) round-2 sums of the plan's variant over a block: ``Σ_columns`` of its
-        column terms over ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)`` (``lse_u``,
-        ``lse_v``: fp32 (rows,), any stride)."""
+        """The protocol's round-2 sums of a block; ``lse_u``, ``lse_v``: fp32 (rows,), any stride."""
         divergence = plan.divergence
         assert divergence is not None
         rows, cols = student.shape
@@ -207,16 +193,15 @@ class TritonBlockMath:
             BLOCK_C=chosen.block_c,
             num_warps=chosen.num_warps,
         )  # fmt: skip
+        # The splits' slots added afterwards by one torch sum, no atomics: the same bits every run.
         return out[0] if launch[1] == 1 else out.sum(dim=0)
 
     def rows(
         self, program: RowProgram, values: Mapping[str, Tensor], scalars: Mapping[str, float], like: Tensor
     ) -> Tensor:
-        """Run a row step in one launch: ``values`` maps each input to a (rows,) tensor of any
-        stride (stride 0 broadcasts), ``scalars`` each scalar to a float; returns the
-        (rows, outputs) results in ``like``'s dtype."""
+        """The protocol's row program, in one launch (an input of stride 0 broadcasts)."""
         count = values[program.inputs[0]].shape[0]
-        out = torch.empty(count, len(program.exprs), dtype=like.dtype, device=like.device)
+        out = torch.empty(count, len(program.exprs), dtype=like.dtype, device=like.device)  # every entry stored
         formulas = variant_terms.row_step(program.inputs, program.scalars, program.exprs)
         grid_launcher(rows_kernel, (triton.cdiv(max(count, 1), ROWS_BLOCK_R),))(
             out,
@@ -233,12 +218,9 @@ class TritonBlockMath:
         self, plan: LossPlan, rows: GradRows, student: Tensor, teacher: TeacherBlock | None, labels: Tensor,
         col_start: int, out: LogitGrads, sums_out: Tensor | None = None,
     ) -> None:  # fmt: skip
-        """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is set: the plan trains the
-        teacher) of a block into ``out`` (row-major views, any float dtype). The kernel reads the
-        row constants ``rows.names`` from ``rows.packed`` and the KL's coefficients
-        ``plan.kl_grad_weights = (w_kl_s, w_kl_t)``. With ``sums_out`` (a plan whose
-        ``kl_sums_in_gradient_pass`` is set) it also sums round 2 over the block and adds the
-        (rows, num_sums) sums into it, as :meth:`kl_sums` gives them."""
+        """The protocol's logit gradients of a block, written into ``out`` (row-major views, any float
+        dtype) by one launch that reads ``rows.packed`` as it is; with ``sums_out``, also the block's
+        round-2 sums added into it."""
         n_rows, cols = student.shape
         student_kl, teacher_kl = plan.computes_kl, plan.kl_trains_teacher
         assert (out.teacher is not None) == (plan.teacher_ce_trains_teacher or teacher_kl)
@@ -248,6 +230,7 @@ class TritonBlockMath:
         teacher_grad = variant_terms.kl_grad(divergence, plan.params, "teacher").function if teacher_kl else None
         terms = variant_terms.column_terms(divergence, plan.params) if sums_out is not None and divergence else None
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
+        # Without a teacher gradient, a stand-in pointer that the kernel never writes (no teacher term compiled).
         out_t = out.student if out.teacher is None else out.teacher
         chosen, launch, per_split = _tiles_and_grid("grads", student, is_sparse)
         num_sums = 0 if terms is None else terms.outputs
@@ -276,12 +259,13 @@ class TritonBlockMath:
             num_warps=chosen.num_warps,
         )  # fmt: skip
         if sums_out is not None:
+            # In place: the chunk's round-2 sums, block after block (the splits' slots summed first).
             sums_out += sums[0] if launch[1] == 1 else sums.sum(dim=0)
 
 
 def scale_in_place(tensors: Sequence[Tensor], scale: Tensor) -> None:
     """``t *= scale`` for contiguous CUDA tensors, ``scale`` a 0-d fp32 tensor read on the device."""
-    factor = scale.float().reshape(1)
+    factor = scale.float().reshape(1)  # stays on the device: the kernel reads it, the host never does
     for tensor in tensors:
         count = tensor.numel()
         if count:

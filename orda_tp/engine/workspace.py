@@ -1,10 +1,6 @@
-"""The workspace of a call and how its rows are walked within it: rows per chunk and per
-gradient group (docs/architecture.md, "Memory" and "Chunks and groups").
-
-A chunk of ``R`` rows keeps its logits (``R × C × logit_bytes``: fp32 student and teacher rows of
-the ``C`` local columns); a group of ``G`` rows (``G`` a multiple of ``R``) stages its logit
-gradients for one pair of gradient GEMMs (``G × C × staged_bytes``). The workspace is the sum,
-``C·(R·logit_bytes + G·staged_bytes)`` bytes. Every door sizes its chunks here.
+"""The workspace of a call and the rows per chunk and per gradient group within it, by which every
+door sizes its chunks: ``C·(R·logit_bytes + G·staged_bytes)`` bytes for chunks of ``R`` rows and
+groups of ``G`` over ``C`` local columns (docs/architecture.md, "Memory").
 """
 
 from __future__ import annotations
@@ -35,13 +31,13 @@ FREE_MEMORY_SHARE = 16
 
 def default_workspace_mib(device: torch.device) -> int:
     """The default workspace of a call on ``device``, in MiB: on CUDA the largest step of
-    :data:`WORKSPACE_STEPS_MIB` at most 1/:data:`FREE_MEMORY_SHARE` of the free memory (free to
-    the driver, plus what PyTorch's allocator holds unused), else the smallest; elsewhere
-    :data:`HOST_WORKSPACE_MIB`. Reads the allocator's and the driver's counters, never a tensor:
-    no synchronization with the device."""
+    :data:`WORKSPACE_STEPS_MIB` at most 1/:data:`FREE_MEMORY_SHARE` of the free memory, else the
+    smallest; elsewhere :data:`HOST_WORKSPACE_MIB`. No synchronization with the device."""
     if device.type != "cuda":
         return HOST_WORKSPACE_MIB
+    # The driver's and the allocator's counters, never a tensor: nothing waits for the device.
     free_bytes, _ = torch.cuda.mem_get_info(device)
+    # What PyTorch's allocator holds unused is free to this call too.
     free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     share_mib = free_bytes // FREE_MEMORY_SHARE >> 20
     return next((step for step in WORKSPACE_STEPS_MIB if step <= share_mib), WORKSPACE_STEPS_MIB[-1])
@@ -102,21 +98,20 @@ def row_layout(
     workspace_mib: int = HOST_WORKSPACE_MIB,
 ) -> RowLayout:
     """Rows per chunk and per gradient group for ``local_vocab`` columns (``KernelConfig``'s
-    chunking fields).
+    chunking fields), the same on every rank that passes the same arguments.
 
     ``logit_bytes``: bytes one row of a chunk keeps per column (4 per fp32 logits side);
     ``staged_bytes``: bytes one staged row takes per column (0 when no gradient is formed);
-    ``shards``: the tensor-parallel group's size; ``workspace_mib``: the default workspace
-    (:func:`default_workspace_mib`), which ``config.workspace_mib`` replaces.
+    ``shards``: the tensor-parallel group's size; ``workspace_mib``: the default workspace, which
+    ``config.workspace_mib`` replaces.
 
     - Rows asked for: ``chunk_size.nrows``, or ``ceil(rows / num_chunks)``, or
       ``ceil(rows / max_chunks)`` where the workspace's layout would make more than ``max_chunks``
       chunks; a dynamic ``chunk_size`` lowers them to fit an explicit ``workspace_mib``. Groups of
       :data:`CHUNKS_PER_GROUP` chunks.
-    - Otherwise the workspace's layout (the workspace × FAST_FACTOR with ``chunk_size.fast``): the
-      layout of :data:`LAYOUT_COSTS` of lowest cost that fits (rows × ``shards``: a shard's chunk
-      does a single device's work per record exchange in no more memory). Where none fits, the
-      most rows that fit with :data:`CHUNKS_PER_GROUP` chunks per group, a multiple of 64 (default
+    - Otherwise the layout of :data:`LAYOUT_COSTS` of lowest cost that fits the workspace
+      (× FAST_FACTOR with ``chunk_size.fast``), rows × ``shards``; where none fits, the most rows
+      that fit with :data:`CHUNKS_PER_GROUP` chunks per group, a multiple of 64 (default
       workspace: at least ``MIN_CHUNK_ROWS × shards``) or of 16 (explicit workspace: at least 1).
     """
     size = config.chunk_size
@@ -129,6 +124,7 @@ def row_layout(
     row_bytes = columns * (logit_bytes + CHUNKS_PER_GROUP * staged_bytes)
     fitting = budget // row_bytes if row_bytes else rows  # a chunk that keeps nothing per column: any rows fit
     fitting_16 = max(1, fitting - fitting % 16 if fitting >= 16 else fitting)
+    # Rows × shards: a shard holds 1/tp of the columns, so a chunk does one device's work in the same memory.
     candidates = [(cost, RowLayout(chunk * shards, group * shards)) for (chunk, group), cost in LAYOUT_COSTS.items()]
     fits = [(cost, c) for cost, c in candidates if c.workspace_bytes(columns, logit_bytes, staged_bytes) <= budget]
     layout = min(fits, key=lambda fit: fit[0])[1] if fits else None
@@ -147,6 +143,7 @@ def row_layout(
             requested = min(requested, fitting_16)
         layout = RowLayout(requested, requested * CHUNKS_PER_GROUP)
     chunk = max(1, min(layout.chunk_rows, rows))
-    group = layout.group_rows if staged_bytes > 0 else chunk
+    group = layout.group_rows if staged_bytes > 0 else chunk  # nothing staged: a group is one chunk
+    # A whole number of chunks, no more than the batch needs (at least one chunk).
     group = max(chunk, min(group - group % chunk, -(-total_rows // chunk) * chunk))
     return RowLayout(chunk_rows=chunk, group_rows=group)

@@ -1,13 +1,7 @@
-"""Triton kernels for the per-block statistics and logit gradients.
-
-One kernel per file, each an ordinary ``@triton.jit`` function specialized by ``tl.constexpr``
-switches: :mod:`.partition` (round 1 and the merge of records), :mod:`.sums` (round 2),
-:mod:`.grads` (the logit gradients), :mod:`.rows` (a row step between the passes) and
-:mod:`.scale`; :mod:`.block_io` holds how they walk a block. What differs between variants, and
-between row steps, is generated from the expression trees (:mod:`.variant_terms`) into functions
-that the kernels are passed. Nothing here knows the engine: ``orda_tp.engine.triton_math``
-launches them. :func:`print_kernel` prints any kernel with the functions it is passed. They run on
-CUDA devices, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
+"""Triton kernels for the per-block statistics and logit gradients, one job per file; what differs
+between variants and row steps is generated from the expression trees (:mod:`.variant_terms`).
+They know nothing of the engine, which launches them, and run on CUDA devices or under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``); docs/architecture.md, "The Triton backend: kernel design".
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""How every kernel walks a block of logits: its row tile, its column split and its masked loads.
-
-A block is ``R`` rows × ``C`` columns of student logits ``s`` (and teacher logits ``t``), the
-columns ``col_start … col_start + C − 1`` of the vocabulary, rows ``stride_s`` (``stride_t``)
-elements apart, columns contiguous. Program ``(i, j)`` takes rows ``i·BLOCK_R …`` and the ``j``-th
-split of ``cols_per_split`` columns (a multiple of ``BLOCK_C``, :mod:`.tiles`), which it walks in
-``BLOCK_R × BLOCK_C`` tiles.
-
-Every load and store is masked by the rows that exist and the columns of the split; columns
-outside read −inf. Logits are loaded in their stored dtype (fp32 products, or a bf16/fp16 cache)
-and upcast to fp32.
+"""How every kernel walks a block of ``R × C`` logits (global columns from ``col_start``, rows
+``stride`` elements apart, columns contiguous): program ``(i, j)`` takes row tile ``i`` and column
+split ``j`` in ``BLOCK_R × BLOCK_C`` tiles, every load and store masked (columns outside read −inf),
+logits loaded in their stored dtype and upcast to fp32.
 """
 
 from __future__ import annotations

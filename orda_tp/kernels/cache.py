@@ -1,19 +1,7 @@
-"""Generated kernel modules (:mod:`.variant_terms`), run from their text in memory; files only on request.
-
-Triton reads a ``@triton.jit`` function's source through ``inspect.getsource``, which reads
-:mod:`linecache`, so a generated module needs no file. Its text is compiled under a stable
-pseudo-filename, ``<orda_tp generated STEM_HASH.py>`` (``STEM`` says what it holds, for example
-``sums_terms_reverse``; ``HASH`` is the first 12 hex digits of the text's SHA-256), and its lines
-are placed in ``linecache`` under that name, so Triton, tracebacks and debuggers read that same
-text. Nothing is written to disk.
-
-``ORDA_TP_KERNEL_CACHE=<dir>``, for debugging with tools that read source files (a profiler's or
-an editor's source view), also writes each module to ``<dir>/STEM_HASH.py`` and compiles it under
-that path. What runs is still the text in memory, never the file, so nothing written there
-afterwards changes a kernel. A file is written once per process, atomically: a unique ``0o600``
-temporary file in ``<dir>``, then ``os.replace``, so ranks writing one file at once each leave it
-whole, and a link in its place is replaced, never written through. A missing ``<dir>`` is created
-with mode ``0o700``.
+"""Generated kernel modules (:mod:`.variant_terms`), run from their text in memory under a
+pseudo-filename that :mod:`linecache` serves; a file is written only under
+``ORDA_TP_KERNEL_CACHE``, and what runs is never read from it (docs/architecture.md, "The kernel
+cache").
 """
 
 from __future__ import annotations
@@ -45,9 +33,9 @@ def kernel_cache_dir() -> Path | None:
 
 
 def load_generated_module(text: str, stem: str) -> ModuleType:
-    """The module that ``text`` defines, executed from ``text`` itself once per process, and
-    written to the kernel cache directory when one is set. ``stem`` says what the module holds:
-    letters, digits and underscores, at most 64."""
+    """The module that ``text`` defines, executed from ``text`` itself once per process under
+    ``STEM_HASH`` (``stem``: 1 to 64 letters, digits or underscores; ``HASH``: the first 12 hex
+    digits of the text's SHA-256), and written to the kernel cache directory when one is set."""
     if not STEM.fullmatch(stem):
         raise ValueError(f"a kernel cache file stem is 1 to 64 letters, digits or underscores, got {stem!r}")
     digest = hashlib.sha256(text.encode()).hexdigest()
@@ -69,12 +57,13 @@ def load_generated_module(text: str, stem: str) -> ModuleType:
 def _write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to a unique ``0o600`` temporary file beside ``path``, then move it over
     ``path`` (replacing a link there, never writing through it)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a missing directory: this user's alone
     # Beside the target: os.replace is atomic only within one file system.
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
+        # Atomic: ranks writing one file at once each leave it whole, and a link there is replaced.
         os.replace(temporary, path)
     # Also on KeyboardInterrupt: no temporary file is left behind.
     except BaseException:

@@ -1,8 +1,5 @@
-"""Elementwise functions that the generated variant functions call (:mod:`.variant_terms`).
-
-Written with ``tl.math.exp2`` and ``tl.log``: Triton's CPU interpreter, which the tests use, has
-no libdevice, so :func:`divided` calls libdevice only in compiled kernels. The kernels take their
-exponentials from :func:`exp` too.
+"""Elementwise functions of the kernels and of the generated variant functions; libdevice only in
+compiled kernels (Triton's CPU interpreter, which the tests use, has none).
 """
 
 from __future__ import annotations

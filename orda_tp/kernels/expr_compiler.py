@@ -1,20 +1,9 @@
-"""Compile :mod:`orda_tp.divergences.expr` trees into the text of one ``@triton.jit`` function.
-
-- **Structural common subexpressions.** Two subtrees with the same operation on the same operands
-  are one value, computed once, whether or not they are the same Python object (a variant that
-  builds ``P == 0`` twice compares once).
-- **Variables.** A value used more than once, a result of the function, and the operands of an
-  expression too long to read get a variable, named after what it computes where that is short
-  (``logp_minus_logq``, ``p_eq_0``) and after its operation otherwise (``diff_1``, ``select_2``).
-  Everything else is written inline, with only the parentheses that Python's precedence needs.
-- **Order.** The code evaluates the operations in the trees' post-order (operands left to right,
-  then the operation), as the trees are written: the same operations in the same order on every
-  backend, whatever is inline.
-- **Leaves.** Column symbols are the function's parameters (``logp``, ``logq``, ``p``, ``q``,
-  ``is_target``); a row constant ``row("name")`` is read once, at the top, into ``row_name``;
-  constants are literals (``float("inf")`` for the non-finite ones).
-
-``exp``, ``expm1`` and ``logaddexp`` are the functions of :mod:`.elementwise`.
+"""Compile :mod:`orda_tp.divergences.expr` trees into the text of one ``@triton.jit`` function that
+evaluates the trees' operations in their post-order, as the torch backend does: structurally equal
+subtrees computed once; a variable for a result, a value used twice and the operands of a long
+expression, named after what it computes (``logp_minus_logq``) or its operation (``diff_1``);
+everything else inline, with only the parentheses Python needs; each row constant read once, at
+the top.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The logit gradients of a block, written once in the staging dtype of the gradient GEMMs.
-
-Per column, the gradients of ``BlockMath.stage_logit_grads`` (``orda_tp.engine.block_math``), from
-the row constants of the grad step (``orda_tp.engine.stats.GradRows``): the student's row terms'
-coefficients arrive summed with their weights, so a new term of that shape changes nothing here.
-A soft-capped side (``CAPPED``) is capped as its tile is loaded. ``∂D/∂u`` and
-``∂D/∂v`` are the variant's, the generated functions of :mod:`.variant_terms` passed in as
-``STUDENT_GRAD`` and ``TEACHER_GRAD``; the weights are runtime arguments, so a change of
-``kl_weight`` between calls compiles nothing.
-
-With ``COLUMN_TERMS`` (``NUM_SUMS > 0``) the kernel also sums round 2 as it goes: the variant's
-column terms of the ``log p``, ``log q``, ``p``, ``q`` it forms anyway, as the ``sums`` kernel
-(:mod:`.sums`) would, written to ``sums_ptr`` (splits, R, NUM_SUMS). That is for a variant whose
-gradient reads no constant of round 2 (``forward``: ``∂D/∂u = p − q``), so one read pass of the
-chunk's logits fewer (``LossPlan.kl_sums_in_gradient_pass``).
+"""The logit gradients of a block, those of ``BlockMath.stage_logit_grads``, written once in the
+staging dtype of the gradient GEMMs; ``∂D/∂u`` and ``∂D/∂v`` are the variant's generated
+``STUDENT_GRAD`` and ``TEACHER_GRAD``, and with ``COLUMN_TERMS`` the kernel also sums round 2 as it
+goes (``LossPlan.kl_sums_in_gradient_pass``).
 """
 
 from __future__ import annotations
@@ -64,9 +53,9 @@ def student_grads(
     STUDENT_KL: tl.constexpr,
     CAPPED: tl.constexpr,
 ) -> tl.tensor:
-    """``∂loss/∂s`` of a tile (the module's formula), the terms chosen by the switches, through the
-    student's soft-cap ``caps[0]`` when ``CAPPED[0]``; exactly 0 on rows whose scale is 0.
-    ``grad_u``: ``∂D/∂u``; ``w_kl = (w_kl_s, w_kl_t)``."""
+    """``∂loss/∂s = scale·(c_p·softmax(s) − c_y·onehot_y − c_u + w_kl_s·keep·∂D/∂u)`` of a tile, the
+    terms chosen by the switches, through the student's soft-cap ``caps[0]`` when ``CAPPED[0]``;
+    exactly 0 on rows whose scale is 0. ``grad_u``: ``∂D/∂u``; ``w_kl = (w_kl_s, w_kl_t)``."""
     scale = rowc[position(ROW_CONSTANTS, "scale")]
     ds = tl.zeros_like(s)
     # Constexpr switches: a call without a term compiles none of its code.

@@ -1,15 +1,6 @@
-"""Round 1: the partition record of a block, and the merge of stacked records.
-
-For each of ``F`` logit families ``x = side/T`` (the student's or the teacher's logits over one
-temperature) a row's record holds the partial log-partition ``(m, z)``, ``m = max x``,
-``z = Σ e^{x−m}``; then the raw student and teacher logits at the label, whether this block
-owns the label and the row sums of the student terms' ``E`` column terms (the generated
-``COLUMN_SUMS`` of :mod:`.variant_terms`). Packed as one fp32 row per token, in the columns that
-:func:`orda_tp.engine.records.packed_columns` names.
-
-Records merge by ``M = max(m1, m2)``, ``z = z1·e^{m1−M} + z2·e^{m2−M}`` (a −inf max adds
-nothing) and by sums for the other columns; :func:`merge_kernel` folds a stack of them (the
-column splits of one block, or the records gathered from the tensor-parallel shards).
+"""Round 1: a block's packed partition record (:func:`partition_kernel`), and the merge of a stack
+of records (:func:`merge_kernel`: column splits, or the shards' gathered records); the record and
+its merge: docs/architecture.md, "Round 1".
 """
 
 from __future__ import annotations

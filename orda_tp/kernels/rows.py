@@ -1,10 +1,5 @@
-"""One per-row step of a chunk between its column passes, in one launch.
-
-A row step (``orda_tp.engine.row_formulas``) turns (R,) inputs (the merged records, the
-variant's row value, the upstream gradient, …) and a few runtime floats (temperatures, weights)
-into (R,) outputs: log-partitions and CE values after round 1, the KL's row value after round 2,
-the gradient's row constants. Its formulas are expression trees, compiled into a ``@triton.jit``
-function (:mod:`.variant_terms`) that is passed in as ``FORMULAS``.
+"""One per-row step of a chunk between its column passes (``orda_tp.engine.row_formulas``), in one
+launch: (R,) inputs and runtime floats into (R,) outputs, by the generated ``FORMULAS``.
 """
 
 from __future__ import annotations

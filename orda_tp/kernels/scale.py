@@ -1,9 +1,6 @@
-"""``x *= scale`` in place over a flat tensor, the scale read on the device.
-
-Used for the upstream gradient of a mean or sum loss: a 0-d CUDA tensor as the second operand of
-torch's ``mul_`` takes a slow broadcasting path. With a scale of exactly 1 (``loss.backward()``'s
-default) ``x·1`` rounds back to ``x``, so the kernel reads and writes nothing: a bf16 head's
-gradient is 1 GiB read and written again at 128k × 4096 otherwise.
+"""``x *= scale`` in place over a flat tensor, the scale read on the device: an eager call's
+gradients scaled by the upstream gradient in backward, where a 0-d CUDA tensor as ``mul_``'s
+operand takes a slow broadcasting path.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ def scale_kernel(x_ptr: tl.tensor, scale_ptr: tl.tensor, n: tl.tensor, BLOCK: tl
     read or written where ``scale[0] = 1`` (the product would round back to ``x[i]``). A few
     programs stride over the blocks of ``BLOCK`` elements, so that skipping costs a few loads."""
     scale = tl.load(scale_ptr)
+    # 1, loss.backward()'s default, is skipped: no 1 GiB read and write of a bf16 128k × 4096 head's gradient.
     # Decided on the device: the host never reads the scale, so the skip costs no synchronization.
     if scale != 1.0:
         # int64 offsets: a head's gradient comes near 2^31 elements (128256 × 16384 ≈ 2.1·10^9), where int32 wraps.

@@ -1,15 +1,7 @@
 """Print the source of a kernel as it runs: the hand-written kernel, the ``@triton.jit`` helpers
-it calls, and the functions generated for a variant (or a row step) that it is passed.
-
-    >>> import orda_tp.kernels
-    >>> orda_tp.kernels.print_kernel("grads", kl_divergence="reverse")
-
-or ``python -m orda_tp.kernels grads --kl-divergence reverse``. The kernels are ``partition``,
-``merge``, ``sums``, ``grads``, ``rows`` and ``scale``; ``sums`` needs a variant, ``grads`` prints
-the variant's gradient functions when given one, ``rows`` a row step's formulas when given one
-(an ``orda_tp.engine.row_formulas.RowProgram``). A generated function's section is named by the
-file its module runs under (:mod:`.cache`): a pseudo-filename, or with ``ORDA_TP_KERNEL_CACHE``
-set, the file written there.
+it calls, and the functions generated for a variant (or a row step) that it is passed, each
+generated section named by the file its module runs under (docs/architecture.md, "Printing a
+kernel").
 """
 
 from __future__ import annotations
@@ -50,8 +42,8 @@ def kernel_source(
     kernel: str, kl_divergence: str | None = None, *, row_step: RowStep | None = None, **variant_parameters: object
 ) -> str:
     """The source of ``kernel`` (one of :data:`KERNELS`), with the generated functions of the
-    variant ``kl_divergence`` (its parameters as the loss takes them: ``kl_alpha=``, …) or of
-    ``row_step``."""
+    variant ``kl_divergence`` (its parameters as the loss takes them: ``kl_alpha=``, …; needed by
+    ``sums``, for ``sums`` and ``grads`` only) or of ``row_step`` (for ``rows``)."""
     unknown = [keyword for keyword in variant_parameters if keyword not in VARIANT_KEYWORDS]
     if unknown:
         raise TypeError(f"kernel_source() got an unexpected keyword argument {unknown[0]!r}")

@@ -1,11 +1,5 @@
-"""Round 2: the variant's column sums over a block.
-
-Once round 1's log-partitions are merged, every column has its normalized log-probabilities
-``log p = s/T_s − LSE(u)`` and ``log q = t/T_t − LSE(v)``. A variant sums ``NUM_SUMS`` elementwise
-terms of them over the columns (:meth:`orda_tp.divergences.Divergence.column_terms`); the terms
-are the one generated part, a ``@triton.jit`` function compiled from the variant's expression
-trees (:mod:`.variant_terms`) and passed in as ``COLUMN_TERMS``. The sums of the column splits
-(and of the tensor-parallel shards) add up to the row's sums.
+"""Round 2: the variant's column sums over a block, its generated ``COLUMN_TERMS`` of ``log p``,
+``log q``, ``p`` and ``q`` (:meth:`orda_tp.divergences.Divergence.column_terms`).
 """
 
 from __future__ import annotations

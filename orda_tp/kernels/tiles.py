@@ -1,12 +1,6 @@
-"""Tile shapes of the kernels, keyed on shape buckets.
-
-A kernel walks (BLOCK_R rows × BLOCK_C columns) tiles; the columns of a block are split over
-``program_id(1)`` so that about ``programs`` programs run (their partial records and sums are
-merged afterwards). The choice depends only on which bucket the block's columns fall in and on
-whether the kernels are interpreted, never on the exact row count, so a new sequence length
-neither re-tunes nor recompiles. ``engine.triton_math`` reads the table at every launch, so that
-``benchmarks/tune_kernels.py``, which chose the CUDA entries on an H200 (see docs/benchmarks.md),
-can try others; the interpreter's small tiles keep CPU tests quick.
+"""Tile shapes of the kernels (``BLOCK_R × BLOCK_C``, and the programs the column splits aim at),
+keyed on the bucket of a block's columns, never on its row count, so a new sequence length neither
+re-tunes nor recompiles; the CUDA entries chosen by ``benchmarks/tune_kernels.py`` on an H200.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ class Tiles:
     programs: int  # how many programs the column splits aim at
 
 
-INTERPRETED = Tiles(block_r=16, block_c=128, num_warps=4, programs=256)
+INTERPRETED = Tiles(block_r=16, block_c=128, num_warps=4, programs=256)  # small: CPU tests stay quick
 
 #: (kernel kind, wide block: at least 2**15 columns) -> tiles on a CUDA device. Measured on an H200
 #: (benchmarks/tune_kernels.py, 256 rows of fp32 logits, 16064 / 128256 / 256000 columns): the wide

@@ -1,17 +1,7 @@
-"""Each row's ``K`` largest scaled logits and its log-partition, in one pass over its columns.
-
-One program per row reads the row's fp32 logits in blocks of ``BLOCK`` columns, scales them
-(soft-cap ``c·tanh(x/c)``, then ``/T``), updates the online log-partition (``m``, ``z``) and keeps
-the ``K`` best *groups*: runs of ``GROUP`` columns ranked by their largest element. The row's
-``K`` best columns lie in its ``K`` best groups (each group ahead of a column's own holds an
-element ahead of it), so a second, short pass reads those ``K·GROUP`` columns again and takes
-their top ``K``. The sorts run on int64 keys (:func:`order_keys`) ordered as
-:mod:`orda_tp.engine.topk_rows` orders (value, column) pairs, so the result has its tie order. A
-group's key is its best value above its first column, formed for the ``BLOCK/GROUP`` groups only
-(the fp32 maximum of each group costs one comparison a column; an int64 key a column costs ten):
-a group ranks ahead of another when its best value is larger, or equal at a lower column, so
-every group ahead of a column's own still holds an element ahead of that column.
-``K`` and ``GROUP`` are powers of two, ``BLOCK ≥ K·GROUP``.
+"""Each row's ``K`` largest scaled logits and its log-partition: one pass over its columns that
+keeps the ``K`` best groups of ``GROUP`` columns, ranked by their largest element, then a short
+pass over those groups' columns (docs/architecture.md, "The kernels"). ``K`` and ``GROUP`` are
+powers of two, ``BLOCK ≥ K·GROUP``.
 """
 
 from __future__ import annotations

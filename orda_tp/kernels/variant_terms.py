@@ -1,26 +1,13 @@
-"""The generated part of the kernels: a variant's formulas as ``@triton.jit`` functions.
+"""The generated part of the kernels: what differs between variants, and between row steps, as
+``@triton.jit`` functions compiled from the expression trees (:mod:`.expr_compiler`), each passed
+to a kernel as a ``tl.constexpr`` argument and run from its text in memory (:mod:`.cache`):
 
-The kernels are written by hand (:mod:`.partition`, :mod:`.sums`, :mod:`.grads`, :mod:`.rows`);
-what differs between variants, and between the row steps of a call, reaches them as a
-``tl.constexpr`` function argument, compiled here from the expression trees
-(:mod:`.expr_compiler`):
-
-- ``<variant>_column_terms(logp, logq, p, q, is_target)``: the ``num_sums`` column terms that the
-  sums kernel adds up (:meth:`~orda_tp.divergences.Divergence.column_terms`), as a tuple;
-- ``<variant>_student_grad(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS)``: ``∂D/∂u``
-  (:meth:`~orda_tp.divergences.Divergence.student_grad_expr`), and ``<variant>_teacher_grad``:
-  ``∂D/∂v`` for the variants that co-train the teacher; a row constant is read from the tuple
-  ``rowc`` at its position in the names ``ROW_CONSTANTS``;
-- ``record_column_sums(s, t)``: the column terms over the raw student (and teacher) logits whose
-  row sums round 1 collects: the student's row terms' (:meth:`~orda_tp.divergences.terms.StudentTerm.column_sums`)
-  and the count of ``orda_tp.arguments.plan.UNSUPPORTED`` columns where the plan asks for it, as a tuple;
-- ``row_step(inputs, scalars)``: one row step's formulas (``orda_tp.engine.row_formulas``),
-  over the tuples of its (R,) inputs and its runtime floats.
-
-Each function's module runs from its text in memory (:func:`.cache.load_generated_module`), named
-``sums_terms_<variant>_<hash>``, ``partition_sums_<hash>``, ``grads_student_<variant>_<hash>``,
-``grads_teacher_<variant>_<hash>`` or ``rows_<inputs>_<hash>``; a file is written only under
-``ORDA_TP_KERNEL_CACHE``, where that is set.
+- ``<variant>_column_terms(logp, logq, p, q, is_target)``: the variant's column terms, a tuple;
+- ``<variant>_student_grad(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS)``: ``∂D/∂u``, and
+  ``<variant>_teacher_grad``: ``∂D/∂v``; a row constant read from ``rowc`` at its position in
+  the names ``ROW_CONSTANTS``;
+- ``record_column_sums(s, t)``: round 1's column terms over the raw logits, a tuple;
+- ``row_step(inputs, scalars)``: one row step's formulas over its (R,) inputs and runtime floats.
 """
 
 from __future__ import annotations

@@ -1,35 +1,7 @@
-"""The few collectives of a tensor-parallel loss call, each issued once per use.
-
-- :func:`all_gather_rows`: gather a (rows, K) tensor from every rank, stacked in rank order.
-- :func:`gather_sequence_rows`: sequence parallelism's row gather of several hidden tensors in one
-  collective.
-- :func:`reduce_scatter_rows`: under sequence parallelism, sum the hidden gradients over the
-  shards and keep this rank's rows, in one collective (without it, the row walk all-reduces each
-  row group's hidden gradients as they complete: ``ShardExchange.start_row_gradient_sum``).
-- :func:`host_group`: the group that gathers host values (the handshake's claims) without a
-  device, for a device (NCCL) group its gloo twin.
-- :func:`all_gather_texts`: every rank's string (an error's message), for the error paths.
-- :class:`BackendLoan`: how a collective's host tensors are handed to the process group, so
-  that none is still held by its worker threads when the call returns (below).
-
-Host collectives and interpreter exit
--------------------------------------
-A process group on host tensors (gloo) runs each collective on a worker thread, and that thread
-drops its reference to the finished collective, and with it to the tensors, only *after*
-``wait()`` has returned on the calling thread. Dropping a reference to a tensor that has a Python
-object takes the GIL (``TensorImpl::decref_pyobject``). When that happens once the interpreter is
-finalizing (a script that ends right after its last collective, on a loaded machine where the
-worker runs late), CPython ends the worker thread inside the C++ destructor and the process aborts
-with "terminate called without an active exception" (pytorch/pytorch#190489 describes the same
-in torch). ``destroy_process_group()`` prevents it only when it drops the last reference to the
-group (the group's destructor joins its threads); a script that keeps the group, a mesh or a
-loss's autograd graph in module globals does not.
-
-So every collective here hands the backend fresh aliases of its tensors (same memory, new
-tensor objects that nothing else references) and waits, after the collective, until the backend
-has dropped them: when a call returns, no worker thread holds anything of it. Collectives that a
-script issues itself stay exposed: calling ``destroy_process_group()`` when nothing else
-references the group any more (so that it joins the worker threads) protects those.
+"""The few collectives of a tensor-parallel loss call, each issued once per use: row gathers, the
+sequence-parallel gradient reduce-scatter, the host group of the handshake, and
+:class:`BackendLoan`, which leaves no host tensor with the process group's worker threads when a
+call returns (docs/architecture.md, "The hidden-gradient sum").
 """
 
 from __future__ import annotations
@@ -65,14 +37,9 @@ _LONGEST_POLL_S = 1e-3
 
 
 class BackendLoan:
-    """The host tensors lent to collectives, as aliases whose release can be seen.
-
-    ``alias(t)`` is what a collective receives instead of ``t``; the caller keeps no reference to
-    it. A weak reference to each alias dies when the last strong one goes, which, once the caller
-    has dropped its own and waited for the collective, is the backend's worker thread letting go.
-    :meth:`settle` waits for that. Device (CUDA) tensors are lent as they are: their backend's
-    threads hold them until the device finishes, and waiting for that would stall the host.
-    """
+    """The host tensors lent to collectives, as aliases whose release can be seen: a collective
+    receives ``alias(t)`` instead of ``t``, the caller keeps no reference to it, and :meth:`settle`
+    waits until the backend has dropped every alias."""
 
     def __init__(self) -> None:
         self._aliases: list[weakref.ref[Tensor]] = []
@@ -80,15 +47,17 @@ class BackendLoan:
     def alias(self, tensor: Tensor) -> Tensor:
         """``tensor``'s memory as a new tensor object, to hand to a collective (host tensors)."""
         if tensor.device.type != "cpu":
+            # Device tensors as they are: their backend holds them until the device finishes, and
+            # waiting for that would stall the host.
             return tensor
-        alias = tensor.detach()
+        alias = tensor.detach()  # a new tensor object over the same memory, which nothing else references
+        # Dies with the last strong reference: once the caller has waited, the worker thread letting go.
         self._aliases.append(weakref.ref(alias))
         return alias
 
     def settle(self) -> None:
         """Wait until the backend has dropped every alias lent so far (their collectives must
-        have been waited, and the caller must hold none); the GIL is released while waiting,
-        since the worker takes it to drop them."""
+        have been waited, and the caller must hold none); warn after :data:`SETTLE_TIMEOUT_S`."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         pause = 0.0
         while any(alias() is not None for alias in self._aliases):
@@ -101,6 +70,7 @@ class BackendLoan:
                     stacklevel=2,
                 )
                 break
+            # Sleeping releases the GIL, which the worker thread takes to drop an alias.
             time.sleep(pause)
             pause = min(2 * pause + 1e-5, _LONGEST_POLL_S)
         self._aliases = []
@@ -113,20 +83,19 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
     world = dist.get_world_size(group)
     gathered = local.new_empty(world * local.shape[0], *local.shape[1:])  # concatenated along rows
     loan = BackendLoan()
+    # Not async: on gloo the host waits for it here, and settle() for the worker to drop the aliases.
     all_gather_single(loan.alias(gathered), loan.alias(local), group=group)
     loan.settle()
     return gathered.view(world, *local.shape)
 
 
 def all_gather_texts(text: str, group: dist.ProcessGroup) -> list[str]:
-    """Every rank's ``text`` in rank order, over a group of host tensors (:func:`host_group`).
-
-    Two :func:`all_gather_rows` (the lengths, then the UTF-8 bytes padded to the longest), so that
-    the error paths hand the backend nothing it could still hold at exit, as the data path does
-    (``all_gather_object`` pickles into tensors it does not settle)."""
+    """Every rank's ``text`` in rank order, over a group of host tensors (:func:`host_group`), in two
+    :func:`all_gather_rows`: the lengths, then the UTF-8 bytes."""
+    # Not all_gather_object: it pickles into tensors that no loan settles, which gloo could still hold at exit.
     encoded = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
     lengths = all_gather_rows(torch.tensor([[encoded.numel()]], dtype=torch.int64), group).view(-1).tolist()
-    padded = torch.zeros(1, max(max(lengths), 1), dtype=torch.uint8)
+    padded = torch.zeros(1, max(max(lengths), 1), dtype=torch.uint8)  # the gather needs one shape: the longest
     padded[0, : encoded.numel()] = encoded
     gathered = all_gather_rows(padded, group).view(len(lengths), -1)
     return [bytes(row[:length].tolist()).decode("utf-8") for row, length in zip(gathered, lengths)]
@@ -142,12 +111,12 @@ def carries_host_tensors(group: dist.ProcessGroup) -> bool:
 
 def gloo_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group over ``group``'s ranks, for collectives of host values beside a device group
-    (NCCL): created at the first call by those ranks alone (``use_local_synchronization``; the
-    ranks of a tensor-parallel group enter the loss together) and kept for later calls."""
+    (NCCL), created at the first call and kept for later calls."""
     ranks = tuple(dist.get_process_group_ranks(group))
     key = (group.group_name, ranks)
     twin = _GLOO_TWINS.get(key)
     if twin is None:
+        # By these ranks alone, which enter the loss together: the world's other ranks need not take part.
         twin = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
         assert twin is not None  # this rank is one of the ranks
         _GLOO_TWINS[key] = twin
@@ -162,13 +131,14 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 def _pack_columns(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
     dtype = tensors[0].dtype
-    for tensor in tensors[1:]:
+    for tensor in tensors[1:]:  # one dtype that holds every tensor exactly, so one collective carries all
         dtype = torch.promote_types(dtype, tensor.dtype)
     return torch.cat([t.to(dtype) for t in tensors], dim=1), [t.shape[1] for t in tensors]
 
 
 def gather_sequence_rows(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
     """Full-batch rows of each (local_rows, width_i) tensor: the ranks' rows in rank order."""
+    # Detached: the loss's own backward forms these rows' gradients (reduce_scatter_rows), not autograd.
     packed, widths = _pack_columns([t.detach() for t in tensors])
     full = all_gather_rows(packed, group).flatten(0, 1)
     return [part.to(t.dtype) for part, t in zip(full.split(widths, dim=1), tensors)]
@@ -186,7 +156,7 @@ def reduce_scatter_rows(grads: list[Tensor], group: dist.ProcessGroup) -> list[T
         local = torch.empty(rows, packed.shape[1], dtype=packed.dtype, device=packed.device)
         reduce_scatter_single(loan.alias(local), loan.alias(packed), group=group)
         packed = local
-    else:
+    else:  # gloo has no reduce-scatter: all-reduce in place, then keep this rank's rows
         dist.all_reduce(loan.alias(packed), group=group)
         start = dist.get_rank(group) * rows
         packed = packed[start : start + rows]

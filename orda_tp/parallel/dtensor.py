@@ -1,14 +1,6 @@
-"""DTensor inputs: read the tensor-parallel group, vocabulary range and sequence parallelism off
-the placements, and hand the local shards to the loss.
-
-- head weight: ``Shard(0)`` on one mesh dimension (the tp dimension), ``Replicate`` on the others;
-  its shards follow ``torch.chunk`` order, as DTensor lays them out;
-- hidden states: ``Replicate`` on the tp dimension (replicated rows) or ``Shard(0)`` (sequence
-  parallel); other mesh dimensions may be ``Replicate`` or ``Shard(0)`` (data parallel rows);
-- cached teacher logits: ``Shard(-1)`` (or ``Shard(1)``) on the tp dimension.
-
-``DTensor.to_local`` is differentiable, so the gradients of DTensor inputs come back as DTensors
-with the inputs' placements.
+"""DTensor inputs: the tensor-parallel group, vocabulary range and sequence parallelism read off
+the placements, and the local shards handed to the loss through the differentiable
+``DTensor.to_local`` (docs/architecture.md, "Inputs").
 """
 
 from __future__ import annotations
@@ -70,17 +62,14 @@ def shard_axis(weight: DTensor, name: str) -> MeshAxis:
 
 def chunk_range(total: int, parts: int, coordinate: int) -> tuple[int, int]:
     """Rows of part ``coordinate`` when ``total`` rows are split in ``torch.chunk`` order."""
-    size = -(-total // parts) if total else 0
+    size = -(-total // parts) if total else 0  # torch.chunk: ceil(total/parts) each, the last parts short or empty
     start = min(coordinate * size, total)
     return start, min(start + size, total)
 
 
 def local_shard(tensor: DTensor, axis: MeshAxis, name: str, shard_dims: tuple[int, ...]) -> tuple[Tensor, bool]:
-    """``(local tensor, sharded on the tp axis)`` of a DTensor that lives on ``axis``'s mesh.
-
-    On the tp axis it may be Replicate or Shard on one of ``shard_dims``; elsewhere Replicate or
-    Shard(0) (rows split over data parallelism).
-    """
+    """``(local tensor, sharded on the tp axis)`` of a DTensor on ``axis``'s mesh: Replicate or Shard
+    on one of ``shard_dims`` on the tp axis, Replicate or Shard(0) (data-parallel rows) elsewhere."""
     if tensor.device_mesh != axis.mesh:
         raise ValueError(f"{name} is a DTensor on another mesh than the head weight: {placement_text(tensor)}")
     placements = tuple(tensor.placements)
@@ -100,4 +89,5 @@ def mesh_group(tensor: object) -> dist.ProcessGroup | None:
     """The process group of a DTensor's 1-D mesh (None for a plain tensor or another mesh): where
     a call whose placements are refused tells the other ranks."""
     mesh = tensor.device_mesh if is_dtensor(tensor) else None
+    # Only a 1-D mesh names its group without a valid placement to pick the dimension.
     return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None

@@ -1,9 +1,5 @@
-"""What the handshake's second gather compares: checksums of the tensors every rank must hold
-alike (labels, token weights, a top-k cache) and a fingerprint of each rank's head shard, which
-catches a full (unsharded) head passed on every rank: vocabulary shards hold different rows, so
-shards whose sampled rows differ from each other yet agree bitwise across every rank are copies
-of one tensor, not shards of it. Computed and compared on the device; the caller decides whether
-the host reads the result (:func:`orda_tp.parallel.layout.resolve_layout`).
+"""What the handshake's second gather compares, computed and compared on the device: checksums of
+the tensors every rank must hold alike and a fingerprint of each rank's head shard.
 """
 
 from __future__ import annotations
@@ -20,18 +16,20 @@ FINGERPRINT_SLICES = 64
 def shard_fingerprint(shard: torch.Tensor, vocab_dim: int) -> torch.Tensor:
     """Three int64 describing up to 64 vocabulary slices spread evenly over ``shard`` (rows of a
     head, columns of logits): the bit patterns of two fp64 sums over them (plain and weighted by
-    position), and 1 if the slices differ from each other. Computed on the shard's device; no
-    host read."""
+    position), and 1 if the slices differ from each other; no host read."""
     sample = shard.detach()
     columns = sample.shape[vocab_dim]
     if columns == 0:
         return torch.zeros(3, dtype=torch.int64, device=shard.device)
     count = min(columns, FINGERPRINT_SLICES)
+    # Spread evenly, the first and the last slice included.
     index = torch.arange(count, device=shard.device) * (columns - 1) // max(count - 1, 1)
     sample = sample.index_select(vocab_dim, index).to(torch.float64)
     positions = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=shard.device).view_as(sample)
+    # Compared as bit patterns: copies of one tensor give the same sums, by the same ops, on every rank.
     sums = torch.stack([sample.sum(), (sample * positions).sum()]).view(torch.int64)
     first = sample.narrow(vocab_dim, 0, 1)
+    # A constant head (zeros, one repeated row) cannot be told from its copies: this flag exempts it.
     differ = (sample != first).any().to(torch.int64).reshape(1)
     return torch.cat([sums, differ])
 
@@ -43,9 +41,10 @@ def replicated_checksum(tensor: torch.Tensor) -> torch.Tensor:
     values = tensor.detach().reshape(-1)
     dtype = torch.float64 if values.is_floating_point() else torch.int64
     values = values.to(dtype)
+    # Weighted by position, from 1: a change that keeps the plain sum (a swap) changes the second.
     positions = torch.arange(1, values.numel() + 1, device=values.device, dtype=dtype)
     sums = torch.stack([values.sum(), (values * positions).sum()])
-    return sums.view(torch.int64) if dtype == torch.float64 else sums
+    return sums.view(torch.int64) if dtype == torch.float64 else sums  # exact in int64; floats by their bits
 
 
 def value_checks(
@@ -54,6 +53,7 @@ def value_checks(
     """This rank's checksums of its ``replicated`` tensors (2 values each) and the fingerprint (3)
     of its ``head`` shard (vocabulary along ``vocab_dim``; zeros for None), int64 on ``device``."""
     checksums = [replicated_checksum(tensor).to(device) for tensor in replicated]
+    # Zeros without a head: the same width on every rank.
     fingerprint = shard_fingerprint(head, vocab_dim) if head is not None else torch.zeros(3, dtype=torch.int64)
     return torch.cat([*checksums, fingerprint.to(device)])
 
@@ -67,5 +67,6 @@ def inconsistencies(checks: torch.Tensor, same_size: bool) -> tuple[torch.Tensor
     checksums = checks[:, :-3].view(checks.shape[0], -1, 2)
     differ = (checksums != checksums[:1]).any(dim=2).any(dim=0)
     fingerprints = checks[:, -3:]
+    # Every rank's slices differ within its shard, yet every fingerprint matches bitwise: copies, not shards.
     copies = (fingerprints[:, 2] != 0).all() & (fingerprints == fingerprints[:1]).all()
     return differ, copies & same_size

@@ -1,19 +1,6 @@
-"""Parameters that FSDP2 (``fully_shard``) holds sharded over data parallelism.
-
-Outside the forward of the module that ``fully_shard`` wrapped, each of that module's parameters
-is a ``Shard(0)`` DTensor over the *data-parallel* mesh: this rank's slice of rows of the full
-parameter. A head weight in that state looks exactly like a vocabulary shard, but the other
-ranks hold other batches, so reading it as one gives a wrong loss. :func:`check_not_fsdp_sharded`
-refuses it with the fix; inside the module's forward FSDP has gathered the full parameter (or its
-tensor-parallel shard on a 2-D mesh) and the loss reads it as it is.
-
-:func:`unsharded_head_weight` gathers a *frozen* teacher head's weight for one call, as FSDP's
-forward would (the student's head computes its loss inside its own forward instead: see
-:class:`orda_tp.DistillationHead`).
-
-FSDP2 keeps no public record of which parameters it shards: this module reads its per-module
-state (``FSDPModule._get_fsdp_state()._fsdp_param_groups[*].fsdp_params[*].sharded_param``), the
-only place in the library that does. ``tests/test_training_stacks.py`` fails if torch changes it.
+"""Parameters that FSDP2 (``fully_shard``) holds sharded over data parallelism: refused as
+vocabulary shards (:func:`check_not_fsdp_sharded`), or gathered for one call for a frozen teacher's
+head (:func:`unsharded_head_weight`); docs/architecture.md, "Inside training stacks".
 """
 
 from __future__ import annotations
@@ -45,8 +32,8 @@ __all__ = ["FsdpShard", "check_not_fsdp_sharded", "fsdp_shard_of", "head_weight"
 
 @dataclass(frozen=True)
 class FsdpShard:
-    """``tensor`` is the FSDP-sharded form of a parameter of ``module`` (the module ``fully_shard``
-    wrapped, whose forward gathers it)."""
+    """The owner of an FSDP-sharded parameter: ``module``, which ``fully_shard`` wrapped and whose
+    forward gathers it."""
 
     module: FSDPModule
 
@@ -60,6 +47,8 @@ def _fsdp_modules() -> Iterator[FSDPModule]:
 
 
 def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
+    # FSDP2 keeps no public record of what it shards: its private per-module state, read here alone in
+    # orda_tp (tests/test_training_stacks.py fails if torch changes it).
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch < 2.7: a single optional group
@@ -71,23 +60,21 @@ def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
 
 
 def fsdp_shard_of(tensor: object) -> FsdpShard | None:
-    """The FSDP2 module whose data-parallel sharded parameter ``tensor`` is, or None.
-
-    FSDP2 shards parameters as DTensors, so plain tensors (an unsharded parameter inside
-    forward, a user's own shard) return None at once."""
+    """The FSDP2 module whose data-parallel sharded parameter ``tensor`` is, or None."""
+    # FSDP2 shards parameters as DTensors: a plain tensor (a parameter gathered inside forward) is none.
     if not is_dtensor(tensor):
         return None
     for module in _fsdp_modules():
+        # By identity: a slice or copy of the parameter is not recognized.
         if any(parameter is tensor for parameter in _sharded_parameters(module)):
             return FsdpShard(module)
     return None
 
 
 def check_not_fsdp_sharded(name: str, tensor: object) -> None:
-    """Raise if ``tensor`` is a parameter that FSDP2 holds sharded over data parallelism.
-
-    Every rank of the data-parallel group holds the same FSDP structure, so every rank raises
-    here, before any collective."""
+    """Raise a ValueError, with the fix, if ``tensor`` is a parameter that FSDP2 holds sharded over
+    data parallelism: a slice of rows that looks like a vocabulary shard while the ranks hold
+    different batches. Every data-parallel rank holds the same FSDP structure, so all raise alike."""
     shard = fsdp_shard_of(tensor)
     if shard is None:
         return
@@ -113,13 +100,10 @@ def head_weight(head: nn.Module) -> Tensor:
 
 @contextmanager
 def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block: bool) -> Iterator[Tensor]:
-    """``head.weight`` as FSDP's forward of its owner would read it: gathered for the duration
-    of the block (and released afterwards) when FSDP2 holds it sharded, else as it is.
-
-    A gathered weight gets no gradient back to FSDP's shards, so a head that would receive a
-    gradient (``receives_grad``) raises instead: it must compute inside its own forward. When the
-    weight is ``read_after_block`` (a backward that recomputes logits), the block gets a copy
-    that outlives FSDP's release of the gathered storage."""
+    """``head.weight`` as FSDP's forward of its owner would read it: as it is, or where FSDP2 holds
+    it sharded, gathered for the block (a copy where it is ``read_after_block``: a backward that
+    recomputes logits). A sharded weight that ``receives_grad`` raises a ValueError: a gathered
+    weight sends no gradient back to FSDP's shards."""
     weight = head_weight(head)
     shard = fsdp_shard_of(weight)
     if shard is None:
@@ -136,6 +120,7 @@ def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block
     owner.unshard()
     try:
         gathered = head_weight(head).detach()  # the unsharded parameter, until reshard()
+        # A copy outlives reshard(), which frees the gathered storage that a later backward would read.
         yield gathered.clone() if read_after_block else gathered
     finally:
-        owner.reshard()
+        owner.reshard()  # released whatever happens in the block, as FSDP's forward would

@@ -1,20 +1,6 @@
-"""Where this rank's vocabulary columns sit, agreed by every rank of the group.
-
-A :class:`VocabLayout` says which global columns ``[vocab_start, vocab_stop)`` this rank's head
-shard holds, how many columns all shards hold together (the padded vocabulary), and the real
-vocabulary size (columns at or past it are padding, masked on whichever rank holds them).
-
-Ranks agree on the layout through a "handshake" of two small all-gathers at the start of every
-call. The first carries host values: each rank's shard sizes, vocabulary range and row counts,
-whether its own input checks failed, and a digest of its call's settings (keywords, the teacher's
-kind). A failure on any rank, or settings that differ, raise the same error on every rank there,
-before any rank goes on. The second carries a checksum of each tensor that every rank must hold
-alike (the labels, token weights, a top-k cache) and a fingerprint of the head shard. Everything
-is checked from the gathered values, so every rank raises the same error and none is left
-waiting in a collective, whatever changed on whichever rank since the last call. Without host
-checks (an NCCL group's default) the second gather is not read on the host: the comparison stays
-on the device, where a mismatch makes the call's statistics NaN on every rank
-(:func:`resolve_layout`; the checksums and the fingerprint: :mod:`.fingerprints`).
+"""Where this rank's vocabulary columns sit (:class:`VocabLayout`), agreed by every rank of the
+group in the handshake of every call (:func:`resolve_layout`): every check reads gathered values, so
+every rank raises the same error or none does (docs/architecture.md, "The layout handshake").
 """
 
 from __future__ import annotations
@@ -49,15 +35,11 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class VocabLayout:
-    """This rank's share of the vocabulary (and of the rows, under sequence parallelism).
-
-    Global columns ``[vocab_start, vocab_stop)`` are this rank's ``local_columns``, of which
-    ``real_local_columns`` lie below ``vocab_size`` (the rest is padding); ``total_columns``: all
-    shards' columns; ``max_local_columns``: the widest shard's. On one device the layout is the
-    whole head (:func:`orda_tp.engine.call.agree`). ``workspace_mib``: the call's default chunk
-    workspace (:func:`orda_tp.engine.workspace.default_workspace_mib`), under a group the smallest
-    rank's, so that every rank walks the same chunks.
-    """
+    """This rank's share of the vocabulary (and of the rows, under sequence parallelism): global
+    columns ``[vocab_start, vocab_stop)`` are its ``local_columns``, of which ``real_local_columns``
+    lie below ``vocab_size`` (the rest is padding); ``total_columns``: all shards' columns;
+    ``max_local_columns``: the widest shard's; ``workspace_mib``: the call's default chunk
+    workspace, under a group the smallest rank's."""
 
     vocab_start: int
     vocab_stop: int
@@ -94,10 +76,9 @@ def text_digest(text: str) -> int:
 
 @dataclass(frozen=True)
 class ShardClaim:
-    """What one rank brings to the handshake (−1 where a field is not given): its shard's sizes
-    and range, its label rows, whether its own checks failed (:func:`failure_code`), the digest
-    of its call's settings (:func:`text_digest` of the ``call_text`` of :func:`resolve_layout`)
-    and its device's default chunk workspace in MiB (:func:`orda_tp.engine.workspace.default_workspace_mib`)."""
+    """What one rank brings to the handshake, host values (−1 where a field is not given): its
+    shard's sizes and range, its label rows, whether its own checks failed (:func:`failure_code`),
+    the digest of its call's settings (:func:`text_digest`) and its default chunk workspace in MiB."""
 
     local_columns: int = -1
     teacher_columns: int = -1
@@ -141,7 +122,7 @@ def _partition(claims: list[ShardClaim]) -> list[tuple[int, int]]:
                 f"has {claim.local_columns} rows"
             )
     expected = 0
-    for start, stop in sorted(ranges):
+    for start, stop in sorted(ranges):  # any order of ranks: sorted, the ranges must tile [0, total)
         if start > expected:
             raise ValueError(
                 f"vocab_range partition across tp_group has a gap: columns [{expected}, {start}) are on no rank"
@@ -178,14 +159,14 @@ def _layout_from_claims(claims: list[ShardClaim], rank: int, group: dist.Process
         vocab_stop=stop,
         total_columns=total,
         vocab_size=vocab_size,
-        max_local_columns=max(c.local_columns for c in claims),
+        max_local_columns=max(c.local_columns for c in claims),  # sizes every rank's chunks alike
         local_columns=stop - start,
-        real_local_columns=max(0, min(stop, vocab_size) - start),
+        real_local_columns=max(0, min(stop, vocab_size) - start),  # 0 on a shard of padding alone
         group=group,
         rank=rank,
         world_size=len(claims),
         sequence_parallel=sequence_parallel,
-        workspace_mib=min(workspaces, default=HOST_WORKSPACE_MIB),
+        workspace_mib=min(workspaces, default=HOST_WORKSPACE_MIB),  # the smallest: every rank walks the same chunks
     )
 
 
@@ -196,6 +177,7 @@ def _raise_local_failures(claims: list[ShardClaim], problem: Exception | None, g
     failed = [rank for rank, claim in enumerate(claims) if claim.failed]
     if not failed:
         return
+    # Every rank saw the same claims, so every rank enters this gather, or none does.
     messages = all_gather_texts("" if problem is None else f"{type(problem).__name__}: {problem}", group)
     details = "; ".join(f"rank {rank}: {messages[rank]}" for rank in failed)
     error_type = FAILURE_TYPES[claims[failed[0]].failed - 1]
@@ -207,6 +189,7 @@ def agree_checks(group: dist.ProcessGroup, problem: Exception | None) -> None:
     None), in one all-gather of a flag per rank over the host group: for checks that must be
     agreed before collectives other than the handshake run (a model's forward)."""
     host = host_group(group)
+    # Host values on the host group: reading them never waits for the device.
     flags = all_gather_rows(torch.tensor([[failure_code(problem)]], dtype=torch.int64), host).view(-1).tolist()
     _raise_local_failures([ShardClaim(failed=int(flag)) for flag in flags], problem, host)
 
@@ -223,6 +206,7 @@ def _raise_differing_calls(claims: list[ShardClaim], call_text: str, group: dist
     other."""
     if len({claim.call_digest for claim in claims}) == 1:
         return
+    # The texts travel only when the digests differ, to name each setting that does.
     settings = [_settings(text) for text in all_gather_texts(call_text, group)]
     names = list(dict.fromkeys(name for setting in settings for name in setting))
     differing = [name for name in names if len({setting.get(name) for setting in settings}) > 1]
@@ -291,38 +275,40 @@ def resolve_layout(
     host_checks: bool | None = None,
     call_text: str = "",
 ) -> VocabLayout:
-    """The layout agreed by every rank of ``group``, in two all-gathers.
-
-    First the claims, host values over :func:`~.collectives.host_group`: ``problem`` is this
-    rank's own check failure, if any (``claim.failed`` says so), and every rank raises it;
-    ``call_text`` (``name=value`` lines, digested in ``claim.call_digest``) are the call's
-    settings, and ranks whose settings differ all raise, naming them. Then, on ``group``'s
-    device, a checksum of each ``replicated`` tensor (named, e.g. the labels: they must be the
-    same on every rank) and ``head``'s fingerprint (the same full head on every rank is refused).
-    ``host_checks`` (``KernelConfig.host_checks``; None: on a group of host tensors, not on an
-    NCCL group, so that every rank decides alike): those are read on the host and raise a
-    ValueError on every rank. Without, nothing of the device is read: they are compared on the
-    device into ``VocabLayout.inconsistent``, which makes the call's statistics NaN on every rank
-    (``ShardExchange``).
+    """The layout agreed by every rank of ``group``, in two all-gathers: ``claim``, this rank's
+    ``problem`` (its own check failure, if any) and ``call_text`` (its settings, ``name=value``
+    lines), then the checksums of the ``replicated`` tensors (named) and ``head``'s fingerprint.
+    A failure on any rank, settings that differ, shards or sizes that do not agree, replicated
+    tensors that differ or one full head on every rank raise the same error on every rank (a
+    ValueError, or the first failing rank's TypeError); where ``host_checks``
+    (``KernelConfig.host_checks``) do not run, the last two set ``VocabLayout.inconsistent``
+    instead, on the device.
     """
     world = dist.get_world_size(group)
     host = host_group(group)
+    # The claims are host values on the host group: gathering them never waits for the device.
     gathered = all_gather_rows(claim.as_tensor().view(1, -1), host).view(world, -1).tolist()
     claims = [ShardClaim(*(int(v) for v in values)) for values in gathered]
+    # Failures first: a failed rank's other fields carry nothing.
     _raise_local_failures(claims, problem, host)
     _raise_differing_calls(claims, call_text, host)
     layout = _layout_from_claims(claims, dist.get_rank(group), group)
     nccl = dist.get_backend(group) == dist.Backend.NCCL
+    # The second gather lives on the group's device: the current CUDA device under NCCL.
     device = replicated[0][1].device if replicated else torch.device("cpu")
     if nccl and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     head_tensor, vocab_dim = (head.tensor, head.vocab_dim) if head is not None else (None, 0)
     local_checks = value_checks([tensor for _, tensor in replicated], head_tensor, vocab_dim, device)
+    # One width on every rank: the first gather agreed on the settings (the teacher's kind, token weights).
     checks = all_gather_rows(local_checks.view(1, -1), group).view(world, -1)
     same_size = head is not None and len(claims) > 1 and len({claim.local_columns for claim in claims}) == 1
     differ, copies = inconsistencies(checks, same_size)
+    # Decided by the group's backend, not by this rank's tensors, so every rank decides alike.
     if not runs_host_checks(host_checks, torch.device("cuda" if nccl else "cpu")):
+        # Compared on the device: the record exchange turns it into NaN records, with no host read.
         return replace(layout, inconsistent=differ.any() | copies)
+    # Read on the host (a synchronization under NCCL), only where host checks run.
     differing = [name for (name, _), flag in zip(replicated, differ.tolist()) if flag]
     if differing:
         raise _differ_error(differing)
@@ -336,8 +322,7 @@ def agree_layout(
     group: dist.ProcessGroup, shard: LocalShard, workspace_mib: int, host_checks: bool | None, call_text: str
 ) -> VocabLayout:
     """The layout of a call whose own checks passed on this rank, agreed across ``group`` from
-    every rank's :class:`LocalShard` and default workspace (:func:`resolve_layout`; ``call_text``:
-    the call's settings)."""
+    every rank's :class:`LocalShard` and default workspace (:func:`resolve_layout`)."""
     start, stop = shard.vocab_range if shard.vocab_range is not None else (-1, -1)
     claim = ShardClaim(
         local_columns=shard.head.tensor.shape[shard.head.vocab_dim],
@@ -356,9 +341,9 @@ def agree_layout(
 
 def fail_on_every_rank(problem: Exception, group: dist.ProcessGroup | None) -> NoReturn:
     """Raise ``problem``, this rank's own check failure, on every rank of ``group`` (None: one
-    device) at once: the handshake carries it as the other ranks' claims, so that no rank waits
-    for this one in a collective."""
+    device) at once, so that no rank waits for this one in a collective."""
     if group is None:
         raise problem
+    # This rank enters the handshake with only its failure, where the others enter it with their claims.
     resolve_layout(group, ShardClaim(failed=failure_code(problem)), (), None, problem)
     raise AssertionError("the handshake raises for a failed rank")  # pragma: no cover

@@ -1,10 +1,6 @@
-"""Turn a tensor-parallel call's arguments into this rank's checked shards and its share for the
-layout handshake (:func:`shard_inputs`), and check this rank's values (:func:`local_error`).
-
-Inputs may be DTensors (group, vocabulary range and sequence parallelism read off their
-placements) or plain local shards with an explicit ``tp_group``. Without either, the call runs on
-one device (``orda_tp.loss``) and the layout covers the whole head (minus padding past
-``vocab_size``).
+"""A tensor-parallel call's arguments (DTensors, or plain local shards with ``tp_group``) as this
+rank's checked shards and its share for the layout handshake (:func:`shard_inputs`), and this
+rank's value checks (:func:`local_error`).
 """
 
 from __future__ import annotations
@@ -128,7 +124,7 @@ def _localize(
     axis = shard_axis(weight, "weight")
     if group is not None and not same_ranks(group, axis.group):
         raise ValueError("tp_group is not the process group of the mesh dimension along which weight is sharded")
-    derived_range = chunk_range(weight.shape[0], axis.size, axis.coordinate)
+    derived_range = chunk_range(weight.shape[0], axis.size, axis.coordinate)  # DTensor's torch.chunk order
     if vocab_range is not None and tuple(vocab_range) != derived_range:
         raise ValueError(
             f"vocab_range={tuple(vocab_range)} disagrees with the DTensor weight's shard {derived_range} "
@@ -145,7 +141,7 @@ def _localize(
     local_labels = labels
     if is_dtensor(labels):
         local_labels, labels_sharded = local_shard(labels, axis, "labels", ())
-        assert not labels_sharded
+        assert not labels_sharded  # no shard dims allowed on the tp axis: the labels are replicated there
     return LocalInputs(
         student_hidden=hidden,
         weight=weight.to_local(),
@@ -159,8 +155,7 @@ def _localize(
 
 def _tp_group_of(weight: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The call's tensor-parallel group: ``group`` (the checked ``tp_group``), or the mesh group a
-    DTensor weight is sharded over (placements are the same on every rank, so every rank decides
-    alike)."""
+    DTensor weight is sharded over (the same placements, and decision, on every rank)."""
     if group is None and is_dtensor(weight):
         return shard_axis(weight, "weight").group
     return group
@@ -188,10 +183,11 @@ def shard_inputs(
     token_weights: object,
 ) -> tuple[LocalInputs, LocalShard]:
     """This rank's checked tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs)
-    and its share for the layout handshake (:func:`orda_tp.engine.call.agree`). Every check that
-    reads only this rank's own arguments runs here: FSDP2 shards posing as vocabulary shards, the
-    backend, the placements, types, shapes and devices, the teacher descriptor,
-    ``num_valid_tokens`` and ``token_weights``."""
+    and its share for the layout handshake. Every check that reads only this rank's own arguments
+    runs here (FSDP2 shards posing as vocabulary shards, the backend, the placements, types, shapes
+    and devices, the teacher descriptor, ``num_valid_tokens``, ``token_weights``) and raises a
+    ValueError or TypeError."""
+    # Before any collective: every data-parallel rank holds the same FSDP structure, so all raise alike.
     for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
         check_not_fsdp_sharded(name, tensor)
     if options.backend == "reference":
@@ -200,7 +196,7 @@ def shard_inputs(
         student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
     )
     assert local.group is not None  # a call without one raised (no DTensor weight on a 1-D mesh, no tp_group)
-    row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1
+    row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1  # hidden rows: BT / tp each
     check_inputs(local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards)
     teacher.check_shardable()
     device = local.student_hidden.device
@@ -228,11 +224,8 @@ def shard_inputs(
 def local_error(values: ValueChecks, layout: VocabLayout, host_checks: bool) -> LocalError | None:
     """The first failed value check of this rank's tensors, as a :class:`LocalError` (global
     column numbers) that the first record exchange shares, so that every rank raises it; or None.
-    The checks are those of :func:`orda_tp.arguments.validation.check_values` on one device: a
-    cache modified in place, a non-finite cache where it is read (host checks run and the
-    teacher's logits are read), and with ``check_finite_inputs`` a non-finite hidden state or
-    weight. A descriptor that cannot stand for one vocabulary shard raised before the handshake
-    (:func:`shard_inputs`)."""
+    The checks are those of :func:`orda_tp.arguments.validation.check_values` on one device."""
+    # The cache's values are read on the host only where host checks run and the teacher's logits are read.
     teacher, read_cache = values.local_teacher, host_checks and values.reads_teacher
     try:
         values.teacher.check_unmodified()

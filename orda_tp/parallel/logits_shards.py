@@ -1,13 +1,7 @@
-"""This rank's logits: DTensors unwrapped, the tensor-parallel group found, the layout agreed.
-
-Logits are vocabulary-sharded along their last dimension: with an explicit ``tp_group`` each rank
-passes plain tensors holding its columns (the shards in rank order), or DTensors sharded on the
-last dimension (``Shard(-1)``) on one mesh dimension, whose group is then the call's group and
-whose shards follow ``torch.chunk`` order. Other mesh dimensions may be ``Replicate`` or shard the
-leading (row) dimensions, e.g. data parallelism: each rank then works on its local rows.
-
-On a group, ranks agree on the layout through the handshake every loss shares
-(:func:`orda_tp.engine.call.agree`), so a bad input on one rank raises the same error on every rank.
+"""The logits doors' tensor-parallel inputs: logits sharded along their last dimension, as plain
+local tensors with ``tp_group`` (the shards in rank order) or DTensors ``Shard(-1)`` on one mesh
+dimension (``torch.chunk`` order; other mesh dimensions ``Replicate`` or row shards), unwrapped to
+this rank's parts (docs/architecture.md, "Logits-level losses").
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ def _vocab_axis(logits: DTensor, name: str) -> MeshAxis | None:
     last = logits.ndim - 1
     vocab_dims = []
     for mesh_dim, placement in enumerate(logits.placements):
-        if isinstance(placement, Shard) and placement.dim % logits.ndim == last:
+        if isinstance(placement, Shard) and placement.dim % logits.ndim == last:  # Shard(-1) is Shard(ndim − 1)
             vocab_dims.append(mesh_dim)
         elif not isinstance(placement, (Replicate, Shard)):
             raise ValueError(f"{name} has a DTensor placement this loss cannot handle: {placement_text(logits)}")
@@ -63,10 +57,9 @@ def _vocab_axis(logits: DTensor, name: str) -> MeshAxis | None:
 
 
 def logits_group(student_logits: object, tp_group: object) -> tuple[dist.ProcessGroup | None, MeshAxis | None]:
-    """The call's group and, for a DTensor sharded on its last dimension, its mesh axis.
-
-    Decided from the keyword and the placements alone (the same on every rank, so every rank
-    raises alike, before any collective)."""
+    """The call's group and, for a DTensor sharded on its last dimension, its mesh axis, from the
+    keyword and the placements alone."""
+    # The placements are the same on every rank: every rank decides (and raises) alike, before any collective.
     tp_group = check_group(tp_group)
     if not is_dtensor(student_logits):
         return tp_group, None
@@ -110,12 +103,9 @@ class LocalLogits:
 
 
 def local_companion(tensor: object, student: object, axis: MeshAxis | None, name: str, vocabulary: bool) -> object:
-    """The local part of a tensor that accompanies ``student_logits`` (plain tensors pass through).
-
-    A DTensor must live on the student's mesh with its placements, except on the vocabulary's
-    mesh dimension: Replicate for tensors without a vocabulary dimension (labels, hidden
-    states); for ``vocabulary`` tensors (teacher logits) Shard(-1), or Replicate, then cut to
-    this rank's columns."""
+    """The local part of a tensor that accompanies ``student_logits`` (plain tensors pass through):
+    a DTensor on the student's mesh with its placements, except on the vocabulary's mesh dimension:
+    Replicate, or for ``vocabulary`` tensors (teacher logits) Shard(-1) too."""
     if not is_dtensor(tensor):
         return tensor
     if not is_dtensor(student):
@@ -140,7 +130,7 @@ def local_companion(tensor: object, student: object, axis: MeshAxis | None, name
     if replicated and vocabulary:
         assert axis is not None
         start, stop = chunk_range(local.shape[-1], axis.size, axis.coordinate)
-        local = local[..., start:stop]
+        local = local[..., start:stop]  # a replicated teacher: this rank's columns, in torch.chunk order
     return local
 
 
@@ -160,8 +150,7 @@ def local_head_weight(weight: object, axis: MeshAxis | None, name: str) -> objec
 
 def local_student(student_logits: object, axis: MeshAxis | None) -> tuple[object, tuple[int, int] | None]:
     """``student_logits``' local part and, for a DTensor sharded on its last dimension, this rank's
-    global columns (``torch.chunk`` order); plain tensors pass through (they are this rank's shard,
-    the shards in rank order)."""
+    global columns (``torch.chunk`` order); plain tensors pass through."""
     if not is_dtensor(student_logits):
         return student_logits, None
     vocab_range = None

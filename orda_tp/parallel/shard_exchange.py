@@ -1,22 +1,7 @@
-"""Record exchange across the vocabulary shards of a tensor-parallel group.
-
-Each statistics round is one all-gather of the packed (rows, K) records; every rank merges the same
-gathered stack with the same ops, so the merged record is bitwise identical on every rank.
-
-When some rank's check of its own values can fail (a cached teacher, or ``check_finite_inputs``),
-the first round of a call also carries each rank's *local error* (a check that only that rank
-could make, e.g. NaN in its shard of a cached teacher) in three extra columns; after the gather
-every rank reads every rank's error on the host and raises the same ValueError. A call with no
-rows to process (all ignored) exchanges just the errors. Otherwise (the default path: a teacher
-read through a head) no error columns travel and nothing is read on the host. Where the handshake
-did not read its checks on the host (``VocabLayout.inconsistent``), ranks whose labels differ or
-whose heads are copies of one head get NaN records, the same on every rank.
-
-No collective of a call is left to the process group when the call returns: the row-group
-gradient sums started during the row walk are waited by the end of the forward (:meth:`finish`)
-or of the backward (:meth:`reduce_row_gradients`), and their tensors are lent through a
-:class:`~.collectives.BackendLoan` that is settled then (why: the module docstring of
-:mod:`.collectives`).
+"""Record exchange across the vocabulary shards of a tensor-parallel group (:class:`ShardExchange`):
+one all-gather per statistics round, bitwise-identical merged records on every rank, the errors
+only one rank can see (:class:`LocalError`) raised on every rank, and the hidden-gradient sums
+(docs/architecture.md, "Errors that only one rank can see", "The hidden-gradient sum").
 """
 
 from __future__ import annotations
@@ -58,8 +43,7 @@ NO_ERROR = 0  # the header's code when a rank found nothing
 
 @dataclass(frozen=True)
 class LocalError:
-    """An input problem found on one rank: ``code`` says what; ``row`` and ``column`` (global)
-    locate it."""
+    """An input problem found on one rank: ``code`` says what; ``row``, ``column`` (global) where."""
 
     code: LocalErrorCode
     row: int = 0
@@ -71,7 +55,9 @@ class LocalError:
 
 
 class ShardExchange:
-    """The tensor-parallel :class:`orda_tp.engine.row_walk.RecordExchange`."""
+    """The tensor-parallel :class:`orda_tp.engine.call.RecordExchange`: every collective it starts is
+    waited, and its host tensors settled, before the forward (:meth:`finish`) or the backward
+    (:meth:`reduce_row_gradients`) that started it returns."""
 
     def __init__(
         self,
@@ -82,13 +68,13 @@ class ShardExchange:
         inconsistent: Tensor | None = None,
     ) -> None:
         """``local_error``: this rank's, or None; ``shares_errors``: whether the ranks' errors are
-        exchanged at all (the same on every rank: False where no rank's local check can fail);
-        ``inconsistent``: the handshake's device-side verdict on the ranks' labels and heads
-        (``VocabLayout.inconsistent``), which, when set, makes every merged record NaN."""
+        exchanged at all (the same on every rank); ``inconsistent``: ``VocabLayout.inconsistent``,
+        which, when set, makes every merged record NaN."""
         assert shares_errors or local_error is None
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.local_error = local_error
+        # Nothing to exchange where no rank's check can fail: no error columns, no host read.
         self.errors_exchanged = not shares_errors
         self.inconsistent = inconsistent
         self.pending_sums: list[dist.Work] = []  # row-group gradient sums in flight
@@ -103,6 +89,7 @@ class ShardExchange:
     def _raise_gathered_errors(self, headers: Tensor) -> None:
         """``headers``: (world, rows, 3) error columns, one host read."""
         self.errors_exchanged = True
+        # The call's host read of the errors: each rank's first row, the same on every rank.
         for rank, (code, row, column) in enumerate(headers[:, 0].tolist()):
             if code != NO_ERROR:
                 raise ValueError(LocalError(LocalErrorCode(int(code)), int(row), int(column)).message(rank))
@@ -112,27 +99,30 @@ class ShardExchange:
     ) -> Tensor:
         packed, width = local, local.shape[1]
         if not self.errors_exchanged:
+            # The call's first round carries the error columns: no collective of their own.
             packed = torch.cat([packed, self._header(packed.shape[0], packed)], dim=1)
         gathered = all_gather_rows(packed, self.group)
         if packed.shape[1] > width:
+            # Every rank reads every rank's error, so all raise the same one, before the merge.
             self._raise_gathered_errors(gathered[..., width:])
             gathered = gathered[..., :width].contiguous()
         if self.inconsistent is not None:  # labels that differ, or copies of one head: NaN, no host read
             gathered = torch.where(self.inconsistent, float("nan"), gathered)
+        # The same gathered stack and the same ops on every rank: the merged record is bitwise the same.
         return merge_stacked(gathered, num_families)
 
     def sum_over_shards(self, local: Tensor) -> Tensor:
+        # Gathered, then summed with the same op on every rank: the same sums on every rank.
         return all_gather_rows(local, self.group).sum(dim=0)
 
     def gather_stacked(self, local: Tensor) -> Tensor:
         return all_gather_rows(local, self.group)
 
     def finish(self, like: Tensor) -> None:
-        """Exchange the errors if no round did (a call with no rows to process), and wait for the
-        gradient sums the forward started: a forward returns with no collective in flight,
-        whether or not a backward follows."""
+        """Exchange the errors if no round did (a call with no rows), and wait for the gradient sums
+        the forward started: a forward returns with no collective in flight."""
         self._wait_for_sums()
-        if not self.errors_exchanged:
+        if not self.errors_exchanged:  # no round ran: the errors alone, so that no rank skips a collective
             gathered = all_gather_rows(self._header(1, like), self.group)
             self._raise_gathered_errors(gathered)
 
@@ -143,14 +133,15 @@ class ShardExchange:
 
     def start_row_gradient_sum(self, grads: list[Tensor], begin: int, end: int) -> None:
         """Without sequence parallelism, an asynchronous all-reduce of each gradient's rows
-        ``[begin, end)`` (they overlap the next row groups' work); under it, the single
-        reduce-scatter of :meth:`reduce_row_gradients` keeps this rank's rows instead (a row
-        group's rows are not one rank's rows). The sums are waited by the end of the row walk:
-        :meth:`finish` in the forward, :meth:`reduce_row_gradients` in the backward."""
+        ``[begin, end)``, waited by :meth:`finish` in the forward or :meth:`reduce_row_gradients`
+        in the backward; under it nothing (:meth:`reduce_row_gradients` reduce-scatters)."""
         if self.sequence_parallel:
+            # A row group's rows are not one rank's rows: the one reduce-scatter at the end keeps those.
             return
         for grad in grads:
+            # In place on the rows' view, lent through the loan that _wait_for_sums settles.
             rows = self.summed_rows.alias(grad[begin:end])
+            # Asynchronous: it overlaps the next row groups' logits, kernels and GEMMs.
             self.pending_sums.append(dist.all_reduce(rows, group=self.group, async_op=True))
 
     def _wait_for_sums(self) -> None:
@@ -165,4 +156,5 @@ class ShardExchange:
         if not self.sequence_parallel:  # the row walk started every row group's sum
             self._wait_for_sums()
             return grads
+        # No hidden gradient (decided alike on every rank, by the plan): no collective.
         return reduce_scatter_rows(grads, self.group) if grads else grads
