@@ -1,12 +1,10 @@
 """orda_tp: exact, memory-lean distillation losses for large-vocabulary language models.
 
-``distillation_loss`` computes the student cross-entropy, the teacher cross-entropy and any of
-15 KL-type divergences from hidden states and LM-head weights without building the (tokens ×
-vocab) logits. The API is a superset of orda-kernel's: ``import orda_tp as orda_kernel`` works.
-``DistillationHead`` is an ``nn.Linear`` LM head that computes it in its own forward (for FSDP2,
-``parallelize_module`` with ``VocabParallel``, Hugging Face models). ``KDLoss`` and
-``flash_ce_kd_loss`` compute the same losses, exactly and in a bounded workspace, on
-logits the caller already holds.
+``distillation_loss`` computes the student and teacher cross-entropies and any of 15 KL-type
+divergences from hidden states and LM-head weights without building the (tokens × vocab) logits;
+``DistillationHead`` is an ``nn.Linear`` LM head that computes it in its forward; ``KDLoss`` and
+``flash_ce_kd_loss`` take logits the caller holds. A superset of orda-kernel's API:
+``import orda_tp as orda_kernel`` works.
 """
 
 from .arguments.config import PROFILES

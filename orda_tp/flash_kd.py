@@ -1,14 +1,5 @@
 """``flash_ce_kd_loss``: per-token CE and KD scores from the student's logits and the teacher's
-hidden states and LM head, the teacher's logits formed block by block and never all at once.
-
-Per token ``i`` with ``p = softmax(s_i/T)``, ``q = softmax(t_i/T)``, ``t_i = W_t·h_i``:
-
-- ``ce_i = LSE(s_i) − s_{i,y_i}`` (raw logits, T = 1), 0 where ``y_i = ignore_index``;
-- ``kd_i = KL(q‖p) = Σ_j q_j (log q_j − log p_j)``, on every row (the label is not read), not
-  multiplied by ``T²``.
-
-Forward only (scoring): nothing is differentiated, nothing is kept for a backward.
-"""
+hidden states and LM head, the teacher's logits formed block by block and never all at once."""
 
 from __future__ import annotations
 
@@ -42,7 +33,8 @@ def _check_scoring_inputs(
     """Types, shapes and devices of this rank's tensors (no value is read); returns them."""
     specs = (("student_logits", student, "[N, V]"), ("teacher_hidden", hidden, "[N, D]"),
              ("teacher_lm_head_weight", weight, "[V, D]"))  # fmt: skip
-    for name, value, shape in specs:  # every type first, then every shape
+    # Every type first, then every shape: a wrong type is named before a shape it cannot have.
+    for name, value, shape in specs:
         check_floating(name, value, shape)
     student, hidden, weight = (check_floating(name, value, shape, dims=2) for name, value, shape in specs)
     rows, columns = student.shape
@@ -70,8 +62,7 @@ def _divergence(stats: RowStats) -> Tensor:
 def _local_inputs(
     student_logits: object, teacher_hidden: object, weight: object, labels: object, axis: MeshAxis | None
 ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], LocalShard]:
-    """This rank's checked ``(student_logits, teacher_hidden, teacher_lm_head_weight, labels)``
-    and its share of the call."""
+    """This rank's checked ``(student_logits, teacher_hidden, teacher_lm_head_weight, labels)``, its share."""
     given_hidden = local_companion(teacher_hidden, student_logits, axis, "teacher_hidden", vocabulary=False)
     given_weight = local_head_weight(weight, axis, "teacher_lm_head_weight")
     given_labels = local_companion(labels, student_logits, axis, "labels", vocabulary=False)
@@ -104,21 +95,20 @@ def flash_ce_kd_loss(
     tp_group: object | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
-    """Per-token ``(ce, kd)``, each ``(N,)``: ``ce = LSE(s) − s_y`` (0 at ``ignore_index``) and
-    ``kd = KL(softmax(t/T) ‖ softmax(s/T))`` (not multiplied by ``T²``), with the teacher's logits
-    ``t = teacher_hidden · teacher_lm_head_weightᵀ`` formed block by block.
+    """Per-token ``(ce, kd)``, each ``(N,)``: ``ce = LSE(s) − s_y`` on the raw logits (0 at
+    ``ignore_index``) and ``kd = KL(softmax(t/T) ‖ softmax(s/T))`` on every row, not multiplied by
+    ``T²``, with the teacher's logits ``t = teacher_hidden · teacher_lm_head_weightᵀ`` formed block
+    by block. Forward only: nothing is differentiated or kept for a backward.
 
     ``student_logits`` (N, V), ``teacher_hidden`` (N, D), ``teacher_lm_head_weight`` (V, D),
     ``labels`` (N,) ``torch.long`` (in ``[0, V)`` or ``ignore_index``). ``chunk_size``: columns per
-    block of the torch backend (rows are walked in chunks of the default 448 MiB workspace, so
-    memory stays bounded whatever N is). ``upcast``: the values are always computed in fp32 (fp64
-    for fp64 inputs) and returned so; ``upcast=False`` returns them rounded to
-    ``student_logits.dtype``.
+    block of the torch backend; rows are walked in chunks of a 448 MiB workspace, whatever N is.
+    ``upcast``: the scores are computed in fp32 (fp64 for fp64 inputs) and returned so;
+    ``upcast=False`` returns them rounded to ``student_logits.dtype``.
 
-    Tensor parallelism: with ``tp_group`` (or ``student_logits`` a DTensor sharded on its last
-    dimension) ``student_logits`` and ``teacher_lm_head_weight`` hold this rank's vocabulary
-    columns (``Shard(-1)`` / ``Shard(0)``), ``teacher_hidden`` and ``labels`` every row; every rank
-    returns the single-device scores. Forward only: no gradient is formed.
+    Tensor parallelism (``tp_group``, or ``student_logits`` a DTensor sharded on its last dimension):
+    ``student_logits`` and ``teacher_lm_head_weight`` hold this rank's vocabulary columns, the others
+    every row; every rank returns the single-device scores.
     """
     with raised_on_every_rank(lambda: logits_call_group(student_logits, tp_group)):
         options = LogitsOptions.resolve(
@@ -134,17 +124,20 @@ def flash_ce_kd_loss(
         checked, shard = _local_inputs(student_logits, teacher_hidden, teacher_lm_head_weight, labels, axis)
     student, hidden, weight, local_labels = checked
     layout = agree(group, shard, options.config.host_checks, lambda: f"{options.settings_text}\nupcast={upcast!r}")
+    # Student CE weight 1, per row, a frozen teacher read through its head: both scores in one walk.
     plan = LossPlan.for_logits(options, 1.0, "none", "precomputed_hidden", layout.vocab_size)
     dtype = statistics_dtype(student, hidden, weight)
     call = prepare_call(
         plan, layout, local_labels, backend=options.backend, dtype=dtype, ignore_index=options.ignore_index
     )
     source = PairedLogits(StoredLogits(student), HeadLogits(hidden, weight))
+    # Statistics in fp32/fp64 whatever autocast would pick; one side (the teacher's) is formed per chunk.
     with torch.no_grad(), torch.autocast(student.device.type, enabled=False):
         walked = row_statistics(call, source, dtype, chunks_of(call, dtype, formed_sides=1))
-    empty = torch.zeros(0, dtype=dtype, device=student.device)
+    empty = torch.zeros(0, dtype=dtype, device=student.device)  # no row: no chunk to concatenate
     ce = torch.cat([stats.student_ce for stats in walked]) if walked else empty
     kd = torch.cat([_divergence(stats) for stats in walked]) if walked else empty
-    ce = torch.where(call.valid, ce, 0.0)  # an ignored row's KD is reported, its CE is 0
+    # An ignored row's KD is reported (the label is not read for it), its CE is 0.
+    ce = torch.where(call.valid, ce, 0.0)
     out_dtype = dtype if upcast else student.dtype
     return ce.to(out_dtype), kd.to(out_dtype)

@@ -1,10 +1,5 @@
 """``KDLoss``: NeMo's logits-level distillation loss, exact and memory-lean, on one device or on
-vocabulary-sharded logits.
-
-``loss = Σ_{i valid} T²·D(p_i, q_i) / N`` with ``p = softmax(s/T)`` (student), ``q = softmax(t/T)``
-(teacher), ``D`` the chosen variant (forward KL ``KL(q‖p)`` by default, NeMo's loss), ``N`` the
-number of valid rows (``labels != ignore_index``) or ``num_batch_labels``.
-"""
+vocabulary-sharded logits."""
 
 from __future__ import annotations
 
@@ -57,9 +52,8 @@ def _check_logits(student: object, teacher: object, labels: object) -> tuple[Ten
 
 
 class _CheckedCall(NamedTuple):
-    """This rank's checked arguments of a ``KDLoss`` call: its student logits, its teacher logits
-    (the student's for a top-k cache, which holds no columns), its flat labels, the given
-    denominator and the token weights (flat)."""
+    """This rank's checked ``KDLoss`` arguments: the teacher logits are the student's for a top-k
+    cache (which holds no columns); labels and token weights flat."""
 
     student: Tensor
     teacher: Tensor
@@ -77,8 +71,7 @@ def _check_call(
     token_weights: object,
     axis: MeshAxis | None,
 ) -> tuple[_CheckedCall, LocalShard]:
-    """The checks of this rank's own arguments (no value read but where host checks run), and its
-    share of the call."""
+    """This rank's own arguments checked (values only where host checks run), and its share."""
     cache = teacher_logits if isinstance(teacher_logits, PrecomputedTeacher) else None
     replicated: list[tuple[str, Tensor]] = []
     # A top-k cache holds every row and no columns: the student's own shape stands in for it.
@@ -86,6 +79,7 @@ def _check_call(
     local_student, local_teacher, local_labels = _check_logits(local.student, local.teacher, local.labels)
     if cache is not None:
         _check_topk_cache(cache, local_labels.numel(), options)
+        # The whole cache on every rank (global ids, like the labels): the handshake compares it.
         replicated += cache.replicated_tensors()
     device = local_student.device
     denominator = check_denominator("num_batch_labels", num_batch_labels, "mean", device, "student_logits")
@@ -95,6 +89,7 @@ def _check_call(
             token_weights = token_weights.reshape(-1)
         host_checks = runs_host_checks(options.config.host_checks, local_labels.device)
         row_weights = check_token_weights(token_weights, local_labels.reshape(-1), host_checks)
+        # One weight per row, like the labels: alike on every rank, which the handshake compares.
         replicated.append(("token_weights", row_weights))
     flat_labels = local_labels.reshape(-1)
     checked = _CheckedCall(local_student, local_teacher, flat_labels, denominator, row_weights)
@@ -133,10 +128,13 @@ def _kd_loss(
         options.config.host_checks,
         lambda: call_text(options.settings_text, teacher_text, token_weights, ("num_batch_labels", num_batch_labels)),
     )
+    # No student CE, the mean over valid rows, a frozen teacher of given logits: NeMo's loss.
     plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
+    # Any leading shape becomes rows, as the labels did.
     student = checked.student.reshape(-1, checked.student.shape[-1])
     teacher: TeacherBlocks
     if cache is None:
+        # Detached: no gradient reaches the teacher's logits, whatever the variant.
         teacher = StoredLogits(checked.teacher.detach().reshape(student.shape))
         dtype = statistics_dtype(student, checked.teacher)
     else:
@@ -152,65 +150,57 @@ def _kd_loss(
         ignore_index=options.ignore_index,
         reads_labels=options.divergence.needs_target,  # else a label only says whether its row counts
         denominator=checked.denominator,
+        # Only a cache has values to check: unmodified since it was built, valid ids and log-probabilities.
         values=None if cache is None else ValueChecks(cache, cache, reads_teacher=True),
         row_weights=checked.row_weights,
     )
+    # Statistics in fp32 (fp64 for fp64 logits), whatever autocast would pick.
     with torch.autocast(student.device.type, enabled=False):
         return logits_distillation(call, student, teacher, dtype)
 
 
 def _check_topk_cache(cache: PrecomputedTeacher, rows: int, options: LogitsOptions) -> None:
-    """A teacher given as a cache must be a top-k cache of one row per label, unchanged since it
-    was built, whose tail leaves the variant finite."""
+    """A cache teacher: a top-k cache of one row per label, unchanged, whose tail leaves ``D`` finite."""
     if cache.topk_ids is None:
         raise TypeError(
             "KDLoss takes teacher_logits as a tensor or as PrecomputedTeacher(topk_ids=..., topk_logprobs=...); "
             f"got a PrecomputedTeacher of kind {cache.kind!r} (pass its logits as the tensor)"
         )
+    # Before anything reads it: a cache changed in place since it was built raises.
     cache.check_unmodified()
     if cache.topk_ids.shape[0] != rows:
         raise ValueError(
             f"PrecomputedTeacher.topk_ids must have one row per label ({rows}), got {tuple(cache.topk_ids.shape)}"
         )
-    if cache.sparse_support:
+    if cache.sparse_support:  # no mass off its ids: the variants that are +inf there are refused
         check_sparse_teacher(options.divergence, options.params)
 
 
 class KDLoss(nn.Module):
-    """NeMo-compatible knowledge-distillation loss on logits: ``T²·KL(q‖p)`` averaged over valid
-    tokens, exact and in a bounded workspace, on one device or on vocabulary-sharded logits.
+    """NeMo-compatible knowledge-distillation loss on logits, exact and in a bounded workspace.
 
-    ``forward(student_logits, teacher_logits, labels, num_batch_labels=None)``: logits ``[..., V]``
-    (any leading shape; the local ``[..., V_local]`` shard under tensor parallelism), labels
-    ``[...]`` (``torch.long``; only ``labels != ignore_index`` is read, except by ``dkd``, which
-    reads the label column). Returns the 0-d loss ``Σ_valid T²·D(p, q) / N`` with ``p =
-    softmax(s/T)``, ``q = softmax(t/T)``, ``N`` = the number of valid tokens, or
-    ``num_batch_labels`` (the valid tokens of all gradient-accumulation micro-batches). Only the
-    student's logits receive a gradient. ``teacher_logits`` may also be a top-k cache,
-    ``PrecomputedTeacher(topk_ids=(N, k), topk_logprobs=(N, k), tail=...)`` with one row per label
-    (global ids; the whole cache on every rank under tensor parallelism): the loss is that on the
-    dense teacher it stands for (docs/guide.md, "Top-k teacher caches"). ``token_weights`` (the
-    labels' shape, keyword only): per-token weights ``w_i`` of the rows' KL, ``Σ_valid w_i·T²·D / N``
-    (N unchanged).
+    ``forward(student_logits, teacher_logits, labels, num_batch_labels=None, *, token_weights=None)``
+    returns the 0-d ``Σ_valid w_i·T²·D(p_i, q_i) / N`` with ``p = softmax(s/T)``, ``q = softmax(t/T)``,
+    ``D`` the variant (``"forward"``: ``KL(q‖p)``, NeMo's loss), ``N`` the valid tokens
+    (``labels != ignore_index``) or ``num_batch_labels`` (e.g. those of all accumulated
+    micro-batches), ``w_i`` the ``token_weights`` (the labels' shape; 1 without). Logits ``[..., V]``
+    (this rank's ``[..., V_local]`` under tensor parallelism); labels ``[...]`` ``torch.long``, read
+    only as ``!= ignore_index`` except by ``dkd`` (the label column). Only the student's logits
+    receive a gradient. ``teacher_logits`` may be a top-k cache (``PrecomputedTeacher(topk_ids=,
+    topk_logprobs=, tail=)``, one row per label, whole on every rank), for the dense teacher it stands for.
 
-    - ``temperature``: ``T`` (finite, > 0), applied to both sides; the loss carries ``T²``.
-    - ``fp32_upcast``: accepted for compatibility; statistics are always fp32 (fp64 for fp64
-      logits) and no fp32 copy of the logits is made either way.
-    - ``tp_group``: the process group over which the logits are sharded on their last dimension
-      (this rank's columns, shards in rank order); inferred from DTensor logits sharded on the
-      last dimension. Every rank returns the single-device loss; each rank's gradient is its
-      columns' slice.
-    - ``chunk_size``: rows (tokens) per chunk; 0 (default): the library chooses. The Triton kernels
-      read both sides' logits in place (a top-k teacher's ids and values too), so the whole batch
-      is one chunk; the torch backend converts each block and takes as many rows as fit that
-      workspace (``KernelConfig``). Every path,
-      tensor-parallel included, walks rows in chunks and never holds more than one chunk's fp32
-      logits.
-    - ``kl_divergence`` and its parameters, ``**variant_parameters`` (``kl_alpha``, ``kl_beta``,
-      ``entropy_gate``: :data:`orda_tp.divergences.VARIANT_KEYWORDS`): any of the 15 variants, as
-      in :func:`orda_tp.distillation_loss` (``mutual``/``cojeffreys`` give their value and the
-      student's gradient; the teacher is never trained here). A keyword the variant does not read
-      raises a ValueError, one no variant reads a TypeError.
+    - ``temperature``: ``T`` (finite, > 0), on both sides; the loss carries ``T²``.
+    - ``fp32_upcast``: accepted for compatibility, without effect: statistics are always fp32 (fp64
+      for fp64 logits) and no fp32 copy of the logits is made.
+    - ``tp_group``: the group over which the logits are sharded on their last dimension (shards in
+      rank order); inferred from DTensor logits sharded there. Every rank returns the single-device
+      loss; each rank's gradient is its columns' slice.
+    - ``chunk_size``: rows (tokens) per chunk; 0 (default): the library chooses (the whole batch
+      for the Triton kernels, which read both sides in place; as many rows as fit the workspace for
+      the torch backend). No path, tensor-parallel included, holds more than one chunk's fp32 logits.
+    - ``kl_divergence`` and ``**variant_parameters`` (``kl_alpha``, ``kl_beta``, ``entropy_gate``):
+      any of the 15 variants (``mutual``/``cojeffreys``: their value and the student's gradient). A
+      keyword the variant does not read raises a ValueError, one no variant reads a TypeError.
     - ``backend``: "auto" (the Triton kernels on CUDA, else chunked torch), "torch" or "triton".
     """
 
@@ -235,6 +225,7 @@ class KDLoss(nn.Module):
             ignore_index=ignore_index,
             backend=backend,
             tp_group=tp_group,
+            # A given chunk_size is used as it is (dynamic=False: never lowered to fit a workspace).
             config=ExecutionConfig(chunk_size=ChunkRows(nrows=rows, dynamic=False) if rows else ChunkRows()),
             **variant_parameters,
         )

@@ -1,18 +1,5 @@
-"""An LM head that owns its weight and computes the distillation loss in its own forward.
-
-:class:`DistillationHead` is an ``nn.Linear(in_features, out_features, bias=False)`` — same
-parameter, same state-dict key — so it replaces a model's ``lm_head`` unchanged:
-
-- ``head(hidden)`` returns the logits ``hidden · weightᵀ``, exactly like ``nn.Linear`` (generation
-  and evaluation keep working);
-- ``head(hidden, labels=labels, teacher=teacher)`` returns :func:`orda_tp.distillation_loss` of the
-  hidden rows, its own weight, the labels and the teacher, without building the logits.
-
-Because the loss runs inside the module's forward, the stacks' module machinery does its job:
-FSDP2's ``fully_shard`` gathers the weight before the forward and reduce-scatters its gradient
-after the backward, ``parallelize_module`` with :class:`orda_tp.VocabParallel` (or torch's
-``ColwiseParallel``) shards it along the vocabulary, forward hooks see the call.
-"""
+"""An LM head that owns its weight and computes the distillation loss in its own forward, where
+FSDP2, ``parallelize_module`` and forward hooks see the call (docs/integrations.md, "The module head")."""
 
 from __future__ import annotations
 
@@ -32,12 +19,8 @@ __all__ = ["DistillationHead", "HeadOutput"]
 
 
 class HeadOutput(DistillationLossOutput):
-    """:class:`orda_tp.DistillationLossOutput` as :class:`DistillationHead` returns it.
-
-    Tensor-parallel styles post-process a head's output as a DTensor (torch's ``ColwiseParallel``
-    reads ``.placements`` and calls ``.redistribute(...)`` and ``.to_local()``). The loss is
-    already complete and identical on every rank, so these return the output unchanged.
-    """
+    """:class:`orda_tp.DistillationLossOutput` as :class:`DistillationHead` returns it: complete and alike on
+    every rank, so the DTensor methods tensor-parallel styles call on a head's output return it unchanged."""
 
     __slots__ = ()
 
@@ -53,29 +36,25 @@ class HeadOutput(DistillationLossOutput):
 
 
 class DistillationHead(nn.Linear):
-    """``nn.Linear(in_features, out_features, bias=False)`` whose forward with ``labels`` is the
-    distillation loss.
+    """``nn.Linear(in_features, out_features, bias=False)`` (same parameter, same state-dict key)
+    whose forward with ``labels`` is the distillation loss.
 
-    ``loss_options`` are the keywords of :class:`orda_tp.DistillationLoss` (``kl_weight``,
+    ``loss_options``: the keywords of :class:`orda_tp.DistillationLoss` (``kl_weight``,
     ``kl_temperature``, ``kl_divergence``, ``reduction``, ``vocab_size``, ``tp_group``, ...),
-    validated here. ``vocab_size`` marks padding rows of the head (columns at or past it get no
-    probability).
+    validated here; ``vocab_size`` marks padding rows of the head (no probability at or past it).
 
-    ``forward(hidden, *, labels=None, teacher=None, num_valid_tokens=None)``:
+    ``forward(hidden, labels=None, *, teacher=None, num_valid_tokens=None)``:
 
     - without ``labels``: the logits ``F.linear(hidden, weight)``;
     - with ``labels`` (shape ``hidden.shape[:-1]``, ``torch.long``, ``ignore_index`` for ignored
-      positions): ``hidden`` and ``labels`` are flattened to rows (row-major: ``hidden.reshape(-1,
-      H)``), and the teacher's tensors must hold the same rows in the same order (e.g.
-      ``TiedTeacher(teacher_hidden.reshape(-1, H))``). Returns a :class:`HeadOutput`; with
-      ``reduction="none"`` its per-row tensors have ``labels``' shape. ``teacher`` may be left out
-      when no term reads it (``kl_weight=0`` and ``teacher_ce_weight`` 0 or None): the loss is then
-      the student CE.
+      positions): the loss of the rows ``hidden.reshape(-1, H)`` (row-major), whose teacher holds
+      the same rows in the same order (e.g. ``TiedTeacher(teacher_hidden.reshape(-1, H))``), as a
+      :class:`HeadOutput`; with ``reduction="none"`` its per-row tensors have ``labels``' shape.
+      ``teacher`` may be left out when no term reads it (``kl_weight=0`` and ``teacher_ce_weight``
+      0 or None): the loss is then the student CE.
 
-    ``labels`` may be passed by position or keyword; ``teacher`` and ``num_valid_tokens`` are
-    keyword-only. Tensor-parallel styles (``VocabParallel``) redistribute the first positional
-    argument only and pass the others on as they are. Under tensor parallelism a check of the
-    head's arguments that fails on some rank raises on every rank (through the loss's handshake).
+    Tensor-parallel styles (``VocabParallel``) redistribute the first positional argument only; a
+    failed check of the arguments on some rank raises on every rank.
     """
 
     def __init__(
@@ -92,13 +71,14 @@ class DistillationHead(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **loss_options: Any) -> DistillationHead:
-        """A head around ``linear``'s own weight Parameter (so a weight tied to the embeddings
-        stays tied, and an optimizer holding it keeps training it)."""
+        """A head around ``linear``'s own weight Parameter; ``linear`` must have no bias."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if linear.bias is not None:
             raise ValueError("linear has a bias; an LM head for DistillationHead must have bias=False")
+        # On the meta device: the head's own weight is never allocated, as linear's replaces it.
         head = cls(linear.in_features, linear.out_features, device="meta", dtype=linear.weight.dtype, **loss_options)
+        # The same Parameter: a weight tied to the embeddings stays tied, an optimizer holding it trains it.
         head.weight = linear.weight
         return head
 
@@ -136,6 +116,7 @@ class DistillationHead(nn.Linear):
         teacher: TeacherArgument | None = None,
         num_valid_tokens: float | Tensor | None = None,
     ) -> Tensor | HeadOutput:
+        # A failed check raises on every rank of the head's group, through the loss's handshake.
         with raised_on_every_rank(lambda: call_group(self.weight, self.loss.options.tp_group)):
             if labels is None:
                 if teacher is not None or num_valid_tokens is not None:  # meant as a loss call: the others' may be
@@ -148,6 +129,6 @@ class DistillationHead(nn.Linear):
             if teacher is None:
                 teacher = self._unread_teacher(rows)
         out = self.loss(rows, self.weight, labels.reshape(-1), teacher, num_valid_tokens=num_valid_tokens)
-        if self.loss.options.reduction == "none":
+        if self.loss.options.reduction == "none":  # per-row outputs back in the positions' shape
             return HeadOutput(*(value.reshape(labels.shape) for value in out))
         return HeadOutput(*out)

@@ -1,12 +1,6 @@
 """The door of the fused loss: :func:`distillation_loss`, :class:`DistillationLoss`,
-:class:`DistillationLossOutput`, :func:`is_available`.
-
-The keywords become one :class:`~orda_tp.arguments.options.LossOptions`; the tensors are checked
-(here on one device, by :func:`orda_tp.parallel.local_shards.shard_inputs` on a tensor-parallel
-group); then the call takes every door's path (:mod:`orda_tp.engine.call`): the layout, the plan,
-the prepared call, and the chunked engine (:func:`orda_tp.engine.fused.chunked_loss`) or the fp64
-reference.
-"""
+:class:`DistillationLossOutput`, :func:`is_available` (the path of a call: docs/architecture.md,
+"Reading a call")."""
 
 from __future__ import annotations
 
@@ -40,12 +34,10 @@ TeacherArgument = TeacherSource | TeacherHead
 
 
 class DistillationLossOutput(NamedTuple):
-    """``loss`` (differentiable) and its unweighted components (detached).
-
-    0-d tensors for "mean"/"sum", (BT,) per-row tensors for "none" (0 on ignored rows).
-    ``kl`` includes the ``T_s²`` factor; ``z_loss`` is the rows' ``LSE(s)²``; a term whose weight
-    is 0 is not computed and reads 0. The first four fields are orda-kernel's.
-    """
+    """``loss`` (differentiable) and its unweighted components (detached): 0-d tensors for
+    "mean"/"sum", (BT,) per row for "none" (0 on ignored rows). ``kl`` includes ``T_s²``, ``z_loss``
+    is the rows' ``LSE(s)²``; a term of weight 0 is not computed and reads 0. The first four fields
+    are orda-kernel's."""
 
     loss: Tensor
     student_ce: Tensor
@@ -63,11 +55,10 @@ def _teacher_type_error(teacher: object) -> TypeError:
 
 @contextmanager
 def _readable_teacher(teacher: TeacherHead, reduction: str) -> Iterator[TeacherSource]:
-    """A :class:`TeacherHead` as the :class:`SeparateTeacher` of its module's weight, gathered for
-    the call if FSDP2 shards it (kept past the call when a "none" reduction's backward recomputes
-    the logits)."""
+    """A :class:`TeacherHead` as the :class:`SeparateTeacher` of its weight, gathered where FSDP2 shards it."""
     grad_on = torch.is_grad_enabled()
     receives_grad = grad_on and head_weight(teacher.head).requires_grad
+    # A "none" reduction defers the gradient: its backward recomputes the logits from the gathered weight.
     read_after_call = grad_on and reduction == "none"
     with unsharded_head_weight(teacher.head, receives_grad, read_after_call) as weight:
         yield SeparateTeacher(teacher.hidden, weight)
@@ -82,8 +73,8 @@ def _one_device_inputs(
     num_valid_tokens: object,
     token_weights: object,
 ) -> tuple[LocalInputs, LocalShard]:
-    """The checked tensors of a call on one device (:func:`orda_tp.parallel.local_shards.shard_inputs`
-    is the tensor-parallel counterpart) and its whole head."""
+    """The checked tensors of a one-device call and its whole head (``shard_inputs``'s counterpart)."""
+    # Both describe one rank's share of a tensor-parallel call: without a group they mean nothing.
     if options.vocab_range is not None:
         raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
     if options.sequence_parallel:
@@ -119,11 +110,12 @@ def _run(
     token_weights: object = None,
 ) -> DistillationLossOutput:
     """The loss of one call: its tensors checked, its layout agreed, its plan, the prepared call
-    (:func:`orda_tp.engine.call.prepare_call`) and the selected backend run with autocast off
-    (statistics are fp32/fp64 whatever autocast would pick for the GEMMs)."""
+    (:func:`orda_tp.engine.call.prepare_call`) and the selected backend."""
+    # A teacher head module: read as the SeparateTeacher of its weight, gathered if FSDP2 shards it.
     if isinstance(teacher, TeacherHead):
         with _readable_teacher(teacher, options.reduction) as source:
             return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
+    # Tensor parallelism: a group is given, or some tensor is a DTensor (whose mesh names the group).
     given = [student_hidden, weight, labels, *(t for _, t in getattr(teacher, "named_tensors", list)())]
     sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in given)
     group = call_group(weight, options.tp_group) if sharded else None
@@ -132,6 +124,7 @@ def _run(
         if not isinstance(teacher, TeacherSource):
             raise _teacher_type_error(teacher)
         local, shard = checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
+    # On a group the handshake: every check after it decides alike on every rank.
     layout = agree(
         group,
         shard,
@@ -141,9 +134,11 @@ def _run(
         ),
     )
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
+    # The teacher's hidden states, head or logits as tensors; blocks it forms itself (a top-k cache) apart.
     *teacher_tensors, teacher_blocks = local.teacher.logits_inputs(layout.vocab_start, layout.vocab_size)
     inputs = HeadTensors(local.student_hidden, local.weight, *teacher_tensors)
     finite = [("student_hidden", local.student_hidden), ("weight", local.weight)]
+    # The teacher as given holds the recorded version counters; this rank's shards hold the values read.
     values = ValueChecks(
         teacher, local.teacher, plan.needs_teacher_logits, finite if plan.config.check_finite_inputs else []
     )
@@ -155,11 +150,13 @@ def _run(
         dtype=statistics_dtype(*inputs),
         ignore_index=options.ignore_index,
         denominator=local.denominator,
+        # The plan decides alike on every rank, so the first record exchange has one width everywhere.
         values=values if plan.checks_values else None,
         row_weights=local.row_weights,
         gemms=GemmPolicy(options.gradient_scale),
         teacher_blocks=teacher_blocks,
     )
+    # Statistics in fp32/fp64 whatever autocast would pick for the GEMMs; no block math: the fp64 reference.
     with torch.autocast(local.student_hidden.device.type, enabled=False):
         outputs = reference_loss(call, *inputs) if call.math is None else chunked_loss(call, *inputs)
     return DistillationLossOutput(*outputs)
@@ -208,24 +205,21 @@ def distillation_loss(
     + z_loss_weight·LSE(s)²`` with ``s = student_hidden·weightᵀ`` (``CE(s)`` label-smoothed by
     ``label_smoothing``), ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``; ``logit_softcap=c``
     (``teacher_logit_softcap`` for a teacher read through a head) makes that side's logits
-    ``c·tanh(z/c)`` before every term, the gradient going through the cap (Gemma 2). See
-    docs/reference.md for every argument and error, docs/variants.md for the 15 divergences. The
-    keywords (all but ``num_valid_tokens`` and ``token_weights``) are those of
-    :class:`orda_tp.arguments.options.LossOptions`, which validates them.
+    ``c·tanh(z/c)`` before every term, the gradient going through the cap (Gemma 2). Every argument
+    and error: docs/reference.md; the 15 divergences: docs/variants.md.
 
-    ``gradient_materialization_scale`` (or, when None, ``grad_scaler.get_scale()``) is the scale at
-    which fp16 logit gradients are materialized for the tensor-core gradient GEMMs on CUDA; without
-    one those GEMMs run in fp32. It has no effect for other dtypes or on the CPU.
+    ``gradient_materialization_scale`` (None: ``grad_scaler.get_scale()``) is the scale at which
+    fp16 logit gradients are materialized for the tensor-core gradient GEMMs on CUDA; without one
+    those GEMMs run in fp32 (no effect for other dtypes or on the CPU).
 
-    Tensor parallelism: with ``tp_group`` (or a head ``weight`` DTensor sharded on dim 0),
-    ``weight`` — and a separate teacher's weight, and cached teacher logits — are this rank's
-    vocabulary shard; ``vocab_range=(start, stop)`` places it (default: the shards in rank order);
-    ``vocab_size`` marks the columns at or past it as padding; ``sequence_parallel`` says the
-    hidden states hold this rank's rows of the batch. Every rank returns the single-device result.
+    Tensor parallelism: with ``tp_group`` (or a head ``weight`` DTensor sharded on dim 0), ``weight``,
+    a separate teacher's weight and cached teacher logits are this rank's vocabulary shard, placed by
+    ``vocab_range=(start, stop)`` (default: the shards in rank order); ``vocab_size`` marks the columns
+    at or past it as padding; ``sequence_parallel``: the hidden states hold this rank's rows. Every
+    rank returns the single-device result.
 
-    ``token_weights`` (BT,): per-row weights ``w_i`` that multiply each row's loss and components
-    (RL-style per-token weighting); the normalizer of "mean" stays the valid-row count or
-    ``num_valid_tokens``: ``loss = Σ_valid w_i·loss_i / N``.
+    ``token_weights`` (BT,): per-row weights ``w_i`` of each row's loss and components; "mean"
+    still divides by the valid rows or ``num_valid_tokens``: ``loss = Σ_valid w_i·loss_i / N``.
     """
     with raised_on_every_rank(lambda: call_group(weight, tp_group)):  # a bad keyword raises on every rank
         options = LossOptions(
@@ -258,9 +252,8 @@ def distillation_loss(
 
 
 class DistillationLoss(nn.Module):
-    """Module form of :func:`distillation_loss`: its keywords (:class:`orda_tp.arguments.options.LossOptions`)
-    are fixed, and validated, at construction; ``forward(student_hidden, weight, labels, teacher,
-    gradient_materialization_scale=None, grad_scaler=None, *, num_valid_tokens=None)``."""
+    """Module form of :func:`distillation_loss`: its keywords are fixed and validated at construction
+    (:class:`~orda_tp.arguments.options.LossOptions`); ``forward`` takes the call's tensors."""
 
     def __init__(self, **keywords: Any) -> None:
         super().__init__()
@@ -279,8 +272,7 @@ class DistillationLoss(nn.Module):
         token_weights: Tensor | None = None,
     ) -> DistillationLossOutput:
         """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
-        ``grad_scaler`` given here (orda-kernel's ``forward`` arguments) replace the constructor's
-        for this call."""
+        ``grad_scaler`` given here (orda-kernel's) replace the constructor's for this call."""
         with raised_on_every_rank(lambda: call_group(weight, self.options.tp_group)):
             options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
         return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)

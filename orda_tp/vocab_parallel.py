@@ -1,13 +1,4 @@
-"""``VocabParallel``: the ``parallelize_module`` style of a vocabulary-parallel LM head.
-
-``parallelize_module(model, tp_mesh, {"lm_head": orda_tp.VocabParallel()})`` shards the head's
-weight along the vocabulary (``Shard(0)`` in ``torch.chunk`` order, so any vocabulary size) and
-prepares its input like torch's ``ColwiseParallel``: the hidden states (the first positional
-argument) are annotated with ``input_layouts`` and redistributed to ``Replicate``. Unlike
-``ColwiseParallel`` it keeps the call's other arguments (``labels=``, ``teacher=``) and returns a
-:class:`orda_tp.DistillationHead`'s loss output as it is; logits (a call without labels) come back
-as a ``Shard(-1)`` DTensor, or this rank's local columns with ``use_local_output=True``.
-"""
+"""``VocabParallel``: the ``parallelize_module`` style of a vocabulary-parallel LM head (docs/integrations.md)."""
 
 from __future__ import annotations
 
@@ -29,12 +20,15 @@ __all__ = ["VocabParallel"]
 
 class VocabParallel(ParallelStyle):
     """Shard an LM head (a module with a 2-D ``weight`` and no bias: :class:`orda_tp.DistillationHead`,
-    or an ``nn.Linear(H, V, bias=False)`` for logits) along the vocabulary over a 1-D mesh.
+    or an ``nn.Linear(H, V, bias=False)`` for logits) along the vocabulary over a 1-D mesh:
+    ``parallelize_module(model, tp_mesh, {"lm_head": orda_tp.VocabParallel()})``.
 
-    ``input_layouts``: the placement of the hidden states as they arrive (default ``Replicate()``;
-    ``Shard(1)`` for sequence-parallel ``[batch, seq, hidden]`` activations, which are gathered
-    like ``ColwiseParallel(input_layouts=Shard(1))`` does). ``use_local_output``: return logits as
-    this rank's local columns instead of a DTensor.
+    The weight becomes a ``Shard(0)`` DTensor (``torch.chunk`` order). The hidden states (the first
+    positional argument) are marked ``input_layouts`` (default ``Replicate()``; ``Shard(1)`` for
+    sequence-parallel ``[batch, seq, hidden]`` activations) and redistributed to ``Replicate``, as
+    ``ColwiseParallel`` does; other arguments pass unchanged. A loss output is returned as it is,
+    logits as a ``Shard(-1)`` DTensor (this rank's columns with ``use_local_output=True``). A head
+    with a bias or without a 2-D weight, or a mesh that is not 1-D, raises ValueError.
     """
 
     def __init__(self, *, input_layouts: Placement | None = None, use_local_output: bool = False) -> None:
@@ -53,6 +47,7 @@ class VocabParallel(ParallelStyle):
             )
         if getattr(module, "bias", None) is not None:
             raise ValueError(f"VocabParallel shards LM heads without bias; {type(module).__name__} has a bias")
+        # From the detached weight: the new Parameter is a leaf of its own, with the old one's requires_grad.
         sharded = distribute_tensor(weight.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
         module.register_parameter("weight", nn.Parameter(sharded, requires_grad=weight.requires_grad))
 
@@ -61,12 +56,14 @@ class VocabParallel(ParallelStyle):
             return inputs
         hidden = inputs[0]
         if not isinstance(hidden, DTensor):
+            # run_check=False, as ColwiseParallel: the placement is the caller's word, not checked by a collective.
             hidden = DTensor.from_local(hidden, device_mesh, self.input_layouts, run_check=False)
-        if tuple(hidden.placements) != (Replicate(),):
+        if tuple(hidden.placements) != (Replicate(),):  # each rank's columns need every hidden row
             hidden = hidden.redistribute(placements=(Replicate(),))
         return (hidden, *inputs[1:])
 
     def _prepare_output(self, module: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+        # A loss output is already complete and alike on every rank; only logits are a DTensor.
         if isinstance(outputs, DistillationLossOutput) or not self.use_local_output:
             return outputs
         return outputs.to_local()

@@ -1,10 +1,6 @@
 """Execution settings: how a call runs (chunking, workspace, checks), never what it computes.
-
-:class:`ExecutionConfig` and :class:`ChunkRows` hold orda_tp's own fields. The public
-``orda_tp.KernelConfig`` and ``orda_tp.ChunkSize`` are orda-kernel's spellings of them
-(:mod:`.orda_kernel`), translated into these when a loss's options are built. How the chunking
-fields become rows per chunk: :mod:`orda_tp.engine.workspace`.
-"""
+orda_tp's own :class:`ExecutionConfig` and :class:`ChunkRows`; orda-kernel's spellings of them
+(``KernelConfig``, ``ChunkSize``) are in :mod:`.orda_kernel`."""
 
 from __future__ import annotations
 
@@ -112,5 +108,6 @@ class ExecutionConfig:
 PROFILES: dict[str, ExecutionConfig] = {
     "balanced": ExecutionConfig(),
     "fast": ExecutionConfig(chunk_size=ChunkRows(fast=True), vocab_block=32768),
+    # A 4 MiB workspace and small blocks: many chunks and blocks per call, and every host check runs.
     "debug": ExecutionConfig(workspace_mib=4, vocab_block=1024, host_checks=True, check_finite_inputs=True),
 }

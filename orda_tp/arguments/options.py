@@ -1,10 +1,6 @@
-"""The keywords of a loss call, validated once: :class:`LossOptions` (``distillation_loss``,
-``DistillationLoss``) and :class:`LogitsOptions` (``KDLoss``, ``flash_ce_kd_loss``).
-
-Each argument is checked in one place, here, when the options are built (so ``DistillationLoss(...)``
-fails at construction); the divergence is resolved once and kept. What depends on the tensors of
-a call (the teacher's kind, the vocabulary) is resolved by :class:`orda_tp.arguments.plan.LossPlan`.
-"""
+"""The keywords of a loss call, each validated once when the options are built (so
+``DistillationLoss(...)`` fails at construction): :class:`LossOptions` (``distillation_loss``,
+``DistillationLoss``) and :class:`LogitsOptions` (``KDLoss``, ``flash_ce_kd_loss``)."""
 
 from __future__ import annotations
 
@@ -113,6 +109,7 @@ def check_precision(
                 f"tensor that does not require grad, got a tensor of shape {tuple(value.shape)}, dtype "
                 f"{value.dtype}, requires_grad={value.requires_grad}"
             )
+        # Kept on the device as it is (a GradScaler's scale): reading it would synchronize.
         scale = value.reshape(())
     elif value is not None:
         scale = check_number("gradient_materialization_scale", value, positive=True)
@@ -194,6 +191,7 @@ class LossOptions:
         if config is not None and not isinstance(config, ExecutionConfig):
             raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
         kernel_config = PROFILES[values["profile"]] if config is None else own_config(config)
+        # A co-training variant trains both sides through one KL: it takes one temperature (docs/variants.md).
         if values["kl_teacher_temperature"] not in (None, values["kl_temperature"]) and divergence.cotrains_teacher:
             raise ValueError(
                 f"kl_divergence={divergence.name!r} needs kl_teacher_temperature == kl_temperature "
@@ -217,6 +215,7 @@ class LossOptions:
         by the handshake itself (``tp_group``, and ``vocab_range``, which differs per rank)."""
         lines = []
         for spec in fields(self):
+            # The parallel keywords are the handshake's own; config is compared as the kernel_config it became.
             if spec.init and spec.name not in (*PARALLEL_KEYWORDS, "config"):
                 lines.append(f"{spec.name}={setting_text(getattr(self, spec.name))}")
         lines.append(f"config={self.kernel_config!r}")
@@ -231,6 +230,7 @@ class LossOptions:
         scaler = self.grad_scaler
         if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
             return None
+        # The scaler's own device tensor, not get_scale(), which reads it on the host (a synchronization).
         scale = getattr(scaler, "_scale", None)
         if isinstance(scale, Tensor):
             return scale.reshape(())
@@ -336,6 +336,7 @@ class LogitsOptions:
         """The options of a logits-level loss; ``variant_parameters``: its variant keywords as the
         loss received them (``kl_alpha=``, …; None: not given), a keyword its variant does not read
         raising."""
+        # A keyword no variant reads is a TypeError, as Python's own for an unexpected keyword argument.
         unknown = [keyword for keyword in variant_parameters if keyword not in VARIANT_KEYWORDS]
         if unknown:
             raise TypeError(

@@ -1,20 +1,9 @@
 """orda-kernel 0.1.0's spellings of the execution settings, and their translation.
 
-``orda_tp.KernelConfig`` and ``orda_tp.ChunkSize`` are orda-kernel's classes: orda_tp's own
+``orda_tp.KernelConfig`` and ``orda_tp.ChunkSize`` are orda-kernel's classes: the core
 :class:`~.config.ExecutionConfig` and :class:`~.config.ChunkRows` (whose fields come first) with
 what orda-kernel spells besides. A loss's options translate them once, when they are built
-(``orda_tp.arguments.options.LossOptions``), and the rest of the package reads only the core
-classes:
-
-- ``KernelConfig``'s loss-keyword fields (:data:`LOSS_OVERRIDES`) replace the call's keywords of
-  the same name (:func:`apply_loss_overrides`);
-- its fields without effect here (``max_fused_size``, ``autotune``, ``refresh_autotune``) are
-  checked as orda-kernel checks them, then dropped with an ``IgnoredArgumentWarning``
-  (:func:`own_config`, which returns the core ``ExecutionConfig``);
-- ``None`` for ``chunk_size``, ``grad_weight_accumulation`` and ``assume_valid_labels`` is the
-  default;
-- ``ChunkSize.nrows(n)``, ``.dynamic()``, ``.fast()`` and ``.is_dynamic``, ``.is_fast``, ``.value``;
-- :func:`reset_autotune_cache` and :func:`begin_autotune_run`: no-ops.
+(:func:`apply_loss_overrides`, :func:`own_config`); the rest of the package reads the core classes.
 """
 
 from __future__ import annotations
@@ -138,8 +127,9 @@ class KernelConfig(ExecutionConfig):
             if spec.name in NONE_MEANS_DEFAULT and getattr(self, spec.name) is None:
                 default = spec.default if spec.default_factory is MISSING else spec.default_factory()
                 object.__setattr__(self, spec.name, default)
-        super().__post_init__()
+        super().__post_init__()  # the core's checks, on the defaults filled in
         size = self.max_fused_size
+        # A power of two has one bit set: x & (x − 1) == 0.
         power_of_two = is_int(size) and 0 < int(size) <= MAX_FUSED_SIZE and int(size) & (int(size) - 1) == 0
         if size is not None and not power_of_two:
             raise ValueError(
@@ -157,6 +147,7 @@ class KernelConfig(ExecutionConfig):
 
     def __repr__(self) -> str:
         """``KernelConfig(...)`` with the core's fields first, then orda-kernel's."""
+        # A stable sort: the core's fields first, then orda-kernel's, each in declaration order.
         ordered = sorted(fields(self), key=lambda spec: _ROLE in spec.metadata)
         return f"KernelConfig({', '.join(f'{spec.name}={getattr(self, spec.name)!r}' for spec in ordered)})"
 
@@ -189,20 +180,17 @@ def _same_value(a: object, b: object) -> bool:
 
 def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, object]:
     """The keywords of a ``distillation_loss`` call (or ``DistillationLoss`` construction) with
-    orda-kernel's precedence applied: a loss keyword that ``keywords["config"]`` sets
-    (:data:`LOSS_OVERRIDES`) replaces the call's keyword of the same name, whatever the call gave,
-    and the returned ``config`` no longer carries it.
-
-    ``defaults``: the keywords' default values. A keyword the call gave (not its default) that the
-    config replaces by another value gives one ``IgnoredArgumentWarning``, attributed to the
-    caller's line. The values are checked afterwards, as the call's keywords.
-    """
+    orda-kernel's precedence: a loss keyword that ``keywords["config"]`` sets (:data:`LOSS_OVERRIDES`)
+    replaces the call's, and the returned ``config`` no longer carries it. A keyword the call gave
+    (not its ``defaults`` value) that the config replaces by another value gives one
+    ``IgnoredArgumentWarning`` at the caller's line. The values are checked afterwards."""
     merged = dict(keywords)
     config = merged.get("config")
     if not isinstance(config, KernelConfig) or not config.loss_overrides():
         return merged
     for name, value in config.loss_overrides().items():
         given = merged[name]
+        # Warn only where the caller's own value is lost: a keyword it gave (not the default) unlike the config's.
         if not _same_value(given, defaults[name]) and not _same_value(given, value):
             warnings.warn(
                 f"{name}={given!r} is ignored: config={spelled(config, [name])} overrides it (as in orda-kernel); "
@@ -211,17 +199,17 @@ def apply_loss_overrides(keywords: Mapping[str, object], defaults: Mapping[str, 
                 stacklevel=caller_stacklevel(),
             )
         merged[name] = value
+    # Applied, they leave the config: own_config would otherwise refuse it as overriding loss keywords.
     unset: dict[str, Any] = dict.fromkeys(LOSS_OVERRIDES)
     merged["config"] = replace(config, **unset)
     return merged
 
 
 def own_config(config: ExecutionConfig) -> ExecutionConfig:
-    """``config`` in orda_tp's own spelling, the core :class:`~.config.ExecutionConfig`: each
-    orda-kernel field without effect here gives one ``IgnoredArgumentWarning``, attributed to the
-    caller's line, and is dropped. A loss keyword that ``config`` still overrides raises: the
-    entry point must apply it first (:func:`apply_loss_overrides`), or it would be ignored without
-    a word."""
+    """``config`` as the core :class:`~.config.ExecutionConfig`: each orda-kernel field without
+    effect here gives one ``IgnoredArgumentWarning`` at the caller's line and is dropped. A loss
+    keyword that ``config`` still overrides raises ValueError rather than being ignored: an entry
+    point applies those first (:func:`apply_loss_overrides`) or refuses them."""
     if not isinstance(config, KernelConfig):
         return config
     overrides = config.loss_overrides()
@@ -236,16 +224,16 @@ def own_config(config: ExecutionConfig) -> ExecutionConfig:
             IgnoredArgumentWarning,
             stacklevel=caller_stacklevel(),
         )
+    # The core's fields only: nothing past this point reads orda-kernel's.
     return ExecutionConfig(**{spec.name: getattr(config, spec.name) for spec in fields(ExecutionConfig)})
 
 
 def reset_autotune_cache() -> None:
-    """orda-kernel's ``reset_autotune_cache()`` clears its autotuner's winners, in memory and on
-    disk. orda_tp autotunes nothing at run time (its Triton kernels take their tiles from a fixed
-    table), so there is nothing to clear: a no-op, kept so that ported code runs. The ``triton``
-    backend's generated kernel sources (``ORDA_TP_KERNEL_CACHE``) are not tuning state and stay."""
+    """A no-op, kept so that ported code runs: orda-kernel's clears its autotuner's winners, and
+    orda_tp autotunes nothing at run time (its Triton kernels' tiles come from a fixed table). The
+    generated kernel sources (``ORDA_TP_KERNEL_CACHE``) are not tuning state and stay."""
 
 
 def begin_autotune_run() -> None:
-    """orda-kernel's ``begin_autotune_run()`` starts a new autotuning run (shapes are tuned again
-    once per run). orda_tp autotunes nothing at run time: a no-op, kept so that ported code runs."""
+    """A no-op, kept so that ported code runs: orda-kernel's starts a new autotuning run, and
+    orda_tp autotunes nothing at run time."""

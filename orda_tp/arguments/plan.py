@@ -1,9 +1,5 @@
-"""The resolved plan of one loss call: weights, temperatures, variant, teacher routing.
-
-Built once per call from the validated options, the teacher and the vocabulary
-(:meth:`LossPlan.build`; :meth:`LossPlan.for_logits` for the logits-level losses); the engine
-reads the plan and never re-derives routing or defaults.
-"""
+"""The resolved plan of one loss call (:class:`LossPlan`): weights, temperatures, variant, teacher
+routing, and what the engine reads of them, derived once."""
 
 from __future__ import annotations
 
@@ -83,25 +79,22 @@ def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight
 
 @dataclass(frozen=True)
 class StepKey:
-    """What a call's row programs (:mod:`orda_tp.engine.row_formulas`) depend on: its structure,
-    never its weights or temperatures. The indices of ``LossPlan.families`` that hold the student's
-    family at ``T = 1`` (read by the student's row terms), the teacher's CE family and the KL
-    families, and the first teacher family (each None where the call has none); the student's
-    row terms (:mod:`orda_tp.divergences.terms`), the number of column sums of round 1's record and which of
-    them counts the :data:`UNSUPPORTED` columns (None where none does); whether the teacher's CE
-    trains the teacher, and the variant's finalize constants that its gradients read."""
+    """What a call's row programs (:mod:`orda_tp.engine.row_formulas`) depend on: its structure, never
+    its weights or temperatures."""
 
     num_families: int
-    student_terms: tuple[StudentTerm, ...]
-    num_column_sums: int
+    student_terms: tuple[StudentTerm, ...]  # orda_tp.divergences.terms
+    num_column_sums: int  # the column sums of round 1's record
+    # Indices into LossPlan.families, None where the call has none: the student's family at T = 1 (read by
+    # its row terms), the teacher's CE family, the KL's two families, and the first teacher family.
     terms_family: int | None
     ce_teacher: int | None
     kl_student: int | None
     kl_teacher: int | None
     teacher_family: int | None
-    unsupported_sum: int | None = None
-    teacher_ce_trains: bool = False
-    variant_constants: tuple[str, ...] = ()
+    unsupported_sum: int | None = None  # the column sum that counts UNSUPPORTED columns, None where none does
+    teacher_ce_trains: bool = False  # the teacher's CE trains the teacher
+    variant_constants: tuple[str, ...] = ()  # the variant's finalize constants that its gradients read
 
 
 #: A column where the student's logit is −inf and the teacher's is not: ``p = 0 < q`` there, so a
@@ -113,39 +106,13 @@ UNSUPPORTED = where(logical_and(equal(RAW_STUDENT, -math.inf), greater(RAW_TEACH
 
 @dataclass(frozen=True)
 class LossPlan:
-    """What to compute for ``loss = Σ_k w_k·L_k(s) + w_t·CE_t + w_kl·T_s²·D(p, q)``.
-
-    ``student_terms``: the student's row terms ``L_k`` whose weight is > 0 (:mod:`orda_tp.divergences.terms`:
-    its CE, z-loss), ``term_weights`` their weights ``w_k`` and ``term_scalars`` the runtime
-    values their formulas read (their parameters, ``inv_vocab = 1/V``).
-
-    ``teacher_role`` follows docs/variants.md, "Teacher routing": "cotrained" when a co-training variant (mutual,
-    cojeffreys) has ``kl_weight > 0``; else "trained" when ``teacher_ce_weight > 0``; else "frozen".
-    ``families`` lists the distinct logit families whose log-partitions round 1 computes;
-    ``component_weights``: each output component's weight in the loss, ``loss = Σ w·component``;
-    ``kl_grad_weights = (w_kl·T_s, w_kl·T_s²/T_t)`` are the factors of ``∂D/∂u`` in ``∂loss/∂s`` and
-    of ``∂D/∂v`` in ``∂loss/∂t`` (before the row scale); ``column_sums`` the column terms of round
-    1's record (the terms'); ``step_key`` is what the row programs depend on and ``formulas`` the
-    variant's trees (None without a KL term).
-
-    ``checks_values``: a check of the call's tensor values can fail (a cache's: modified in place,
-    non-finite where read; or ``check_finite_inputs``'), decided by the teacher's kind and the
-    keywords, so alike on every rank: under a group every rank's first record exchange then has
-    the same width, and where it is False nothing is read on the host.
-
-    ``tied_head``: the teacher reads the student's head (a ``TiedTeacher``), so one GEMM gives both
-    sides' logits and the teacher's head gradient goes to the student's weight.
-
-    ``student_logits_finite``: the student's logits are a head's products (finite for finite
-    inputs), not given values that may hold ``−inf``. ``kl_sums_in_gradient_pass``: round 2 may be
-    summed by the gradient pass (:mod:`.engine.row_walk`): the variant's gradients read no constant
-    of round 2, and it is finite without teacher support or the teacher is trainable (a tied or
-    separate head, whose logits have no −inf column), so ``D`` is ``+inf`` only on a row with an
-    :data:`UNSUPPORTED` column, which round 1 counts where the student's logits may hold ``−inf``:
-    the row's ``keep`` is known after round 1 (today ``forward``, and ``mutual`` with a tied or
-    separate teacher).
+    """What to compute for ``loss = Σ_k w_k·L_k(s) + w_t·CE_t + w_kl·T_s²·D(p, q)``, built once per
+    call by :meth:`build` or :meth:`for_logits`: the engine reads the plan and never re-derives
+    routing or defaults. The ``init=False`` fields are derived from the others in ``__post_init__``.
     """
 
+    # The student's row terms L_k whose weight is > 0 (orda_tp.divergences.terms: its CE, z-loss), their
+    # weights w_k, and the runtime values their formulas read (their parameters; inv_vocab = 1/V, added below).
     student_terms: tuple[StudentTerm, ...]
     term_weights: tuple[float, ...]
     term_scalars: dict[str, float]
@@ -159,28 +126,53 @@ class LossPlan:
     reduction: str
     ignore_index: int
     teacher_kind: str  # "tied", "separate", "precomputed_logits", "precomputed_hidden" or "precomputed_topk"
+    # docs/variants.md, "Teacher routing": "cotrained" when a co-training variant (mutual, cojeffreys) has
+    # kl_weight > 0; else "trained" when teacher_ce_weight > 0; else "frozen".
     teacher_role: str
     config: ExecutionConfig
     teacher_trainable: bool  # whether a loss term may send the teacher a gradient (not a cache)
     # Soft-caps c of each side's logits (c·tanh(z/c)), None for none; never a cache's (taken as capped).
     student_softcap: float | None = None
     teacher_softcap: float | None = None
+    # The student's logits are a head's products (finite for finite inputs), not given logits that may hold −inf.
     student_logits_finite: bool = True
     # Derived once from the fields above (read at every chunk, so not recomputed there).
+    # Round 2 and the KL's gradients run only with kl_weight > 0 and a variant.
     computes_kl: bool = field(init=False)
+    # Only the KL and the teacher CE read the teacher's logits: without them none are formed, no cache value read.
     needs_teacher_logits: bool = field(init=False)
-    teacher_receives_grad: bool = field(init=False)  # never for a cache
+    # A trainable teacher co-trained by the KL or trained by its CE; a cache never receives a gradient.
+    teacher_receives_grad: bool = field(init=False)
+    # A TiedTeacher reads the student's head: one GEMM gives both sides' logits, and the teacher's head
+    # gradient goes to the student's weight.
     tied_head: bool = field(init=False)
+    # A value check can fail (a cache's: modified in place, non-finite where read; or check_finite_inputs').
+    # Decided by the teacher's kind and the keywords, so alike on every rank: the first record exchange has
+    # one width on every rank, and where it is False nothing is read on the host.
     checks_values: bool = field(init=False)
+    # The KL's ∂D/∂v reaches the teacher only for a co-training variant and a trainable teacher.
     kl_trains_teacher: bool = field(init=False)
+    # The teacher CE's gradient reaches a trainable teacher; a cache's CE is reported, not differentiated.
     teacher_ce_trains_teacher: bool = field(init=False)
+    # Only the row terms and the KL differentiate the student's logits.
     student_receives_grad: bool = field(init=False)
+    # Each output component's weight, loss = Σ w·component: every backend sums the components so.
     component_weights: dict[str, float] = field(init=False)
+    # (w_kl·T_s, w_kl·T_s²/T_t): the factors of ∂D/∂u in ∂loss/∂s and of ∂D/∂v in ∂loss/∂t (u = s/T_s,
+    # v = t/T_t), before the row scale.
     kl_grad_weights: tuple[float, float] = field(init=False)
+    # The column terms of round 1's record: the student terms' sums, then UNSUPPORTED where it is counted.
     column_sums: tuple[Expr, ...] = field(init=False)
+    # The distinct logit families whose log-partitions round 1 computes, deduplicated: a side whose KL
+    # temperature is 1 has one family for its CE and its KL, whose LSE round 1 computes once.
     families: tuple[LogitFamily, ...] = field(init=False)
+    # The call's structure, never its weights or temperatures: a new value builds no new row program.
     step_key: StepKey = field(init=False)
+    # The variant's trees for these parameters (cached per variant and parameters); None without a KL term.
     formulas: VariantFormulas | None = field(init=False)
+    # Round 2 summed by the gradient pass itself (one pass over the logits fewer) where the gradients read no
+    # round-2 constant and keep is known after round 1: D is +inf only on a row with a counted UNSUPPORTED
+    # column (a trainable teacher's head has no −inf column, or the variant is finite without teacher support).
     kl_sums_in_gradient_pass: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -207,6 +199,7 @@ class LossPlan:
         in_gradient_pass = bool(formulas and not formulas.row_names) and (
             self.teacher_trainable or not (self.divergence and self.divergence.infinite_without_support(self.params))
         )
+        # Logits that may hold −inf: round 1 counts the columns where p = 0 < q, whose rows' D is +inf.
         counts_unsupported = in_gradient_pass and not self.student_logits_finite
         column_sums = column_sums_of(self.student_terms) + ((UNSUPPORTED,) if counts_unsupported else ())
         step_key = StepKey(
@@ -260,6 +253,7 @@ class LossPlan:
         )
         if not teacher.trainable:
             _check_cache(options, teacher, teacher_ce_weight)
+        # A cache of logits already divided by a temperature is used as it is (teacher temperature 1).
         tempered = teacher.cache_temperature
         if tempered is None:
             given = options.kl_teacher_temperature

@@ -1,10 +1,6 @@
-"""Checks of a call's arguments: scalars, tensors' types, shapes and devices (no host read), and
-values (a host read, where it costs nothing or is asked for).
-
-Every bad input raises a ValueError/TypeError that names the argument, what was expected and what
-was received; nothing is clamped or reinterpreted. Of orda_tp this module imports only the teacher
-descriptors (whose shapes and cached values it checks), so that every other module may use it.
-"""
+"""Checks of a call's arguments: scalars; tensors' types, shapes and devices (no host read); values
+(a host read, where it costs nothing or is asked for). Every bad input raises a ValueError or
+TypeError naming the argument, what was expected and what was received; nothing is clamped."""
 
 from __future__ import annotations
 
@@ -20,6 +16,7 @@ from typing import TypeGuard
 import torch
 from torch import Tensor
 
+# Its one import of orda_tp (the descriptors whose shapes and values it checks): any other module may use this one.
 from ..teachers import TeacherSource
 
 __all__ = [
@@ -110,9 +107,8 @@ def _in_library(frame: FrameType) -> bool:
 
 
 def caller_stacklevel() -> int:
-    """``stacklevel`` for a ``warnings.warn`` in the calling function that names the first frame
-    outside orda_tp and torch: the user's line, so that Python's default filter shows the warning
-    once per call site."""
+    """``stacklevel`` for a ``warnings.warn`` in the calling function that names the first frame outside
+    orda_tp and torch: the user's line, so that Python's default filter shows it once per call site."""
     level = 1
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and _in_library(frame):
@@ -168,16 +164,14 @@ def check_inputs(
     row_shards: int = 1,
     vocab_size: int | None = None,
 ) -> None:
-    """Types, shapes and devices of the tensors of a call (no host synchronization).
-
-    ``sharded``: the heads are vocabulary shards, whose column counts the tensor-parallel layout
-    checks across ranks (so that every rank raises the same error). ``row_shards``: under
-    sequence parallelism the hidden states hold ``labels.shape[0] / row_shards`` rows.
-    ``vocab_size`` (one device): the real vocabulary, at most the head's rows.
-    """
+    """Types, shapes and devices of the tensors of a call (no host synchronization). ``sharded``: the
+    heads are vocabulary shards, whose column counts the layout handshake compares across ranks.
+    ``row_shards``: under sequence parallelism the hidden states hold ``labels.shape[0] / row_shards``
+    rows. ``vocab_size`` (one device): the real vocabulary, at most the head's rows."""
     hidden = check_floating("student_hidden", student_hidden, dims=2)
     head = check_floating("weight", weight, dims=2)
     rows, width = hidden.shape
+    # A (hidden × vocab) weight would fail the shape check below too; this message says what to pass.
     if head.shape[1] != width and head.shape[0] == width:
         raise ValueError(
             f"weight must have shape (vocab, {width}) (vocab × hidden, matching student_hidden's hidden size), got "
@@ -198,25 +192,19 @@ def check_inputs(
 
 @dataclass(frozen=True)
 class ValueChecks:
-    """The checks of a call's values, where one can fail (``LossPlan.checks_values``): its
-    ``teacher`` as the call received it (whose cached tensors' versions were recorded), the same
-    over this rank's shards (``local_teacher``), whether the call reads the teacher's logits (so
-    that a cache's values are read: ``reads_teacher``), and with ``check_finite_inputs`` the
-    other ``inputs`` (name, tensor) it covers (none without)."""
+    """The checks of a call's values, where one can fail (``LossPlan.checks_values``)."""
 
-    teacher: TeacherSource
-    local_teacher: TeacherSource
-    reads_teacher: bool
-    inputs: Sequence[tuple[str, Tensor]] = ()
+    teacher: TeacherSource  # as the call received it, whose cached tensors' versions were recorded
+    local_teacher: TeacherSource  # the same over this rank's shards
+    reads_teacher: bool  # the call reads the teacher's logits, so a cache's values are read
+    inputs: Sequence[tuple[str, Tensor]] = ()  # with check_finite_inputs, the other tensors it covers
 
 
 def check_values(values: ValueChecks, columns: int, host_checks: bool) -> None:
-    """One device: raise on a cache modified in place, on a non-finite or otherwise invalid cache
-    where it is read (host checks run and the teacher's logits are read; ``columns``: the real
-    columns, padding past ``vocab_size`` is not read; ``TeacherSource.check_cache_values``), and on
-    a non-finite tensor of ``values.inputs`` or of a trainable teacher
-    (``KernelConfig.check_finite_inputs``: ``inputs`` given). Tensor parallelism:
-    :func:`orda_tp.parallel.local_shards.local_error`."""
+    """One device: raise on a cache modified in place; where host checks run and the teacher's logits
+    are read, on a non-finite or invalid cache value (``columns``: the real columns, the padding is
+    not read); with ``values.inputs`` (``check_finite_inputs``), on a non-finite input or trainable
+    teacher tensor. Tensor parallelism: :func:`orda_tp.parallel.local_shards.local_error`."""
     teacher, read_cache = values.local_teacher, host_checks and values.reads_teacher
     if not teacher.trainable:  # a cache: unchanged since it was built, and valid where it is read
         values.teacher.check_unmodified()
@@ -254,8 +242,7 @@ def check_denominator(
 ) -> float | Tensor | None:
     """A given denominator N of "mean" (``num_valid_tokens``, ``num_batch_labels``): None when not
     given (the caller counts the valid rows), a finite real > 0 as a float, or a real one-element
-    tensor on ``owner``'s ``device``, as a 0-d tensor whose value is never read (that would
-    synchronize with the device)."""
+    tensor on ``owner``'s ``device``, as a 0-d tensor whose value is never read on the host."""
     if value is None:
         return None
     if reduction != "mean":
@@ -267,6 +254,7 @@ def check_denominator(
             )
         if value.device != device:
             raise ValueError(f"{name} must be on {owner}'s device {device}, got {value.device}")
+        # Used on the device as it is: reading it (a finiteness check) would synchronize with the device.
         return value.reshape(())
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a number, a one-element tensor or None, got {type(value).__name__}")
@@ -289,9 +277,11 @@ def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int | None,
     bad = (labels < 0) | (labels >= vocab_size)
     if ignore_index is not None:
         bad &= labels != ignore_index
+    # The one host read of a passing check; the rest runs only to word the error.
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         hint = ""
+        # A label past the head's rows on one device: perhaps a global id, and the head a shard without its group.
         if one_device and bool((labels[bad] >= vocab_size).any()):
             hint = (
                 f"; if the head (or the logits) is one rank's vocabulary shard of a larger vocabulary ({vocab_size} "
@@ -308,6 +298,7 @@ def check_label_range(labels: Tensor, vocab_size: int, ignore_index: int | None,
 def non_finite_mask(tensor: Tensor, *, allow_neg_inf: bool = False) -> Tensor:
     """Where ``tensor`` holds NaN or +inf (or −inf, unless allowed)."""
     bad = torch.isnan(tensor) | (tensor == float("inf"))
+    # −inf is allowed where it means no mass (a logits cache's impossible token); NaN and +inf never are.
     if not allow_neg_inf:
         bad |= tensor == float("-inf")
     return bad

@@ -1,11 +1,6 @@
-"""Cross-vocabulary distillation: for a teacher whose tokenizer differs from the student's.
-
-- :mod:`.token_maps`: project teacher logits onto the student vocabulary through exact token matches.
-- :mod:`.mixing`: mix several teachers on one vocabulary; measure their (dis)agreement.
-- :mod:`.spans`: compare span log-likelihoods over aligned text spans.
-
-See docs/cross_vocab.md for when to use which.
-"""
+"""Cross-vocabulary distillation, for a teacher whose tokenizer differs from the student's: token-map
+projection (:mod:`.token_maps`), multi-teacher mixing (:mod:`.mixing`) and span-aligned likelihoods
+(:mod:`.spans`); docs/cross_vocab.md says when to use which."""
 
 from .mixing import generalized_jensen_shannon, mix_teacher_logits
 from .spans import (

@@ -1,8 +1,4 @@
-"""Argument validation shared by the cross-vocabulary tools.
-
-Every check raises a ``TypeError`` (wrong kind of object) or ``ValueError`` (right kind, bad value)
-whose message names the argument, what was expected and what was received.
-"""
+"""Argument checks of the cross-vocabulary tools: a TypeError or ValueError naming the argument, expected, got."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Multi-teacher mixing on a shared vocabulary, and the agreement diagnostic.
-
-Each teacher ``k`` gives logits ``x_k`` (..., V) with ``q_k = softmax(x_k)``, and a weight ``w_k``.
-Teachers on other vocabularies are first brought onto the student's with
-``project_teacher_logits``.
-"""
+"""Multi-teacher mixing on a shared vocabulary, and the agreement diagnostic: teacher ``k`` gives logits
+``x_k`` (..., V), ``q_k = softmax(x_k)``, and a weight ``w_k`` (docs/cross_vocab.md, "Mixing teachers")."""
 
 from __future__ import annotations
 
@@ -35,18 +31,14 @@ def _check_logits_list(logits_list: object) -> list[torch.Tensor]:
 
 
 def _check_weights(weights: object, count: int) -> list[float]:
-    """``weights`` as floats normalized to sum exactly to 1.
-
-    They must be ``count`` finite reals ``>= 0`` (a sequence, or a 1-D tensor) whose sum is within
-    ``WEIGHT_SUM_TOLERANCE`` of 1; dividing by the sum then only removes rounding. Weights that are
-    not (near-)normalized raise: normalizing them silently would change the meaning of
-    ``geometric`` mixing, where the scale of the weights is an inverse temperature.
-    """
+    """``weights`` (``count`` finite reals ``>= 0``: a sequence or a 1-D tensor, summing to 1 within
+    ``WEIGHT_SUM_TOLERANCE``) as floats divided by their sum, which then only removes rounding."""
     if isinstance(weights, torch.Tensor):
         if weights.dim() != 1:
             raise ValueError(f"weights must be 1-D, got shape {tuple(weights.shape)}")
         if weights.is_complex():
             raise TypeError(f"weights must be real, got dtype {weights.dtype}")
+        # A few numbers, read on the host where they are checked and summed exactly (math.fsum).
         values: list[object] = [float(w) for w in weights.detach().cpu().tolist()]
     elif isinstance(weights, Sequence) and not isinstance(weights, (str, bytes)):
         values = list(weights)
@@ -56,6 +48,8 @@ def _check_weights(weights: object, count: int) -> list[float]:
         raise ValueError(f"weights must have one entry per tensor of logits_list ({count}), got {len(values)}")
     checked = [check_real(w, f"weights[{k}]") for k, w in enumerate(values)]
     total = math.fsum(checked)
+    # Weights not (near-)normalized raise: in geometric mixing their scale is an inverse temperature, so
+    # normalizing them silently would change the teacher.
     if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
         raise ValueError(
             f"weights must sum to 1 (within {WEIGHT_SUM_TOLERANCE:g}), got sum {total!r} for {checked}; "
@@ -65,40 +59,31 @@ def _check_weights(weights: object, count: int) -> list[float]:
 
 
 def _weighted_log_probs(logits_list: list[torch.Tensor], weights: list[float]) -> Iterator[tuple[float, torch.Tensor]]:
-    """``(w_k, log q_k)`` for every teacher with ``w_k > 0``, one at a time (bounded memory).
-
-    ``log q_k`` is computed in float32, or float64 when any input is float64.
-    """
+    """``(w_k, log q_k)`` of each teacher with ``w_k > 0``, one at a time, in float32 (float64 if any input is)."""
     dtype = torch.float64 if any(x.dtype == torch.float64 for x in logits_list) else torch.float32
     for weight, logits in zip(weights, logits_list):
-        if weight > 0:
+        if weight > 0:  # left out entirely: 0·log q_k = 0 even where q_k = 0, so its zeros veto nothing
             yield weight, log_normalize(logits.to(dtype))
 
 
 def mix_teacher_logits(
     logits_list: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor, mode: str = "arithmetic"
 ) -> torch.Tensor:
-    """Mix teacher distributions into one set of logits of the same shape.
-
-    - ``arithmetic`` (probability average): ``log m``, ``m = Σ_k w_k q_k``; a log-probability vector.
-    - ``geometric`` (product of experts): ``Σ_k w_k log q_k``, returned as is, *not* renormalized:
-      its log-sum-exp is ``≤ 0`` (0 only when all teachers agree). It is a valid logits input since
-      any softmax renormalizes it to ``∝ Π_k q_k^{w_k}``; apply ``log_softmax`` for log-probabilities.
-
-    ``weights`` (one per tensor, finite, ``>= 0``) must sum to 1 within 1e-6; they are divided by their
-    sum. A teacher with ``w_k = 0`` is left out entirely (``0 · log q_k = 0`` even where ``q_k = 0``).
-    A teacher row that is all ``-inf`` is the zero measure: it adds no mass (arithmetic) or vetoes
-    every column (geometric). NaN or ``+inf`` in a row makes that output row NaN.
-
-    Output dtype: float32, or float64 when any input is float64. Use the result as
-    ``PrecomputedTeacher(logits=mixed)`` (add ``logits_temperature=T`` if the inputs were tempered).
-    """
+    """Teacher distributions ``q_k = softmax(x_k)`` mixed into logits of the inputs' shape: ``arithmetic``,
+    ``log Σ_k w_k q_k`` (a log-probability vector), or ``geometric`` (product of experts), ``Σ_k w_k log q_k``
+    as it is, not renormalized (its LSE is ``≤ 0``; a softmax renormalizes it to ``∝ Π_k q_k^{w_k}``).
+    ``weights`` (one per tensor, finite, ``>= 0``) must sum to 1 within 1e-6, and are divided by their
+    sum; a teacher with ``w_k = 0`` is left out entirely. A teacher row all ``-inf`` is the zero measure
+    (no mass added, or every column vetoed); NaN or ``+inf`` in a row makes that output row NaN. Float32
+    output (float64 if any input is), for ``PrecomputedTeacher(logits=mixed)`` (``logits_temperature=T``
+    for tempered inputs)."""
     tensors = _check_logits_list(logits_list)
     normalized = _check_weights(weights, len(tensors))
     check_choice(mode, "mode", MIX_MODES)
     mixed: torch.Tensor | None = None
     for weight, log_probs in _weighted_log_probs(tensors, normalized):
         if mode == "arithmetic":
+            # log(w_k q_k), merged in log space: no teacher's small probabilities underflow.
             term = log_probs + math.log(weight)
             mixed = term if mixed is None else torch.logaddexp(mixed, term)
         else:
@@ -111,18 +96,15 @@ def mix_teacher_logits(
 def generalized_jensen_shannon(
     logits_list: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor
 ) -> torch.Tensor:
-    """Per-row generalized Jensen–Shannon divergence ``Σ_k w_k KL(q_k ‖ m)``, ``m = Σ_k w_k q_k``.
-
-    A diagnostic of teacher agreement: ``0`` when all teachers (with ``w_k > 0``) agree, at most
-    ``H(w) ≤ log K``. Shape: the inputs' shape without the last dimension. Weights follow
-    :func:`mix_teacher_logits`. Terms with ``q_k = 0`` contribute 0; the value is clamped at 0 against
-    rounding. It is differentiable, though usually logged under ``torch.no_grad()``.
-    """
+    """Per-row generalized Jensen–Shannon divergence ``Σ_k w_k KL(q_k ‖ m)``, ``m = Σ_k w_k q_k``, of
+    the inputs' shape without the last dimension: 0 when the teachers with ``w_k > 0`` agree, at most
+    ``H(w) ≤ log K``. Weights as in :func:`mix_teacher_logits`; differentiable."""
     tensors = _check_logits_list(logits_list)
     normalized = _check_weights(weights, len(tensors))
     log_mix = mix_teacher_logits(tensors, normalized, mode="arithmetic")
     divergence = torch.zeros_like(log_mix[..., 0])
     for weight, log_probs in _weighted_log_probs(tensors, normalized):
+        # 0·log 0 = 0: where q_k = 0 the log-ratio is −inf or NaN (−inf − −inf), and 0 times it NaN.
         log_ratio = torch.where(log_probs == -math.inf, torch.zeros_like(log_probs), log_probs - log_mix)
         divergence = divergence + weight * (log_probs.exp() * log_ratio).sum(dim=-1)
-    return divergence.clamp_min(0.0)
+    return divergence.clamp_min(0.0)  # ≥ 0 in exact arithmetic: rounding may leave a tiny negative

@@ -1,17 +1,6 @@
-"""Span-aligned likelihood distillation between models with different tokenizers.
-
-The same text is tokenized by both models; an outside aligner pairs spans of student tokens with
-spans of teacher tokens that cover the same characters. For a span ``c`` a model's log-likelihood
-of the observed continuation is ``ℓ(c) = Σ_{i ∈ c, label valid} log p(y_i)``; the two models are
-compared on the binary event "the span is generated as observed" (probability ``P = e^ℓ``) versus
-"anything else" (``1 − P``)::
-
-    binary_kl = P_t (ℓ_t − ℓ_s) + (1 − P_t) (log(1 − P_t) − log(1 − P_s))
-    binary_ce = −[P_t ℓ_s + (1 − P_t) log(1 − P_s)]
-
-Per-token log-likelihoods come from the library's memory-lean :func:`distillation_loss` (never the
-full logits), so a span loss costs what a chunked cross-entropy costs.
-"""
+"""Span-aligned likelihood distillation between models with different tokenizers: the two models'
+log-likelihoods of aligned text spans compared as binary events, from per-token likelihoods of the
+chunked loss, never the full logits (docs/cross_vocab.md, "Span-aligned likelihoods")."""
 
 from __future__ import annotations
 
@@ -75,13 +64,12 @@ def _check_labels(labels: object, name: str) -> torch.Tensor:
 
 
 def _span_sums(values: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
-    """``out[c] = Σ_{start_c <= i < stop_c} values[i]``, shape ``(C,)``.
-
-    Summed directly over each span's own elements (spans may overlap), never as a difference of
-    prefix sums, so a span of tiny terms keeps its value (``ℓ = 0`` stays exactly ``P = 1``).
-    """
+    """``out[c] = Σ_{start_c <= i < stop_c} values[i]``, shape ``(C,)``, over each span's own elements
+    (spans may overlap)."""
+    # Never a difference of prefix sums: a span of tiny terms keeps its value (ℓ = 0 stays exactly P = 1).
     ranges = ranges.to(values.device)
     starts, lengths = ranges[:, 0], ranges[:, 1] - ranges[:, 0]
+    # Each element's span and token row: spans may overlap, so the elements are gathered, not sliced.
     span_of = torch.repeat_interleave(torch.arange(ranges.shape[0], device=values.device), lengths)
     first = torch.cumsum(lengths, 0) - lengths
     token_of = starts[span_of] + torch.arange(span_of.numel(), device=values.device) - first[span_of]
@@ -89,16 +77,14 @@ def _span_sums(values: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
 
 
 def _span_log_likelihoods(nll: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
-    """``ℓ(c) = −Σ_{i ∈ c} nll_i`` in float64, clamped at 0 from above.
-
-    ``nll_i ≥ 0`` exactly; the clamp only removes a rounding ``−ε`` a backend might return, which
-    would otherwise turn ``log(1 − e^ℓ)`` into NaN. NaN stays NaN.
-    """
+    """``ℓ(c) = −Σ_{i ∈ c} nll_i`` in float64, at most 0 (NaN stays NaN)."""
+    # nll_i ≥ 0 exactly: the clamp only removes a rounding −ε of a backend, which would make log(1 − e^ℓ) NaN.
     return _span_sums(-nll.to(torch.float64), ranges).clamp_max(0.0)
 
 
 def _per_token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """``−log p(y_i)`` per row (0 at ignored rows), from the chunked core: full logits never exist."""
+    # A teacher the loss never reads (no KL, no teacher CE): the student CE alone, per row, chunked.
     return distillation_loss(
         hidden,
         weight,
@@ -114,12 +100,9 @@ def _per_token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
 @dataclass(frozen=True)
 class AlignedSpanPairs:
-    """Aligned spans: row ``c`` of ``student_ranges`` and of ``teacher_ranges`` cover the same text.
-
-    Both are integer tensors ``[C, 2]`` of half-open ``[start, stop)`` row ranges into the flattened
-    (BT) token rows of each side, ``0 <= start <= stop``; they are stored as int64. Spans may be
-    empty or overlap. Alignment itself (tokenizer offsets, DP matching) happens outside the package.
-    """
+    """Aligned spans: row ``c`` of ``student_ranges`` and of ``teacher_ranges`` (integer tensors
+    ``[C, 2]``, stored as int64) are half-open ``[start, stop)`` ranges of each side's flattened (BT)
+    token rows that cover the same text; ``0 <= start <= stop``, spans may be empty or overlap."""
 
     student_ranges: torch.Tensor
     teacher_ranges: torch.Tensor
@@ -143,12 +126,9 @@ class AlignedSpanPairs:
 
 @dataclass(frozen=True)
 class AlignedLikelihoodConfig:
-    """Weights and options of :func:`aligned_span_distillation_loss`.
-
-    ``loss = student_ce_weight · CE + span_kl_weight · span_term``; ``objective`` picks the span term
-    (``binary_kl`` or ``binary_ce``); ``reduction`` is ``mean`` (CE over valid tokens, span term over
-    kept spans) or ``sum``; student rows labelled ``ignore_index`` count nowhere.
-    """
+    """Options of :func:`aligned_span_distillation_loss`: ``loss = student_ce_weight · CE + span_kl_weight ·
+    span_term``; ``objective``: ``binary_kl`` or ``binary_ce``; ``reduction``: ``mean`` (CE over valid
+    tokens, span term over kept spans) or ``sum``; student rows labelled ``ignore_index`` count nowhere."""
 
     student_ce_weight: float = 1.0
     span_kl_weight: float = 1.0
@@ -167,18 +147,11 @@ class AlignedLikelihoodConfig:
 
 @dataclass(frozen=True)
 class PrecomputedSpanTeacher:
-    """A frozen teacher reduced to its span log-likelihoods.
-
-    - ``ranges``: int64 ``[C, 2]`` teacher row ranges the values belong to.
-    - ``log_likelihoods``: ``(C,)`` ``ℓ_t(c) = Σ_{i ∈ c, label valid} log q(y_i)``, all ``<= 0``
-      (``-inf`` allowed, NaN and ``+inf`` not); float64 when built by
-      :func:`build_precomputed_span_teacher`.
-    - ``valid_counts``: int64 ``(C,)`` number of valid teacher labels in each span; a span with none
-      is dropped by the loss.
-
-    Build it with :func:`build_precomputed_span_teacher`, or directly from log-probabilities obtained
-    elsewhere (e.g. summed token log-probs returned by a hosted teacher).
-    """
+    """A frozen teacher reduced to its span log-likelihoods: ``ranges`` int64 ``[C, 2]`` (its row
+    ranges), ``log_likelihoods`` ``(C,)`` ``ℓ_t(c) = Σ_{i ∈ c, label valid} log q(y_i)`` (``<= 0``,
+    ``-inf`` allowed; no NaN, no grad) and ``valid_counts`` int64 ``(C,)`` (its valid labels per span;
+    the loss drops a span with none). Built by :func:`build_precomputed_span_teacher` (float64), or
+    from span log-probabilities obtained elsewhere (e.g. summed token log-probs of a hosted teacher)."""
 
     ranges: torch.Tensor
     log_likelihoods: torch.Tensor
@@ -217,13 +190,10 @@ class PrecomputedSpanTeacher:
 
 @dataclass(frozen=True)
 class CrossVocabTeacher:
-    """A live span teacher: its hidden states ``hidden`` (BT_t, D_t), head ``weight``
-    (V_t, D_t) and ``labels`` (BT_t,) over its own vocabulary. Given to
-    :func:`aligned_span_distillation_loss` in place of a :class:`PrecomputedSpanTeacher`, it is
-    scored at each call, as :func:`build_precomputed_span_teacher` would score it on
-    ``pairs.teacher_ranges`` with the config's ``ignore_index``; its likelihoods are detached, so
-    none of its tensors receives a gradient.
-    """
+    """A live span teacher, ``hidden`` (BT_t, D_t), head ``weight`` (V_t, D_t) and ``labels`` (BT_t,)
+    over its own vocabulary: :func:`aligned_span_distillation_loss` scores it at each call as
+    :func:`build_precomputed_span_teacher` would on ``pairs.teacher_ranges`` (with the config's
+    ``ignore_index``), detached: none of its tensors receives a gradient."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -243,11 +213,8 @@ class CrossVocabTeacher:
 
 
 class AlignedSpanLossOutput(NamedTuple):
-    """Result of :func:`aligned_span_distillation_loss`: 0-d tensors; only ``loss`` is differentiable.
-
-    ``student_ce`` and ``span_kl`` are unweighted (``span_kl`` holds the configured objective,
-    ``binary_kl`` or ``binary_ce``); both are always computed, since both come from one pass.
-    """
+    """Result of :func:`aligned_span_distillation_loss`, 0-d tensors; only ``loss`` is differentiable.
+    ``student_ce`` and ``span_kl`` (the configured objective) are unweighted, both always computed."""
 
     loss: torch.Tensor
     student_ce: torch.Tensor
@@ -262,12 +229,9 @@ def build_precomputed_span_teacher(
     *,
     ignore_index: int = -100,
 ) -> PrecomputedSpanTeacher:
-    """Score the teacher once: span log-likelihoods ``ℓ_t(c) = Σ_{i ∈ c, y_i ≠ ignore} log q(y_i)``.
-
-    ``teacher_hidden`` (BT_t, D_t) and ``teacher_weight`` (V_t, D_t) give the teacher logits; rows are
-    scored chunk by chunk under ``torch.no_grad()`` and summed per span in float64.
-    ``teacher_ranges`` is ``[C, 2]`` (normally ``pairs.teacher_ranges``).
-    """
+    """The teacher scored once: span log-likelihoods ``ℓ_t(c) = Σ_{i ∈ c, y_i ≠ ignore} log q(y_i)`` of
+    the logits ``teacher_hidden`` (BT_t, D_t) · ``teacher_weight`` (V_t, D_t)ᵀ over ``teacher_ranges``
+    ``[C, 2]`` (normally ``pairs.teacher_ranges``), chunk by chunk under ``torch.no_grad()``, in float64."""
     ranges = _check_ranges(teacher_ranges, "teacher_ranges")
     labels = _check_labels(teacher_labels, "teacher_labels")
     _check_ranges_within(ranges, labels.shape[0], "teacher_ranges", "teacher_labels")
@@ -279,17 +243,11 @@ def build_precomputed_span_teacher(
 
 
 def _binary_span_terms(teacher_ll: torch.Tensor, student_ll: torch.Tensor, objective: str) -> torch.Tensor:
-    """Per-span ``binary_kl`` or ``binary_ce`` from float64 log-likelihoods ``ℓ_t, ℓ_s <= 0``.
-
-    ``ℓ = 0`` exactly means ``P = 1`` and ``log(1 − P) = -inf``:
-
-    - teacher ``P_t = 1``: the "anything else" term has weight ``1 − P_t = 0`` and is 0 (``0 log 0 = 0``);
-    - student ``P_s = 1`` while ``P_t < 1``: the student gives no mass to an outcome the teacher
-      allows, so the term is ``+inf`` and its gradient is dropped (the zero-support rule of the KL
-      variants); this only arises when every token of the span rounds to probability 1.
-    """
+    """Per-span ``binary_kl`` or ``binary_ce`` from float64 log-likelihoods ``ℓ_t, ℓ_s <= 0`` (``P = 1``: below)."""
     teacher_else = -torch.expm1(teacher_ll)  # 1 − P_t, exactly 0 at ℓ_t = 0
+    # P_t = 1: the "anything else" term has weight 1 − P_t = 0 and is 0 (0·log 0 = 0).
     teacher_sure = teacher_else == 0
+    # P_s = 1 while P_t < 1: the student gives no mass to an outcome the teacher allows (+inf below).
     student_sure = student_ll == 0
     # log(1 − P) at ℓ = 0 would be -inf; evaluate it at a stand-in ℓ = −1 instead. The "else" term
     # then has weight 1 − P_t = 0 (teacher sure) or is replaced by +inf below (student sure only),
@@ -298,9 +256,10 @@ def _binary_span_terms(teacher_ll: torch.Tensor, student_ll: torch.Tensor, objec
     log_student_else = log1mexp(torch.where(student_sure, -1.0, student_ll))
     if objective == "binary_kl":
         value = teacher_ll.exp() * (teacher_ll - student_ll) + teacher_else * (log_teacher_else - log_student_else)
-        value = value.clamp_min(0.0)
+        value = value.clamp_min(0.0)  # a KL: ≥ 0 in exact arithmetic, rounding aside
     else:
         value = -(teacher_ll.exp() * student_ll + teacher_else * log_student_else)
+    # +inf where the student is sure and the teacher not, its gradient dropped (the KL variants' zero-support rule).
     return torch.where(student_sure & ~teacher_sure, math.inf, value)
 
 
@@ -312,22 +271,16 @@ def aligned_span_distillation_loss(
     pairs: AlignedSpanPairs,
     config: AlignedLikelihoodConfig | None = None,
 ) -> AlignedSpanLossOutput:
-    """Student CE plus a per-span binary likelihood term against a precomputed span teacher.
-
-    With ``nll_i = −log p(y_i)`` from the memory-lean core (``student_hidden`` (BT, D) ×
-    ``student_weight`` (V, D)ᵀ, chunked), ``ℓ_s(c) = −Σ_{i ∈ c} nll_i`` over the span's valid rows
-    and ``ℓ_t(c)`` from ``span_teacher``:
-
-    - ``CE = Σ_i nll_i / N_valid`` (``mean``) or ``Σ_i nll_i`` (``sum``);
-    - ``span_term = Σ_{c kept} term(c) / N_kept`` (``mean``) or the plain sum, where ``term`` is
-      ``binary_kl`` or ``binary_ce`` (see the module docstring) and a span is kept when it holds at
-      least one valid label on both sides;
-    - ``loss = student_ce_weight · CE + span_kl_weight · span_term``; a term whose weight is 0 is left
-      out of ``loss`` (so an infinite component cannot make it NaN). An empty mean is 0.
-
-    ``span_teacher`` must have been built on ``pairs.teacher_ranges``; a :class:`CrossVocabTeacher`
-    is scored on them at the call. Gradients flow to ``student_hidden`` and ``student_weight`` only.
-    """
+    """Student CE plus a per-span binary likelihood term against a span teacher, without the full logits:
+    with ``nll_i = −log p(y_i)`` of ``student_hidden`` (BT, D) · ``student_weight`` (V, D)ᵀ (chunked), a
+    span's ``ℓ_s(c) = −Σ_{i ∈ c} nll_i`` over its valid rows, ``ℓ_t(c)`` from ``span_teacher``, ``P = e^ℓ``:
+    ``binary_kl = P_t(ℓ_t − ℓ_s) + (1 − P_t)(log(1 − P_t) − log(1 − P_s))``,
+    ``binary_ce = −[P_t ℓ_s + (1 − P_t) log(1 − P_s)]``. ``CE = Σ_i nll_i / N_valid`` (``mean``) or
+    ``Σ_i nll_i`` (``sum``); ``span_term = Σ_{c kept} term(c) / N_kept`` or the plain sum, a span kept
+    when it holds a valid label on both sides; ``loss = student_ce_weight · CE + span_kl_weight ·
+    span_term``, a term of weight 0 left out (an infinite component cannot make it NaN); an empty mean
+    is 0. ``span_teacher`` must have been built on ``pairs.teacher_ranges`` (a :class:`CrossVocabTeacher`
+    is scored on them at the call). Gradients reach ``student_hidden`` and ``student_weight`` only."""
     config = AlignedLikelihoodConfig() if config is None else config
     if not isinstance(config, AlignedLikelihoodConfig):
         raise TypeError(f"config must be an AlignedLikelihoodConfig or None, got {type(config).__name__}")
@@ -339,6 +292,7 @@ def aligned_span_distillation_loss(
         raise TypeError(
             f"span_teacher must be a PrecomputedSpanTeacher or CrossVocabTeacher, got {type(span_teacher).__name__}"
         )
+    # A teacher scored on other ranges would be compared with other text.
     if not torch.equal(span_teacher.ranges.cpu(), pairs.teacher_ranges.cpu()):
         raise ValueError(
             "span_teacher must be built on pairs.teacher_ranges, got ranges of shape "
@@ -353,19 +307,22 @@ def aligned_span_distillation_loss(
     student_ll = _span_log_likelihoods(nll, pairs.student_ranges)
     student_counts = _span_sums(valid.long(), pairs.student_ranges)
     teacher_ll = span_teacher.log_likelihoods.to(device=nll.device, dtype=torch.float64)
+    # A span without a valid label on either side has no likelihood to compare: dropped.
     kept = (student_counts > 0) & (span_teacher.valid_counts.to(nll.device) > 0)
 
+    # A dropped span gets the stand-in ℓ = −1 on both sides: its masked term and gradient stay finite, not NaN.
     terms = _binary_span_terms(
         torch.where(kept, teacher_ll, -1.0), torch.where(kept, student_ll, -1.0), config.objective
     )
     span_term = torch.where(kept, terms, torch.zeros_like(terms)).sum()
     student_ce = nll.sum()
     if config.reduction == "mean":
-        span_term = span_term / kept.sum().clamp_min(1)
+        span_term = span_term / kept.sum().clamp_min(1)  # an empty mean is 0, not NaN
         student_ce = student_ce / valid.sum().clamp_min(1)
-    span_term = span_term.to(nll.dtype)
+    span_term = span_term.to(nll.dtype)  # from float64 back to the student's loss dtype
 
     loss = nll[:0].sum()  # 0, attached to the graph even if both weights are 0
+    # A term of weight 0 is left out, not multiplied by 0: 0·inf would make the loss NaN.
     if config.student_ce_weight > 0:
         loss = loss + config.student_ce_weight * student_ce
     if config.span_kl_weight > 0:

@@ -1,9 +1,5 @@
-"""Token-map projection: carry a teacher's distribution onto the student's vocabulary.
-
-``build_exact_token_map`` pairs each teacher id with the student id of the identical token string;
-``project_teacher_logits`` turns teacher logits into student-vocabulary log-probabilities through
-that map, ready for ``PrecomputedTeacher(logits=..., logits_temperature=T)``.
-"""
+"""Token-map projection: a teacher's distribution carried onto the student's vocabulary through exact
+token matches (:func:`build_exact_token_map`, :func:`project_teacher_logits`)."""
 
 from __future__ import annotations
 
@@ -26,11 +22,7 @@ Vocab = Sequence[str] | Mapping[str, int]
 
 
 def _tokens_by_id(vocab: object, name: str) -> list[str | None]:
-    """The token string of every id ``0 … V−1`` (``None`` for an id a mapping leaves out).
-
-    A sequence gives id ``i`` to its ``i``-th string; a mapping (``tokenizer.get_vocab()``) maps
-    strings to ids, each id used once, and ``V = max id + 1``.
-    """
+    """The token string of every id ``0 … V−1`` (a mapping's: ``V = max id + 1``, None for an id left out)."""
     if isinstance(vocab, Mapping):
         tokens: list[str | None] = [None] * (_max_id(vocab, name) + 1)
         for token, index in vocab.items():
@@ -65,20 +57,12 @@ def _max_id(vocab: Mapping[object, object], name: str) -> int:
 
 
 def build_exact_token_map(student_vocab: Vocab, teacher_vocab: Vocab) -> torch.Tensor:
-    """Map every teacher id to the student id of the identical token string, or ``-1``.
-
-    Each vocabulary is a sequence of token strings (id = position) or a mapping ``str -> id`` as
-    returned by Hugging Face ``tokenizer.get_vocab()``. The rule is exact string equality of the raw
-    vocabulary entries: no normalization, so byte-level BPE's ``"Ġthe"`` and SentencePiece's
-    ``"▁the"`` do not match (normalize the strings yourself first if they should).
-
-    Several teacher ids may map to one student id (their probabilities add up in
-    :func:`project_teacher_logits`); a student string that occurs at two ids is ambiguous and raises.
-
-    Returns an int64 tensor of shape ``(V_t,)``, ``V_t`` = teacher vocabulary size (``max id + 1``
-    for a mapping; ids it leaves out map to ``-1``). If the teacher's logits are wider (a padded head),
-    append ``-1`` entries to match.
-    """
+    """Every teacher id mapped to the student id of the identical token string, or ``-1``: int64 ``(V_t,)``.
+    A vocabulary is a sequence of token strings (id = position) or a mapping ``str -> id``
+    (``tokenizer.get_vocab()``: ``V = max id + 1``, ids it leaves out map to ``-1``). Strings match
+    exactly, without normalization (``"Ġthe"`` and ``"▁the"`` differ). Several teacher ids may map to
+    one student id (their probabilities add up in :func:`project_teacher_logits`); a student string
+    at two ids raises. For teacher logits wider than ``V_t`` (a padded head), append ``-1`` entries."""
     student_index: dict[str, int] = {}
     for index, token in enumerate(_tokens_by_id(student_vocab, "student_vocab")):
         if token is None:
@@ -108,6 +92,7 @@ def _check_token_map(
             f"teacher_logits), got {tuple(token_map.shape)}"
         )
     token_map = token_map.to(device=device, dtype=torch.long)
+    # Two numbers read on the host: the map is checked once per call, before any row is projected.
     low, high = int(token_map.min()), int(token_map.max())
     if low < -1 or high >= student_vocab_size:
         raise ValueError(
@@ -120,26 +105,22 @@ def _check_token_map(
 
 
 def _teacher_log_probs(tempered: torch.Tensor, matched: torch.Tensor, unmatched: str) -> torch.Tensor:
-    """``log q`` on the matched teacher columns, shape ``(rows, M)``.
-
-    ``renormalize``: log-softmax over the matched columns only (the unmatched mass is redistributed).
-    ``mask``: log-softmax over all columns, then keep the matched ones (the unmatched mass is lost).
-    """
+    """``log q`` on the matched teacher columns, shape ``(rows, M)``: normalized over the matched
+    columns (``renormalize``) or over all, the unmatched mass lost (``mask``)."""
     if unmatched == "renormalize":
         return log_normalize(tempered.index_select(-1, matched))
     return log_normalize(tempered).index_select(-1, matched)
 
 
 def _scatter_logsumexp(log_probs: torch.Tensor, targets: torch.Tensor, size: int) -> torch.Tensor:
-    """``out[r, s] = log Σ_{j: targets[j] = s} exp(log_probs[r, j])``, ``-inf`` where no ``j`` maps.
-
-    Merged in log space around the per-target maximum, so no mass underflows; a target reached by
-    one column gets that column's value exactly.
-    """
+    """``out[r, s] = log Σ_{j: targets[j] = s} exp(log_probs[r, j])``, ``-inf`` where no ``j`` maps; a
+    target reached by one column gets that column's value exactly."""
     rows = log_probs.shape[0]
+    # Merged around each target's maximum, so no mass underflows: the column that is the peak adds e⁰ = 1.
     peak = log_probs.new_full((rows, size), -math.inf).scatter_reduce(
         1, targets.expand(rows, -1), log_probs, reduce="amax", include_self=True
     )
+    # A target without mass keeps −inf (log 0), not NaN; detached: the shift cancels, no gradient need pass the max.
     shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)).detach()
     mass = log_probs.new_zeros((rows, size)).index_add(1, targets, torch.exp(log_probs - shift[:, targets]))
     return torch.log(mass) + shift
@@ -153,25 +134,18 @@ def project_teacher_logits(
     unmatched: str = "renormalize",
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Project teacher logits ``(..., V_t)`` onto the student vocabulary: ``(..., student_vocab_size)``.
-
-    With ``v = teacher_logits / temperature`` and ``M`` the matched teacher columns
+    """Teacher logits ``(..., V_t)`` projected onto the student vocabulary, ``(..., student_vocab_size)``
+    log-probabilities. With ``v = teacher_logits / temperature`` and ``M`` the matched teacher columns
     (``token_map[j] >= 0``)::
 
         renormalize: log q_j = v_j − LSE_{i ∈ M} v_i        (q sums to 1 over M)
-        mask:        log q_j = v_j − LSE_{all i} v_i         (mass of unmatched columns is dropped)
-        out[s]       = log Σ_{j ∈ M: token_map[j] = s} q_j  (duplicates merged by log-sum-exp)
-        out[s]       = -inf for a student column no teacher column maps to
+        mask:        log q_j = v_j − LSE_{all i} v_i         (the unmatched columns' mass dropped)
+        out[s]       = log Σ_{j ∈ M: token_map[j] = s} q_j  (−inf where no teacher column maps)
 
-    So ``out`` is a log-probability vector (``renormalize``) or a sub-normalized one (``mask``; any
-    consumer's softmax renormalizes it). Because the temperature is applied before the merge, declare
-    the result as ``PrecomputedTeacher(logits=out, logits_temperature=temperature)``.
-
-    Rows holding NaN or ``+inf`` anywhere come out all NaN; a row with no mass on the columns its
-    normalization uses (all ``-inf``) comes out all ``-inf`` (it then contributes nothing to a loss).
-    ``token_map`` may live on any device (it is moved to the logits' device). The output is float32
-    (float64 for float64 input), computed in row chunks so that the workspace stays bounded.
-    """
+    The temperature is applied before the merge: declare the result as ``PrecomputedTeacher(logits=out,
+    logits_temperature=temperature)``. A row holding NaN or ``+inf`` comes out all NaN; one without mass
+    on the columns its normalization uses, all ``-inf``. ``token_map`` may be on any device. Float32
+    output (float64 for float64 input), in row chunks."""
     teacher_logits = check_floating_tensor(teacher_logits, "teacher_logits")
     student_vocab_size = check_positive_int(student_vocab_size, "student_vocab_size")
     check_choice(unmatched, "unmatched", UNMATCHED_MODES)
@@ -179,15 +153,18 @@ def project_teacher_logits(
     teacher_vocab_size = teacher_logits.shape[-1]
     token_map = _check_token_map(token_map, teacher_vocab_size, student_vocab_size, teacher_logits.device)
 
+    # The matched teacher columns, and the student column each one feeds.
     matched = torch.nonzero(token_map >= 0).squeeze(1)
     targets = token_map.index_select(0, matched)
     dtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
     rows = teacher_logits.reshape(-1, teacher_vocab_size)
-    step = max(1, _WORKSPACE_ELEMENTS // max(teacher_vocab_size, student_vocab_size))
+    step = max(1, _WORKSPACE_ELEMENTS // max(teacher_vocab_size, student_vocab_size))  # rows per chunk
     projected = rows.new_empty((rows.shape[0], student_vocab_size), dtype=dtype)
     for start in range(0, rows.shape[0], step):
+        # Tempered before the merge: the tempering of merged duplicates would be another distribution.
         tempered = rows[start : start + step].to(dtype) / temperature
         log_probs = _teacher_log_probs(tempered, matched, unmatched)
+        # NaN or +inf in any column, matched or not, makes the whole row NaN rather than a silently wrong value.
         invalid = (torch.isnan(tempered) | (tempered == math.inf)).any(dim=-1, keepdim=True)
         merged = _scatter_logsumexp(log_probs, targets, student_vocab_size)
         projected[start : start + step] = merged.masked_fill(invalid, math.nan)

@@ -1,24 +1,8 @@
-"""What a KL variant is: statistics it sums, how it finalizes, and its elementwise gradient.
-
-Every variant works on normalized log-probabilities of one block of columns,
-``log p = u − LSE(u)`` and ``log q = v − LSE(v)`` (``u = s/T_s``, ``v = t/T_t``), which exist once
-the first statistics round (the log-partitions) is merged. A variant then
-
-1. sums ``num_sums`` elementwise terms over the block's columns (:meth:`Divergence.column_terms`,
-   written as :mod:`expr` trees that every backend evaluates or compiles: the torch backend's
-   interpreter is ``orda_tp.engine.torch_math``, the Triton backend's compiler ``orda_tp.kernels``);
-   the per-block sums of all blocks (or tensor-parallel shards) add up to the row's sums;
-2. turns the merged sums into the row value ``D`` and the row constants its gradient needs
-   (:meth:`Divergence.finalize`);
-3. forms ``∂D/∂u`` (and ``∂D/∂v`` when it co-trains the teacher) from a block's columns and the
-   row constants (:meth:`Divergence.student_grad_expr`, :meth:`Divergence.teacher_grad_expr`).
-
-The trees of a variant and its parameters are built once (:func:`formulas_of`) and reused by every
-call.
-
-Tensors are (rows, cols) for blocks and (rows,) for rows; all arithmetic is in the statistics
-dtype (fp32, or fp64 for fp64 inputs). Zero-support columns (p = 0 or q = 0, from −inf logits)
-follow the conventions of docs/variants.md, "Notation": ``0·log 0 = 0`` and ``p·log(p/0) = +inf``.
+"""What a KL variant is (:class:`Divergence`): the column terms round 2 sums, the row value ``D`` and
+gradient constants from the merged sums, and ``∂D/∂u`` (``∂D/∂v`` for co-training) per column, over
+``log p = u − LSE(u)``, ``log q = v − LSE(v)`` of a block of columns (docs/variants.md). Blocks are
+(rows, cols), rows (rows,), in the statistics dtype; zero-support columns follow docs/variants.md,
+"Zero-support conventions": ``0·log 0 = 0``, ``p·log(p/0) = +inf``.
 """
 
 from __future__ import annotations
@@ -84,9 +68,9 @@ LOG_VOCAB = "log_vocab"
 @dataclass(frozen=True)
 class DivergenceParams(Mapping[str, Hashable]):
     """A variant's parameters by keyword (``"kl_alpha"``, …), resolved by :meth:`Divergence.resolve`
-    (defaults filled, values checked), in the variant's order, and :data:`LOG_VOCAB` where the
-    variant reads it. Frozen and hashable: a variant's trees are cached per parameters."""
+    (defaults filled, values checked), in the variant's order, and :data:`LOG_VOCAB` where it reads it."""
 
+    # Pairs, not a dict: frozen and hashable, so that formulas_of caches a variant's trees per parameters.
     entries: tuple[tuple[str, Hashable], ...] = ()
 
     def __getitem__(self, keyword: str) -> Hashable:
@@ -194,7 +178,7 @@ class Divergence:
     def with_log_vocab(self, params: DivergenceParams, vocab_size: int) -> DivergenceParams:
         """``params`` completed by ``log V`` of the global real vocabulary, for a variant that
         :attr:`reads_log_vocab` (a normalizer: V ≥ 2)."""
-        if vocab_size < 2:
+        if vocab_size < 2:  # log V normalizes H(q): log 1 = 0 would divide by 0
             raise ValueError(f"kl_divergence={self.name!r} needs a vocabulary of at least 2 columns, got {vocab_size}")
         return params.with_entry(LOG_VOCAB, math.log(vocab_size))
 
@@ -222,14 +206,12 @@ class Divergence:
 
 @dataclass(frozen=True)
 class VariantFormulas:
-    """A variant's trees for one set of parameters: ``column_terms`` (the ``num_sums`` terms that
-    round 2 sums over the columns), ``student_grad`` (``∂D/∂u``), ``teacher_grad`` (``∂D/∂v``, for
-    the co-training variants, else None) and ``row_names``, the finalize constants that the
-    gradients read, in first-use order."""
+    """A variant's trees for one set of parameters (:func:`formulas_of`)."""
 
-    column_terms: tuple[Expr, ...]
-    student_grad: Expr
-    teacher_grad: Expr | None
+    column_terms: tuple[Expr, ...]  # the num_sums terms that round 2 sums over the columns
+    student_grad: Expr  # ∂D/∂u
+    teacher_grad: Expr | None  # ∂D/∂v, for the co-training variants
+    # The finalize constants the gradients read, in first-use order (none: a condition of round 2 in the grad pass).
     row_names: tuple[str, ...]
 
 
@@ -238,6 +220,7 @@ def formulas_of(divergence: Divergence, params: DivergenceParams) -> VariantForm
     """The trees of ``divergence`` with ``params``, built once: the variants are registry
     singletons and their parameters frozen, so every later call reads the same trees."""
     student = divergence.student_grad_expr(params)
+    # Only a co-training variant has ∂D/∂v: for the others teacher_grad_expr raises.
     teacher = divergence.teacher_grad_expr(params) if divergence.cotrains_teacher else None
     gradients = [student] if teacher is None else [student, teacher]
     return VariantFormulas(tuple(divergence.column_terms(params)), student, teacher, tuple(row_names(gradients)))
@@ -254,15 +237,11 @@ def zero_where_both_zero(values: Expr, a: Expr, b: Expr) -> Expr:
 
 
 def power_gap(log_a: Expr, log_b: Expr, a: Expr, b: Expr, r: float) -> Expr:
-    """Elementwise ``a^r b^{1−r} − r·a − (1−r)·b``, whose column sum is ``Σ a^r b^{1−r} − 1``.
-
-    Weighted AM–GM makes every term ≤ 0 for r ∈ (0,1) and ≥ 0 for r > 1, so the sum has no
-    cancellation even when a ≈ b. With ``d = log a − log b``, factor out the larger of a, b:
-
-    - d ≤ 0: ``b·(expm1(r d) − r·expm1(d))``
-    - d > 0: ``a·(expm1(−(1−r) d) − (1−r)·expm1(−d))``
-    """
+    """Elementwise ``a^r b^{1−r} − r·a − (1−r)·b``, whose column sum is ``Σ a^r b^{1−r} − 1``: by
+    weighted AM–GM every term is ≤ 0 for r ∈ (0,1) and ≥ 0 for r > 1, so the sum does not cancel,
+    even where a ≈ b (0 where both vanish)."""
     d = log_a - log_b
+    # The larger of a, b factored out, the bracket in expm1 (exact where a ≈ b): b for d ≤ 0, a for d > 0.
     low = b * (expm1(r * d) - r * expm1(d))
     high = a * (expm1(-(1.0 - r) * d) - (1.0 - r) * expm1(-d))
     return zero_where_both_zero(where(greater(d, 0.0), high, low), a, b)

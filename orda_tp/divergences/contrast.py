@@ -18,11 +18,9 @@ class DecoupledKD(Divergence):
     """``D = λ_t·KL(b^q‖b^p) + λ_n·KL(q̂‖p̂)``: ``b^x = (x_y, 1 − x_y)`` is the binary
     target/non-target split and ``x̂`` the distribution renormalized over the classes ≠ y.
 
-    With ``P_n = Σ_{i≠y} p_i = −expm1(log p_y)``, ``Q_n = −expm1(log q_y)`` (exact to rounding,
-    where a sum over the vocabulary would carry V roundings into the logs below) and
+    With ``P_n = Σ_{i≠y} p_i = −expm1(log p_y)``, ``Q_n = −expm1(log q_y)`` and
     ``K = Σ_{i≠y} q_i(log q_i − log p_i)``: ``KL(q̂‖p̂) = K/Q_n − log Q_n + log P_n`` (0 when
-    Q_n = 0). Gradient: at y,
-    ``λ_t(p_y − q_y)``; elsewhere ``λ_t(q_y − p_y)·p̂_i + λ_n(p̂_i − q̂_i)``.
+    Q_n = 0). Gradient: at y ``λ_t(p_y − q_y)``; elsewhere ``λ_t(q_y − p_y)·p̂_i + λ_n(p̂_i − q̂_i)``.
     """
 
     name = "dkd"
@@ -32,16 +30,20 @@ class DecoupledKD(Divergence):
     needs_target = True
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        # K sums over i ≠ y: the label's column is masked out (the one variant whose sums read the label).
         return (where(IS_TARGET, 0.0, xlogratio(Q, LOGQ, LOGP)),)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         target_weight, nontarget_weight = params.real("kl_alpha"), params.real("kl_beta")
         kl_rest = sums[:, 0]
+        # The non-target masses from the label's log-probability, exact to rounding: a sum over the vocabulary
+        # would carry V roundings into the logs below.
         p_rest, q_rest = -torch.expm1(targets.logp_y), -torch.expm1(targets.logq_y)
         log_p_rest, log_q_rest = torch.log(p_rest), torch.log(q_rest)
         q_y = torch.exp(targets.logq_y)
         binary = _xlogratio_rows(q_y, targets.logq_y, targets.logp_y) + _xlogratio_rows(q_rest, log_q_rest, log_p_rest)
         has_rest = q_rest != 0
+        # Q_n = 0 (all the teacher's mass on the label): KL(q̂‖p̂) is 0, and a stand-in 1 keeps the division finite.
         safe_q_rest = torch.where(has_rest, q_rest, torch.ones_like(q_rest))
         nontarget = torch.where(has_rest, kl_rest / safe_q_rest - log_q_rest + log_p_rest, torch.zeros_like(q_rest))
         value = target_weight * binary + nontarget_weight * nontarget
@@ -74,6 +76,7 @@ class Triangular(Divergence):
         total = P + Q
         diff = P - Q
         empty = equal(total, 0.0)
+        # p + q = 0: the column is skipped; dividing by a stand-in 1 keeps the unused branch of where finite.
         safe_total = where(empty, 1.0, total)
         value = where(empty, 0.0, diff * diff / safe_total)
         slope = where(empty, 0.0, diff * (P + 3.0 * Q) / (safe_total * safe_total))

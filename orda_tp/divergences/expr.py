@@ -1,16 +1,8 @@
-"""A small expression language for the column-wise formulas of the KL variants.
-
-Each variant writes its per-column terms and gradients once, as :class:`Expr` trees over the
-block symbols (``LOGP``, ``LOGQ``, ``P``, ``Q``, ``IS_TARGET``) and per-row constants
-(``row("name")``). This module is the language only: the torch backend interprets the trees with
-torch ops (``orda_tp.engine.torch_math``), the Triton backend compiles them into kernel code
-(``orda_tp.kernels.variant_terms``). So a formula exists in one place, whatever runs it.
-
-Row formulas (the per-row steps of a chunk, :mod:`orda_tp.engine.row_formulas`) are trees over
-row constants alone, interpreted on (rows,) tensors or compiled into one row kernel.
-
-Shared subtrees are computed once by both (the Triton compiler also merges identical subtrees
-that are different objects).
+"""A small expression language for the formulas of the KL variants and the student's terms:
+:class:`Expr` trees over the block symbols (``LOGP``, ``LOGQ``, ``P``, ``Q``, ``IS_TARGET``) and per-row
+constants (``row("name")``), evaluated column-wise on blocks or row-wise on (rows,) tensors. The torch
+backend interprets them (``orda_tp.engine.torch_math``), the Triton backend compiles them
+(``orda_tp.kernels``): a formula exists in one place, whatever runs it.
 """
 
 from __future__ import annotations
@@ -43,6 +35,7 @@ __all__ = [
 ]
 
 
+# eq=False: nodes compare and hash by identity; a comparison node is built by equal(), never by ==.
 @dataclass(frozen=True, eq=False)
 class Expr:
     """A node: ``op`` applied to ``args``; ``value`` holds a constant or a symbol's name."""
@@ -160,7 +153,7 @@ def column_names(exprs: Sequence[Expr]) -> list[str]:
 def _leaf_values(exprs: Sequence[Expr], op: str) -> list[str]:
     """The values of the ``op`` leaves of the expressions, each once, in first-use order."""
     names: list[str] = []
-    seen: set[int] = set()
+    seen: set[int] = set()  # by id: a subtree shared by several formulas is visited once
 
     def visit(node: Expr) -> None:
         if id(node) in seen:

@@ -38,6 +38,7 @@ class Forward(Divergence):
         return (FORWARD_TERMS,)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
+        # No row constant: p − q reads nothing of round 2, which may then run in the gradient pass.
         return Finalized(sums[:, 0], {})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
@@ -53,6 +54,7 @@ class Reverse(Divergence):
         return (REVERSE_TERMS,)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
+        # R itself is the gradient's one row constant: p ⊙ (log p − log q − R).
         return Finalized(sums[:, 0], {"reverse": sums[:, 0]})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
@@ -88,6 +90,7 @@ class Mutual(Jeffreys):
     cotrains_teacher = True
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
+        # Each side's half of the detached objective: KL(sg q‖p) for the student, KL(sg p‖q) for the teacher.
         return P - Q
 
     def teacher_grad_expr(self, params: DivergenceParams) -> Expr:
@@ -101,6 +104,7 @@ class CoJeffreys(Jeffreys):
     cotrains_teacher = True
 
     def teacher_grad_expr(self, params: DivergenceParams) -> Expr:
+        # The full gradient of F + R in v: q − p from R, q ⊙ (log q − log p − F) from F.
         return Q - P + forward_kl_teacher_grad(row("forward"))
 
 
@@ -141,15 +145,18 @@ class EntropyAdaptive(Divergence):
     num_sums = 3
 
     def column_terms(self, params: DivergenceParams) -> tuple[Expr, ...]:
+        # 0·log 0 = 0: a column without teacher mass (LOGQ = −inf) adds nothing to H(q), not NaN.
         entropy = -where(equal(Q, 0.0), 0.0, Q * LOGQ)
         return (FORWARD_TERMS, REVERSE_TERMS, entropy)
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         gate = gate_of(params)
+        # H(q)/log V lies in [0, 1] whatever the vocabulary, so tau and scale mean the same for every V.
         normalized_entropy = sums[:, 2] / params.real(LOG_VOCAB)
         gamma = gate.alpha_min + (gate.alpha_max - gate.alpha_min) * torch.sigmoid(
             (normalized_entropy - gate.tau) / gate.scale
         )
+        # A weight of exactly 0 drops its KL even where that KL is +inf (γ = 1 with a teacher lacking support).
         value = weighted(gamma, sums[:, 0]) + weighted(1.0 - gamma, sums[:, 1])
         return Finalized(value, {"gamma": gamma, "reverse": sums[:, 1]})
 

@@ -31,6 +31,7 @@ class AlphaDivergence(Divergence):
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         alpha = params.real("kl_alpha")
+        # D from the summed A − 1 itself: 1 − A formed from A would cancel where p ≈ q.
         a_minus_one = sums[:, 0]
         return Finalized(-a_minus_one / (alpha * (1.0 - alpha)), {"A": 1.0 + a_minus_one})
 
@@ -68,6 +69,7 @@ class Renyi(Divergence):
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
         order = params.real("kl_alpha")
+        # log A = log1p(A − 1): exact where A ≈ 1, that is p ≈ q.
         return Finalized(torch.log1p(sums[:, 0]) / (order - 1.0), {"A": 1.0 + sums[:, 0]})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:
@@ -112,6 +114,8 @@ def ab_gap(log_p: Expr, log_q: Expr, p: Expr, q: Expr, alpha: float, beta: float
 def ab_gradient_terms(log_p: Expr, log_q: Expr, p: Expr, alpha: float, beta: float) -> Expr:
     """Elementwise ``h = p^α (p^β − q^β)``; the ``expm1`` form where p^β ≈ q^β."""
     exponent = beta * (log_q - log_p)
+    # |exponent| < 1: the expm1 form, exact where p^β ≈ q^β; beyond it the plain difference, whose exponents are
+    # ≤ 0 (expm1 of a large exponent could overflow, and times a vanishing p^{α+β} give NaN).
     near = -exp((alpha + beta) * log_p) * expm1(exponent)
     far = exp((alpha + beta) * log_p) - exp(alpha * log_p + beta * log_q)
     return where(equal(p, 0.0), 0.0, where(less(absolute(exponent), 1.0), near, far))

@@ -29,6 +29,7 @@ DIVERGENCES: dict[str, Divergence] = {
     )
 }
 
+# The registry's order, in which error messages list the variants.
 KL_VARIANTS: tuple[str, ...] = tuple(DIVERGENCES)
 
 #: The loss keywords the variants read, each once, in the order of the variants that first read them.

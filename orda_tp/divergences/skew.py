@@ -16,11 +16,13 @@ from .expr import LOGP, LOGQ, Expr, P, Q, equal, exp, logaddexp, row, where
 
 def log_mixture(beta: float) -> Expr:
     """``log m = log((1−β) q + β p)``, computed in log space."""
+    # log(1 − β) by log1p (exact for small β); the shares merged by logaddexp: m itself is never formed.
     return logaddexp(math.log1p(-beta) + LOGQ, math.log(beta) + LOGP)
 
 
 def ratio_product(log_x: Expr, log_y: Expr, log_m: Expr, x: Expr) -> Expr:
     """Elementwise ``x·y/m`` (0 where x = 0)."""
+    # x = 0 is also where both sides may lack mass: log m = −inf there, and the exponent would be NaN.
     return where(equal(x, 0.0), 0.0, exp(log_x + log_y - log_m))
 
 
@@ -60,6 +62,7 @@ class SkewReverse(SkewBase):
         return (xlogratio(P, LOGP, log_m), ratio_product(LOGP, LOGP, log_m, P))
 
     def finalize(self, sums: Tensor, targets: RowTargets, params: DivergenceParams) -> Finalized:
+        # D − R, one row constant: the gradient subtracts it from log p − log m in a single xlogratio.
         return Finalized(sums[:, 0], {"shift": sums[:, 0] - self.beta(params) * sums[:, 1]})
 
     def student_grad_expr(self, params: DivergenceParams) -> Expr:

@@ -1,30 +1,10 @@
-"""The student's row terms: per-row losses of the student's own logits ``s`` (temperature 1).
+"""The student's row terms: per-row losses ``L(s)`` of the student's own logits (temperature 1), each
+written once as row formulas that every backend runs, with a column gradient of one form,
 
-A term is written once, here, and every backend runs it: its row value as a row formula
-(:mod:`orda_tp.divergences.expr`), which the row steps of :mod:`orda_tp.engine.row_formulas` put
-into their programs (torch interpreter or generated Triton row kernel); its column gradient as
-three row coefficients of one shape that both block maths write,
+    ∂L/∂s_j = c_p·softmax(s)_j − c_y·[j = y] − c_u        (j over the real vocabulary),
 
-    ∂L/∂s_j = c_p·softmax(s)_j − c_y·[j = y] − c_u        (j over the real vocabulary);
-
-and its oracle, written again from its textbook definition for the reference backend (autograd
-differentiates it). A term reads the row's log-partition ``LSE(s)`` (merged over blocks and
-shards), its label logit ``s_y`` and, where it needs them, column sums ``Σ_j f(s_j)`` of its own
-over the raw logits, which round 1 collects beside the log-partitions (one more column of its
-record each, merged by addition; :meth:`StudentTerm.column_sums`).
-
-Registered terms (:data:`STUDENT_TERMS`, whose order is the order of the output components):
-
-- ``student_ce`` (weight ``student_ce_weight``), with ``label_smoothing = ε``:
-  ``L = LSE(s) − (1−ε)·s_y − ε·Σ_j s_j / V``, i.e. ``(1−ε)·CE + ε·`` the CE against the uniform
-  distribution (``torch.nn.functional.cross_entropy``'s ``label_smoothing``);
-  ``c_p = 1``, ``c_y = 1 − ε``, ``c_u = ε / V``.
-- ``z_loss`` (weight ``z_loss_weight``): ``L = LSE(s)²`` (PaLM's auxiliary loss);
-  ``c_p = 2·LSE(s)``, ``c_y = c_u = 0``.
-
-A term's runtime values (its weight, the keywords in ``parameters``, ``1/V`` as ``inv_vocab``) are
-scalars of the row programs, so a new value compiles nothing; which ``parameters`` are nonzero
-(``given``) is structure: a parameter at 0 drops its part of the formulas (and its column sums).
+and an oracle from its textbook definition for the reference backend (docs/architecture.md, "… a
+loss term of the student's logits"). :data:`STUDENT_TERMS` orders the output components.
 """
 
 from __future__ import annotations
@@ -110,7 +90,8 @@ class StudentTerm:
 
 @dataclass(frozen=True)
 class CrossEntropy(StudentTerm):
-    """``LSE(s) − (1−ε)·s_y − ε·Σ_j s_j / V`` (``ε = label_smoothing``; the plain CE at 0)."""
+    """``LSE(s) − (1−ε)·s_y − ε·Σ_j s_j / V`` (``ε = label_smoothing``, as ``F.cross_entropy``'s; the
+    plain CE at 0): ``c_p = 1``, ``c_y = 1 − ε``, ``c_u = ε / V``."""
 
     name: ClassVar[str] = "student_ce"
     weight: ClassVar[str] = "student_ce_weight"
@@ -121,18 +102,21 @@ class CrossEntropy(StudentTerm):
         return "label_smoothing" in self.given
 
     def column_sums(self) -> tuple[Expr, ...]:
+        # ε = 0 is structure: the plain CE reads no column sum, and round 1's record has no column for it.
         return (RAW_STUDENT,) if self.smoothed else ()
 
     def value(self, x: RowSymbols) -> Expr:
         if not self.smoothed:
             return x.lse - x.label_logit
         epsilon = row("label_smoothing")
+        # Σ_j s_j is round 1's column sum over the real vocabulary; 1/V a runtime scalar, so V compiles nothing.
         return x.lse - (1.0 - epsilon) * x.label_logit - epsilon * x.sums[0] * row("inv_vocab")
 
     def grad(self, lse: Expr) -> SoftmaxGrad:
         if not self.smoothed:
             return SoftmaxGrad(wrap(1.0), wrap(1.0), wrap(0.0))
         epsilon = row("label_smoothing")
+        # ∂/∂s_j of LSE(s) − (1−ε)·s_y − ε·Σ_k s_k / V: softmax(s)_j − (1−ε)·[j = y] − ε/V.
         return SoftmaxGrad(wrap(1.0), 1.0 - epsilon, epsilon * row("inv_vocab"))
 
     def oracle(self, logits: Tensor, labels: Tensor, scalars: Mapping[str, float]) -> Tensor:
@@ -142,7 +126,8 @@ class CrossEntropy(StudentTerm):
 
 @dataclass(frozen=True)
 class ZLoss(StudentTerm):
-    """``LSE(s)²``, which keeps the log-partition near 0."""
+    """``LSE(s)²`` (PaLM's auxiliary loss), which keeps the log-partition near 0: ``c_p = 2·LSE(s)``,
+    ``c_y = c_u = 0``."""
 
     name: ClassVar[str] = "z_loss"
     weight: ClassVar[str] = "z_loss_weight"
@@ -151,6 +136,7 @@ class ZLoss(StudentTerm):
         return x.lse * x.lse
 
     def grad(self, lse: Expr) -> SoftmaxGrad:
+        # ∂LSE(s)²/∂s_j = 2·LSE(s)·softmax(s)_j.
         return SoftmaxGrad(2.0 * lse, wrap(0.0), wrap(0.0))
 
     def oracle(self, logits: Tensor, labels: Tensor, scalars: Mapping[str, float]) -> Tensor:

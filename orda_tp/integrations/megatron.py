@@ -1,35 +1,9 @@
-"""Megatron-core adapter: a ``GPTModel`` whose forward with ``labels`` returns orda_tp's loss.
-
-One step, right after building the model (in ``model_provider``)::
-
-    install_distillation_head(model, vocab_size=tokenizer_vocab_size, teacher=teacher,
-                              kl_weight=1.0, kl_temperature=2.0)
-
-Afterwards ``model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)``
-returns Megatron's ``[b, s]`` per-token losses (what ``loss_func`` multiplies by ``loss_mask`` and
-sums), computed by :func:`orda_tp.distillation_loss` with ``reduction="none"`` from the hidden
-states GPTModel feeds its output layer and the weight it passes it, without building the logits::
-
-    loss[b, s] = w_s·CE(s) + w_t·CE(t) + w_kl·T_s²·D(p, q)     (0 where loss_mask == 0, no gradient)
-
-Without ``labels`` the model returns its logits as before (evaluation, generation).
-
-Mechanism. Nothing private of Megatron is overridden; two instances change class, to a subclass
-of their own class created once per class (the pattern of FSDP2's ``fully_shard``), so their
-parameters, buffers, state-dict keys, hooks and checkpoints stay as they were:
-
-- the output layer (a ``ColumnParallelLinear``) gets :class:`HeadInputsOutputLayer`: inside
-  ``returning_head_inputs()`` its ``forward`` returns ``(HeadInputs(input, weight), None)``, its
-  inputs, instead of ``(logits, bias)``;
-- the model gets :class:`DistillationModel`: ``forward`` with labels runs GPTModel's forward in
-  that mode (:meth:`HeadInputsModel.head_inputs`), then the loss; ``compute_language_model_loss``
-  passes :class:`HeadInputs` through. A teacher GPTModel gets :class:`HeadInputsModel` only (its
-  forward is unchanged).
-
-The one Megatron behaviour relied on (megatron-core 0.16.1, ``GPTModel._postprocess``): given
-labels, GPTModel's forward returns ``compute_language_model_loss(labels, output_layer(hidden,
-weight=...)[0])`` as it is. :meth:`HeadInputsModel.head_inputs` raises ``RuntimeError`` when that
-stops holding.
+"""Megatron-core adapter: :func:`install_distillation_head` makes a ``GPTModel``'s forward with
+``labels`` return orda_tp's ``[b, s]`` per-token losses (what Megatron's ``loss_func`` masks and
+sums), computed from the hidden states GPTModel feeds its output layer and the weight it passes it,
+without building the logits; without ``labels`` it returns its logits as before. Two instances change
+class, nothing private of Megatron is overridden (docs/integrations.md, "Megatron-core": the one step,
+how it works, the one Megatron behaviour relied on).
 """
 
 from __future__ import annotations
@@ -74,16 +48,15 @@ COTRAINING_VARIANTS = ("mutual", "cojeffreys")
 def install_distillation_head(
     model: nn.Module, *, vocab_size: int, teacher: nn.Module | None = None, **loss_options: Any
 ) -> nn.Module:
-    """Make ``model(..., labels=labels, loss_mask=loss_mask)`` return orda_tp's ``[b, s]`` losses.
+    """Make ``model(..., labels=labels, loss_mask=loss_mask)`` return orda_tp's ``[b, s]`` losses
+    (0 where ``loss_mask == 0``); returns ``model``, and installing again replaces the settings.
 
     ``model``: a ``GPTModel`` holding the output layer (the last pipeline stage), or a wrapper of
-    one (``.module``). ``vocab_size``: the tokenizer's vocabulary; the model's padded columns get no
+    one (``.module``). ``vocab_size``: the tokenizer's vocabulary; the padded columns get no
     probability. ``teacher``: a frozen teacher ``GPTModel`` with the same tensor-parallel group,
     padded vocabulary and sequence parallelism, run under ``torch.no_grad()`` on the student's
     inputs; without one, pass ``teacher_logits=`` to the forward (or use only the student CE).
-    ``loss_options``: keywords of :func:`orda_tp.distillation_loss` (``student_ce_weight``,
-    ``kl_weight``, ``kl_temperature``, ``kl_divergence``, ...); ``teacher_ce_weight`` defaults to 0.
-    Installing again replaces the settings. Returns ``model``.
+    ``loss_options``: keywords of :func:`orda_tp.distillation_loss`; ``teacher_ce_weight`` defaults to 0.
     """
     student = _gpt_model(model, "model")
     _check_output_stage(student, "model")
@@ -96,12 +69,15 @@ def install_distillation_head(
             "loss_options"
         )
     tp_size = dist.get_world_size(layer.tp_group)
+    # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × tp: the columns past
+    # vocab_size are padding, which the loss gives no probability.
     padded = layer.output_size_per_partition * tp_size
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
         raise ValueError(
             f"vocab_size must be the real vocabulary size, an int in [1, {padded}] (the model's padded vocabulary "
             f"{layer.output_size_per_partition} × tp {tp_size}), got {vocab_size!r}"
         )
+    # Validated here, at installation; no group at tp = 1, so a single rank takes the one-device path.
     loss = DistillationLoss(
         **{"teacher_ce_weight": 0.0, **loss_options},
         reduction="none",
@@ -118,6 +94,7 @@ def install_distillation_head(
         teacher_model = _swap_class(teacher_gpt, HeadInputsModel)
     _swap_class(layer, HeadInputsOutputLayer)
     distilling = _swap_class(student, DistillationModel)
+    # A plain attribute, not a submodule: neither the loss nor the teacher joins the student's state.
     distilling.orda_distillation = DistillationSetup(loss, teacher_model, layer.sequence_parallel, tp_size)
     return model
 
@@ -201,9 +178,10 @@ def _swap_class(module: nn.Module, mixin: type[Mixin]) -> Mixin:
         return module
     original = getattr(type(module), "orda_original_class", type(module))
     key = (mixin, original)
+    # One subclass per (mixin, class), as fully_shard makes them: the instance keeps its state, hooks and keys.
     if key not in _SUBCLASSES:
         name = mixin.__name__.removesuffix("Model").removesuffix("OutputLayer") + original.__name__
         _SUBCLASSES[key] = type(name, (mixin, original), {"__module__": __name__, "orda_original_class": original})
-    module.__class__ = _SUBCLASSES[key]
+    module.__class__ = _SUBCLASSES[key]  # in place: parameters, buffers and hooks stay where they are
     assert isinstance(module, mixin)
     return module

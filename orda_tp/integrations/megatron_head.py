@@ -1,6 +1,5 @@
-"""The Megatron-core modules' side of the adapter (:mod:`orda_tp.integrations.megatron`): the
-output layer that returns its inputs, the models whose forward runs up to it, and the per-token
-loss from those inputs."""
+"""The Megatron-core modules' side of the adapter (:mod:`orda_tp.integrations.megatron`): the output
+layer that returns its inputs, the models whose forward runs up to it, the per-token loss from them."""
 
 from __future__ import annotations
 
@@ -42,18 +41,15 @@ else:
 
 @dataclass(frozen=True)
 class HeadInputs:
-    """What GPTModel passed its output layer: ``hidden`` ``[s, b, h]`` (``[s/tp, b, h]`` under
-    sequence parallelism) and ``weight`` ``[V_padded/tp, h]``, the vocabulary shard the layer
-    multiplies with (the word embeddings' when they are tied to the output layer)."""
+    """What GPTModel passed its output layer."""
 
-    hidden: Tensor
-    weight: Tensor
+    hidden: Tensor  # [s, b, h] ([s/tp, b, h] under sequence parallelism)
+    weight: Tensor  # [V_padded/tp, h]: the shard the layer multiplies with (the embeddings' when tied)
 
 
 class HeadInputsOutputLayer(_OutputLayerBase):
-    """Mixin for GPTModel's ``ColumnParallelLinear`` output layer: inside
-    :meth:`returning_head_inputs`, ``forward`` returns ``(HeadInputs(input_, weight), None)``
-    without running the logits GEMM; otherwise it is ``ColumnParallelLinear.forward``."""
+    """Mixin for GPTModel's ``ColumnParallelLinear`` output layer: inside :meth:`returning_head_inputs`
+    ``forward`` returns ``(HeadInputs(input_, weight), None)``, no logits; else it is Megatron's."""
 
     returns_head_inputs: bool = False
 
@@ -62,11 +58,12 @@ class HeadInputsOutputLayer(_OutputLayerBase):
     ) -> tuple[Any, Tensor | None]:
         if not self.returns_head_inputs:
             return super().forward(input_, weight, runtime_gather_output)
+        # The weight GPTModel passes (the tied embeddings'), else the layer's own: as Megatron's forward picks it.
         return HeadInputs(input_, self.weight if weight is None else weight), None
 
     @contextmanager
     def returning_head_inputs(self) -> Iterator[None]:
-        previous = self.returns_head_inputs
+        previous = self.returns_head_inputs  # restored on exit, also after an exception
         self.returns_head_inputs = True
         try:
             yield
@@ -109,10 +106,8 @@ class HeadInputsModel(_ModelBase):
 
 @dataclass(frozen=True)
 class DistillationSetup:
-    """What :func:`install_distillation_head` fixed: the loss (``reduction="none"``, the output
-    layer's tensor-parallel group and sequence parallelism, the real vocabulary size) and the
-    frozen teacher GPTModel, if any. Held as a plain attribute (``model.orda_distillation``), so
-    that neither module becomes a submodule of the student."""
+    """What :func:`install_distillation_head` fixed: the loss (``reduction="none"``, the output layer's
+    group and sequence parallelism, the real vocabulary) and the frozen teacher GPTModel, if any."""
 
     loss: DistillationLoss
     teacher: HeadInputsModel | None
@@ -133,15 +128,10 @@ class DistillationModel(HeadInputsModel):
     def forward(
         self, *args: Any, teacher_logits: Tensor | None = None, return_components: bool = False, **kwargs: Any
     ) -> Any:
-        """GPTModel.forward's arguments, plus:
-
-        - ``teacher_logits``: a cached teacher, ``[b, s, V_padded/tp]``, this rank's vocabulary
-          shard in GPTModel's output layout (what a teacher's ``forward`` without labels returns);
-        - ``return_components``: return an :class:`orda_tp.DistillationLossOutput` of ``[b, s]``
-          tensors (loss; student CE, teacher CE and KL, unweighted and detached) instead of the loss.
-
-        With ``labels`` it returns ``[b, s]`` per-token losses; without, GPTModel's output.
-        """
+        """GPTModel.forward's arguments, plus ``teacher_logits`` (a cached teacher ``[b, s, V_padded/tp]``,
+        this rank's shard in GPTModel's output layout) and ``return_components`` (an
+        :class:`orda_tp.DistillationLossOutput` of ``[b, s]`` tensors instead of the loss). With
+        ``labels`` it returns ``[b, s]`` per-token losses; without, GPTModel's output."""
         call = self.megatron_arguments(args, kwargs)
         labels = call.arguments.get("labels")
         if labels is None:
@@ -152,6 +142,7 @@ class DistillationModel(HeadInputsModel):
             return super().forward(*args, **kwargs)
         setup = self.orda_distillation
         group = setup.loss.options.tp_group
+        # On a group a failed check is held, not raised, until every rank has said whether its own failed.
         problem = None
         try:
             check_teacher_choice(setup, teacher_logits, call.arguments.get("decoder_input"))
@@ -195,19 +186,14 @@ def frozen_head_inputs(teacher: HeadInputsModel, args: tuple[Any, ...], kwargs: 
     """The teacher's output-layer inputs on the student's arguments, under ``torch.no_grad()``."""
     with torch.no_grad():
         head = teacher.head_inputs(*args, **kwargs)
+    # Detached: the teacher's parameters may keep requires_grad, and get no gradient.
     return HeadInputs(head.hidden, head.weight.detach())
 
 
 @dataclass(frozen=True)
 class RowOrder:
-    """How the ``[b, s]`` positions become the loss's rows.
-
-    Sequence-major (row ``i_s·b + i_b``): the hidden states ``[s, b, h]`` flatten as a view, and
-    under sequence parallelism rank r's ``[s/tp, b, h]`` are the rows ``[r·(s/tp)·b, (r+1)·(s/tp)·b)``,
-    the contiguous block orda_tp expects. Batch-major (row ``i_b·s + i_s``): a cached teacher
-    ``[b, s, V/tp]`` flattens as a view and the hidden states (``h ≪ V/tp``) are copied instead;
-    used for cached logits without sequence parallelism.
-    """
+    """How the ``[b, s]`` positions become the loss's rows: sequence-major (row ``i_s·b + i_b``) or
+    batch-major (row ``i_b·s + i_s``)."""
 
     batch_major: bool
 
@@ -234,8 +220,8 @@ def check_layouts(
     setup: DistillationSetup, student: HeadInputs, labels: Tensor, loss_mask: Tensor | None, teacher: object
 ) -> None:
     """Megatron's layouts: labels and loss_mask ``[b, s]``, hidden states ``[s, b, h]`` (``[s/tp,
-    b, h]`` under sequence parallelism), cached logits ``[b, s, V/tp]``. A transposed tensor has as
-    many elements, so the loss alone would not notice. Every rank sees the same shapes."""
+    b, h]`` under sequence parallelism), cached logits ``[b, s, V/tp]``."""
+    # A transposed tensor has as many elements, so the loss alone would not notice it.
     if not isinstance(labels, Tensor) or labels.dim() != 2:
         raise ValueError(f"labels must be Megatron's [b, s] tensor, got {shape_text(labels)}")
     batch, seq = labels.shape
@@ -268,16 +254,16 @@ def per_token_loss(
     loss_mask: Tensor | None,
     teacher: HeadInputs | Tensor | None,
 ) -> DistillationLossOutput:
-    """``setup.loss`` on Megatron's tensors; each field ``[b, s]``, 0 where ``loss_mask == 0``.
-
-    ``teacher``: a teacher's output-layer inputs (``SeparateTeacher``), cached logits ``[b, s,
-    V_padded/tp]`` (``PrecomputedTeacher``), or None when the loss needs no teacher (a tied
-    placeholder the loss never reads: ``kl_weight == teacher_ce_weight == 0``).
-    """
+    """``setup.loss`` on Megatron's tensors, each field ``[b, s]``, 0 where ``loss_mask == 0``;
+    ``teacher``: a teacher's output-layer inputs, cached logits ``[b, s, V_padded/tp]``, or None when
+    the loss needs no teacher (``kl_weight == teacher_ce_weight == 0``)."""
+    # Sequence-major rows are [s, b, h] as a view, and under sequence parallelism each rank's [s/tp, b, h] is the
+    # contiguous block of rows the loss expects. Batch-major only for a cache without it: the [b, s, V/tp] cache
+    # is read in place and the hidden states (h ≪ V/tp) are copied instead.
     order = RowOrder(batch_major=isinstance(teacher, Tensor) and not setup.sequence_parallel)
     with raised_on_every_rank(lambda: setup.loss.options.tp_group):  # through the loss's handshake
         check_layouts(setup, student, labels, loss_mask, teacher)
-        if loss_mask is not None:
+        if loss_mask is not None:  # a masked position is an ignored row: loss 0, no gradient, label never read
             labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
         hidden = order.hidden_rows(student.hidden)
         descriptor = _teacher_descriptor(setup, order, hidden, teacher)
@@ -294,7 +280,7 @@ def _teacher_descriptor(
         return SeparateTeacher(order.hidden_rows(teacher.hidden), teacher.weight)
     if isinstance(teacher, Tensor):
         return PrecomputedTeacher(logits=order.position_rows(teacher))
-    if teacher is None and not setup.needs_teacher:
+    if teacher is None and not setup.needs_teacher:  # a placeholder the loss never reads
         return TiedTeacher(hidden.detach())
     raise TypeError(f"teacher must be HeadInputs, a logits tensor or None (no KL), got {type(teacher).__name__}")
 

@@ -34,21 +34,16 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class PrecomputedTeacher(TeacherSource):
-    """Cached teacher outputs: ``logits`` (BT, V), or ``teacher_hidden`` (BT, D_t) with
-    ``teacher_weight`` (V, D_t) whose product is formed chunk by chunk, or a top-k cache:
+    """Cached teacher outputs, exactly one of: ``logits`` (BT, V); ``teacher_hidden`` (BT, D_t) with
+    ``teacher_weight`` (V, D_t), whose product is formed chunk by chunk; or a top-k cache,
     ``topk_ids`` (BT, k) int64 global vocabulary ids and ``topk_logprobs`` (BT, k) their
     log-probabilities, the rest of each row's mass spread evenly over the other real columns
-    (``tail="uniform"``) or none (``tail="renormalize"``: the teacher is the softmax of the
-    cached values over their ids); :mod:`orda_tp.teachers.topk`.
-
+    (``tail="uniform"``) or none (``tail="renormalize"``: the softmax of the cached values).
     No gradient reaches the cache, so none of its tensors may require grad. ``logits_temperature=T``
-    declares logits that were already divided by T (e.g. by ``project_teacher_logits``): the KL then
-    uses them as they are (the teacher temperature defaults to 1 instead of ``kl_temperature``).
-    The tensors' version counters are recorded here; a cache modified in place afterwards is
-    rejected when the loss reads it. A tensor without a version counter (made under
-    ``torch.inference_mode()``) cannot be watched: it is refused unless
-    ``trust_cache_immutability=True`` promises that it stays unchanged (the other tensors are still
-    watched).
+    declares logits already divided by T (e.g. by ``project_teacher_logits``), which the KL uses as
+    they are (teacher temperature 1). A tensor modified in place after construction is rejected when
+    the loss reads it; one without a version counter (made under ``torch.inference_mode()``) cannot
+    be watched and is refused unless ``trust_cache_immutability=True`` promises that it stays unchanged.
     """
 
     logits: torch.Tensor | None = None
@@ -85,7 +80,7 @@ class PrecomputedTeacher(TeacherSource):
         for name, tensor in self.named_tensors():
             if not name.startswith("topk_"):  # a top-k cache's tensors were checked by _check_topk
                 check_tensor(tensor, f"PrecomputedTeacher.{name}")
-            if tensor.requires_grad:
+            if tensor.requires_grad:  # it would silently receive no gradient
                 raise ValueError(
                     f"PrecomputedTeacher.{name} must not require grad (no gradient reaches a cached "
                     "teacher), got a tensor with requires_grad=True; pass tensor.detach()"
@@ -101,10 +96,13 @@ class PrecomputedTeacher(TeacherSource):
             value = self.logits_temperature
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"PrecomputedTeacher.logits_temperature must be a finite float > 0, got {value!r}")
+        # The version counters now: a later in-place change is caught when the loss reads the cache.
         object.__setattr__(self, "_versions", tuple(self._version_of(name, t) for name, t in self.named_tensors()))
+        # What the plan routes on, per instance: this one class holds three kinds of cache.
         kind = "precomputed_logits" if has_logits else "precomputed_hidden" if has_hidden else "precomputed_topk"
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "cache_temperature", self.logits_temperature)
+        # A renormalized top-k cache has no mass off its ids; only a cached head's logits can be soft-capped.
         object.__setattr__(self, "sparse_support", has_topk and self.tail == "renormalize")
         object.__setattr__(self, "reads_head", has_hidden)
 
@@ -128,8 +126,7 @@ class PrecomputedTeacher(TeacherSource):
             raise ValueError(f"PrecomputedTeacher.tail must be one of {TAILS}, got {self.tail!r}")
 
     def _version_of(self, name: str, tensor: torch.Tensor) -> int | None:
-        """The tensor's version counter, or None for a tensor without one, which only a cache
-        declared immutable may hold."""
+        """The tensor's version counter, or None for one without (only in a cache declared immutable)."""
         try:
             return tensor._version
         except RuntimeError as error:  # an inference tensor
@@ -149,8 +146,7 @@ class PrecomputedTeacher(TeacherSource):
     trainable: ClassVar[bool] = False
 
     def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
-        """The cached logits, the cached hidden and head (a trusted inference tensor as an ordinary
-        tensor over the same memory, see :func:`_savable`), or a top-k cache's blocks."""
+        """The cached logits, hidden states and head (each :func:`_savable`), or a top-k cache's blocks."""
         hidden, weight, logits = self.teacher_hidden, self.teacher_weight, self.logits
         return LogitsInputs(
             _savable(hidden), _savable(weight), _savable(logits), self.block_source(vocab_start, vocab_size)
@@ -163,6 +159,7 @@ class PrecomputedTeacher(TeacherSource):
             return None
         logprobs = _savable(self.topk_logprobs)
         assert logprobs is not None
+        # τ once per call, per row: every block of every chunk reads it.
         tail = tail_values(logprobs, self.tail, vocab_size)
         return TopKBlocks.from_cache(self.topk_ids, logprobs, tail, vocab_start)
 
@@ -217,6 +214,7 @@ class PrecomputedTeacher(TeacherSource):
 
     def checked_values(self, real_columns: int) -> list[ValueCheck]:
         if self.logits is not None:
+            # The real columns only (padding is never read); −inf allowed: an impossible token.
             return [ValueCheck("teacher.logits", self.logits[:, :real_columns], True)]
         if self.topk_ids is not None:
             return []  # check_cache_values
@@ -259,26 +257,18 @@ class PrecomputedTeacher(TeacherSource):
 
     @property
     def rows_shifted_locally(self) -> bool:
-        """Whether :meth:`prepare_logits` shifted each row of these (plain, not DTensor) logits by
-        the row's maximum over the columns they hold: on a vocabulary shard, a shift that differs
-        from the other shards' (the tensor-parallel loss rejects such a cache)."""
+        """Whether :meth:`prepare_logits` shifted the rows of these plain (not DTensor) logits by their
+        maximum over the columns they hold, which a tensor-parallel loss rejects."""
         return self._rows_shifted_locally
 
     def prepare_logits(self, dtype: torch.dtype) -> PrecomputedTeacher:
         """A descriptor whose cached logits are ``dtype`` and contiguous (``self`` when they already
         are), with the same ``trust_cache_immutability`` and ``logits_temperature``; a logits cache
-        only.
-
-        As orda-kernel converts a cache (bitwise alike for finite and −inf values), a cast to another
-        dtype first shifts each row by its largest finite value (softmax and the cross-entropy do
-        not see a shift per row), so that a narrower dtype neither overflows nor spends its
-        precision on the row's offset; finite values below the dtype's range become its lowest
-        finite value. NaN and ±inf stay as they are. The shift is
-        taken over the columns the tensor holds: on a DTensor the whole row; plain logits of one
-        vocabulary shard are shifted by the shard's own maximum, which the tensor-parallel loss
-        rejects (cast such a shard with ``logits.to(dtype)`` instead). Made outside inference
-        mode, so the new tensor's changes are watched.
-        """
+        only. As orda-kernel does (bitwise alike for finite and −inf values), a cast to another dtype
+        first shifts each row by its largest finite value and clamps finite values at the dtype's
+        lowest; NaN and ±inf stay. The shift is over the columns the tensor holds: a DTensor's whole
+        rows, but a plain shard's own columns, which the tensor-parallel loss rejects (cast such a
+        shard with ``logits.to(dtype)``). The new tensor is made outside inference mode, so watched."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"PrecomputedTeacher.prepare_logits dtype must be a torch.dtype, got {dtype!r}")
         if dtype not in CACHE_DTYPES:
@@ -294,7 +284,7 @@ class PrecomputedTeacher(TeacherSource):
         if logits.dtype == dtype and logits.is_contiguous():
             return self
         shifted = logits.dtype != dtype
-        with torch.inference_mode(False):
+        with torch.inference_mode(False):  # a tensor with a version counter, whose changes are watched
             prepared = (_shift_rows_and_cast(logits, dtype) if shifted else logits).contiguous()
         teacher = PrecomputedTeacher(
             logits=prepared,
@@ -308,11 +298,11 @@ class PrecomputedTeacher(TeacherSource):
 
 
 def _savable(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """``tensor``, or for an inference tensor (only in a cache declared immutable) an ordinary
-    tensor over the same memory, no copy: autograd refuses to save an inference tensor for the
-    backward, and the cache is promised not to change."""
+    """``tensor``, or for an inference tensor (only in a cache declared immutable) an ordinary tensor
+    over the same memory, no copy: autograd refuses to save an inference tensor for the backward."""
     if tensor is None or not tensor.is_inference():
         return tensor
+    # An ordinary tensor set onto the inference tensor's storage: the same memory, which autograd may save.
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
 
@@ -321,7 +311,11 @@ def _shift_rows_and_cast(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     """``logits − m`` per row, ``m`` the row's largest finite value (0 for a row with none),
     finite results clamped at ``dtype``'s lowest finite value, cast to ``dtype``."""
     finite = torch.isfinite(logits)
+    # Softmax and the CE do not see a shift per row; without the row's offset a narrower dtype neither
+    # overflows nor spends its precision on it.
     top = torch.where(finite, logits, float("-inf")).amax(dim=-1, keepdim=True)
+    # A row without a finite value is not shifted: −inf − (−inf) would be NaN.
     shifted = logits - torch.where(torch.isneginf(top), 0.0, top)
     lowest = torch.finfo(dtype).min
+    # A finite logit stays finite (a possible token stays possible); NaN and ±inf pass unchanged.
     return torch.where(finite, shifted.clamp_min(lowest), shifted).to(dtype)

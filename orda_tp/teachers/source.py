@@ -1,6 +1,5 @@
-"""What the loss asks of a teacher (:class:`TeacherSource`), and the teachers read through an LM
-head: the student's own (:class:`TiedTeacher`), their own (:class:`SeparateTeacher`), or their own
-head module (:class:`TeacherHead`)."""
+"""What the loss asks of a teacher (:class:`TeacherSource`), and the teachers read through an LM head:
+:class:`TiedTeacher`, :class:`SeparateTeacher`, :class:`TeacherHead`."""
 
 from __future__ import annotations
 
@@ -64,15 +63,13 @@ class ExpectedShape(NamedTuple):
 
 
 class SparseLogits(NamedTuple):
-    """A block of logits that holds a few listed values per row and one fill value elsewhere (a
-    top-k cache's block, as the Triton kernels read it, without forming it): entry ``(r, c)`` is
-    ``values[r, m]`` where ``ids[r, m]`` is global column ``c``, else ``fill[r]``. ``ids``: (rows, k)
-    int64, ascending in each row, distinct; ``values``: (rows, k), their order, the same strides;
-    ``fill``: (rows,)."""
+    """A block of logits held as a few listed values per row and one fill value elsewhere (a top-k
+    cache's block, as the Triton kernels read it, never formed): entry ``(r, c)`` is ``values[r, m]``
+    where ``ids[r, m]`` is global column ``c``, else ``fill[r]``."""
 
-    ids: Tensor
-    values: Tensor
-    fill: Tensor
+    ids: Tensor  # (rows, k) int64, ascending in each row, distinct
+    values: Tensor  # (rows, k), in the ids' order, with the same strides
+    fill: Tensor  # (rows,)
 
 
 class TeacherBlocks(Protocol):
@@ -88,14 +85,12 @@ class TeacherBlocks(Protocol):
 
 
 class LogitsInputs(NamedTuple):
-    """Where a teacher's logits come from: ``hidden`` through a head (``weight``, None for the
-    student's own), stored ``logits``, or ``blocks`` the teacher forms itself (a top-k cache);
-    the fields that do not apply are None."""
+    """Where a teacher's logits come from; the fields that do not apply are None."""
 
-    hidden: Tensor | None
-    weight: Tensor | None
-    logits: Tensor | None
-    blocks: TeacherBlocks | None
+    hidden: Tensor | None  # hidden states, read through a head
+    weight: Tensor | None  # that head: the teacher's own, or None for the student's
+    logits: Tensor | None  # stored logits
+    blocks: TeacherBlocks | None  # blocks the teacher forms itself (a top-k cache)
 
 
 class ValueCheck(NamedTuple):
@@ -108,18 +103,15 @@ class ValueCheck(NamedTuple):
 
 
 class TeacherSource:
-    """What the loss asks of a teacher descriptor (defaults for a trainable teacher); a new kind of
-    teacher is one subclass.
+    """What the loss asks of a teacher descriptor (the defaults are a trainable teacher's); a new kind
+    of teacher is one subclass (docs/architecture.md, "… a teacher kind")."""
 
-    ``kind``: "tied", "separate", "precomputed_logits" or "precomputed_hidden" (the plan's
-    routing); ``trainable``: whether a loss term may send it a gradient (a descriptor that is not
-    is a cache: its tensors are watched for in-place changes, :meth:`check_unmodified`, and its
-    values checked where they are read, :meth:`checked_values`); ``default_ce_weight``:
-    ``teacher_ce_weight`` when the call leaves it None.
-    """
-
+    #: The plan's routing: "tied", "separate", "precomputed_logits", "precomputed_hidden" or "precomputed_topk".
     kind: str
+    #: Whether a loss term may send it a gradient. One that may not is a cache: its tensors are watched for
+    #: in-place changes (:meth:`check_unmodified`) and its values checked where read (:meth:`checked_values`).
     trainable: ClassVar[bool] = True
+    #: ``teacher_ce_weight`` when the call leaves it None.
     default_ce_weight: ClassVar[float] = 0.0
     #: The temperature a cache of logits was already divided by, or None.
     cache_temperature: float | None = None
@@ -144,8 +136,7 @@ class TeacherSource:
     def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         """The shapes its tensors must have, in the order they are checked, given the student's
         ``rows`` × ``width`` hidden states and ``label_rows`` labels; ``vocab``: the student head's
-        rows, or None on a vocabulary shard (whose column counts the tensor-parallel handshake
-        compares across ranks)."""
+        rows, or None on a vocabulary shard (whose column counts the handshake compares)."""
         raise NotImplementedError
 
     def localized(self, reader: ShardReader) -> TeacherSource:
@@ -181,14 +172,14 @@ class TeacherSource:
         return []
 
     def settings_text(self) -> str:
-        """``name=value`` lines of what the descriptor says beside its tensors' values (its class,
-        mode, tail, temperature; a tensor by its presence): the same on every rank of a
-        tensor-parallel call."""
+        """``name=value`` lines of what the descriptor says beside its tensors' values (its class, mode,
+        tail, temperature): what every rank of a tensor-parallel call must give alike."""
         lines = [f"teacher={type(self).__name__}"]
         specs: tuple[Field[object], ...] = fields(self) if is_dataclass(self) else ()
         for spec in specs:
             if spec.init:
                 value = getattr(self, spec.name)
+                # A tensor by its presence only: its values are never read here (a host read would synchronize).
                 lines.append(f"teacher.{spec.name}={'<tensor>' if isinstance(value, Tensor) else repr(value)}")
         return "\n".join(lines)
 
@@ -204,10 +195,8 @@ TEACHER_MODES = ("trained", "frozen", "cotrained")
 @dataclass(frozen=True)
 class TiedTeacher(TeacherSource):
     """Teacher hidden states ``hidden`` (BT, H) read through the student's own head ``weight``.
-
     ``mode`` ("trained", "frozen", "cotrained") optionally asserts the role that the loss weights
-    imply; a mismatch raises instead of changing the routing.
-    """
+    imply; a mismatch raises instead of changing the routing."""
 
     hidden: torch.Tensor
     mode: str | None = None
@@ -277,13 +266,10 @@ class SeparateTeacher(TeacherSource):
 class TeacherHead:
     """A separate teacher read through its own LM-head module: hidden states ``hidden`` (BT, D_t)
     and ``head``, a module whose ``weight`` is (V, D_t) (``nn.Linear(D_t, V, bias=False)``, an
-    :class:`orda_tp.DistillationHead`, possibly under ``fully_shard`` or tensor-parallel).
-
-    The loss is that of ``SeparateTeacher(hidden, head.weight)``, with the weight read as the
-    head's forward would read it: when FSDP2 holds it sharded over data parallelism (outside its
-    module's forward) it is gathered for the call and released afterwards. Such a gathered weight
-    sends no gradient back to FSDP's shards, so it must not require grad (a frozen teacher).
-    """
+    :class:`orda_tp.DistillationHead`, possibly under ``fully_shard`` or tensor-parallel). The loss
+    is that of ``SeparateTeacher(hidden, head.weight)``, the weight read as the head's forward
+    would: where FSDP2 holds it sharded it is gathered for the call and released afterwards, and
+    then must not require grad (a gathered weight sends no gradient back to FSDP's shards)."""
 
     hidden: torch.Tensor
     head: nn.Module

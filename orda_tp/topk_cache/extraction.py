@@ -1,26 +1,7 @@
-"""A teacher's top-k log-probabilities, extracted without its (tokens × vocab) logits.
-
+"""A teacher's top-k log-probabilities, extracted without its (tokens × vocab) logits:
 :func:`teacher_topk` (from hidden states and an LM head) and :func:`teacher_topk_of_logits` (from
-logits a caller holds) return, for every row, the ``k`` largest log-probabilities of the scaled
-teacher ``t = cap(z)/T`` (``z`` the logits, ``cap(z) = c·tanh(z/c)`` with ``logit_softcap=c``),
-their global vocabulary ids and the row's log-partition over the real vocabulary::
-
-    log_partition = LSE_{j < V} t_j,        logprobs = t_{ids} − log_partition
-
-ordered by log-probability, largest first, and among equal values by id, lowest first (the order
-of :mod:`orda_tp.engine.topk_rows`, the same on every backend and for every sharding). Padding
-columns (at or past ``vocab_size``) are never read. The rows are walked in chunks whose fp32
-logits fit the workspace (``KernelConfig.workspace_mib``, default :data:`WORKSPACE_MIB`); on CUDA
-the Triton kernel (:mod:`orda_tp.kernels.topk`) reads each chunk's logits once, elsewhere the
-torch backend sorts them block by block (``KernelConfig.vocab_block`` columns); "reference" forms
-each rank's logits in fp64 at once, the oracle.
-
-Under tensor parallelism (``tp_group``, or a DTensor head ``Shard(0)`` / logits ``Shard(1)``)
-every rank passes its vocabulary shard (in rank order) and the same hidden rows; each rank's
-candidates and log-partition are gathered once per chunk and merged, so every rank returns the
-same, single-device result. The result is what ``PrecomputedTeacher(topk_ids=, topk_logprobs=)``
-reads (:meth:`TeacherTopK.teacher`) and what :mod:`orda_tp.topk_cache` stores.
-"""
+logits a caller holds), on one device or over a tensor-parallel group (docs/architecture.md, "The
+top-k extraction")."""
 
 from __future__ import annotations
 
@@ -51,8 +32,8 @@ __all__ = ["TeacherTopK", "TopKPlan", "teacher_topk", "teacher_topk_of_logits"]
 
 class TeacherTopK(NamedTuple):
     """Per row: ``ids`` (rows, k) int64 global vocabulary ids, ``logprobs`` (rows, k) their
-    log-probabilities (fp32; fp64 for fp64 inputs), largest first, and ``log_partition`` (rows,)
-    the ``LSE`` of the scaled logits over the real vocabulary."""
+    log-probabilities ``t_ids − log_partition`` (fp32; fp64 for fp64 inputs), largest first, and
+    ``log_partition`` (rows,) the ``LSE`` of the scaled logits ``t`` over the real vocabulary."""
 
     ids: Tensor
     logprobs: Tensor
@@ -65,11 +46,9 @@ class TeacherTopK(NamedTuple):
 
 @dataclass(frozen=True)
 class TopKPlan:
-    """What an extraction computes: the ``k`` best columns of ``cap(z)/temperature``
-    (``logit_softcap`` the cap, None for none) over a real vocabulary of ``vocab_size`` columns
-    (None: every column), on the ``backend`` asked for, with its execution settings (``config``;
-    the handshake's host checks always run: an extraction is offline, and a head that is not a
-    vocabulary shard must raise on every rank)."""
+    """What an extraction computes: the ``k`` best columns of ``cap(z)/temperature`` (``logit_softcap``
+    the cap, None for none) over a real vocabulary of ``vocab_size`` columns (None: every column), on
+    the ``backend`` asked for, with its execution settings (``config``)."""
 
     k: int
     temperature: float
@@ -94,6 +73,7 @@ class TopKPlan:
             else check_number("logit_softcap", logit_softcap, positive=True),
             vocab_size=None if vocab_size is None else check_count("vocab_size", vocab_size, 1),
             backend=check_choice("backend", backend, BACKENDS),
+            # Host checks always: an extraction is offline, and a head that is not a shard must raise on every rank.
             config=ExecutionConfig(**{**vars(own), "host_checks": True}),
         )
 
@@ -113,6 +93,7 @@ def _check_tp_group(tp_group: object, mesh_group: dist.ProcessGroup | None) -> d
 def _local_shard(head: HeadShard, rows: int, plan: TopKPlan, replicated: tuple[str, Tensor] | None) -> LocalShard:
     """This rank's share for the handshake: its head, ``rows`` rows (as labels, which every rank
     must agree on; the extraction reads none) and the tensor every rank must hold alike."""
+    # Stand-in labels (zeros, never read): through them the handshake checks every rank's row count.
     labels = torch.zeros(rows, dtype=torch.int64, device=head.tensor.device)
     return LocalShard(
         head=head, labels=labels, vocab_size=plan.vocab_size, replicated=(replicated,) if replicated else ()
@@ -149,12 +130,18 @@ def teacher_topk(
     backend: str = "auto",
     config: ExecutionConfig | None = None,
 ) -> TeacherTopK:
-    """The top-``k`` log-probabilities of the teacher ``hidden · weightᵀ`` (module docstring).
+    """The ``k`` largest log-probabilities per row of the teacher ``t = cap(z)/temperature``,
+    ``z = hidden · weightᵀ`` (``cap(z) = c·tanh(z/c)`` with ``logit_softcap=c``), over the real
+    vocabulary, without the (rows × V) logits: a :class:`TeacherTopK`, largest first, equal values
+    by id, lowest first (the same on every backend and sharding). Runs without autograd.
 
     ``hidden`` (rows, H): the teacher's final hidden states, the same on every rank of a group (a
-    DTensor: Replicate); ``weight`` (V_local, H): its LM head, or this rank's vocabulary shard
-    with ``tp_group`` (a DTensor: ``Shard(0)``); ``vocab_size``: the real vocabulary, when the
-    head has padding rows past it. Runs without autograd."""
+    DTensor: Replicate); ``weight`` (V_local, H): its LM head, or this rank's vocabulary shard with
+    ``tp_group`` (shards in rank order; a DTensor: ``Shard(0)``), every rank then returning the same
+    result. ``vocab_size``: the real vocabulary, when the head has padding rows past it (never read).
+    ``backend``: "auto" (Triton on CUDA with fp32 statistics and ``k ≤ 256``, else "torch"),
+    "triton", "torch" or "reference" (fp64). ``config``: its ``chunk_size``, ``workspace_mib`` and
+    ``vocab_block``."""
     with raised_on_every_rank(lambda: call_group(weight, tp_group)):
         plan = TopKPlan.checked(k, temperature, logit_softcap, vocab_size, backend, config)
         check_floating("hidden", hidden, "(rows, hidden)", dims=2)
@@ -171,6 +158,7 @@ def teacher_topk(
                 f"{tuple(local_weight.shape)}"
             )
         check_same_device("hidden", local_hidden.device, [("weight", local_weight)])
+        # Every rank must pass the same hidden rows: the handshake compares them.
         replicated = ("hidden", local_hidden) if group is not None else None
         shard = _local_shard(HeadShard("weight", local_weight, 0), local_hidden.shape[0], plan, replicated)
     dtype = statistics_dtype(local_hidden, local_weight)
@@ -227,12 +215,14 @@ def _local_topk(call: Call[TopKPlan], source: SideLogits, begin: int, end: int, 
     whole = math is None or math.whole_blocks
     width = real if whole else min(plan.config.vocab_block, real)
     as_stored = math is not None and math.reads_stored_cache
+    # The kernels take a formed block in fp32 and stored logits as stored; the others, blocks in ``dtype``.
     block_dtype = torch.float32 if as_stored else dtype
     topk = block_topk if math is None else math.topk
     found: TopKRows | None = None
     for start in range(0, real, width):
         block = source.block(begin, end, start, min(real, start + width), block_dtype, as_stored)
         part = topk(block, plan.k, first_id + start, plan.temperature, plan.logit_softcap)
+        # Merged block by block: a row holds k candidates at a time, whatever the vocabulary.
         found = part if found is None else merge_topk([found, part], plan.k)
     assert found is not None
     return found
@@ -252,6 +242,7 @@ def _merged_across(call: Call[TopKPlan], local: TopKRows) -> TopKRows:
     all-gather of ``(rows, 2k + 1)`` int64 and merged (the same on every rank)."""
     assert call.exchange is not None
     k, dtype = call.plan.k, local.values.dtype
+    # One int64 all-gather: the values and log-sums travel as their bit patterns, exactly.
     packed = torch.cat([_as_int64(local.values), local.ids, _as_int64(local.log_sum[:, None])], dim=1)
     parts = [
         TopKRows(_from_int64(part[:, :k], dtype), part[:, k : 2 * k], _from_int64(part[:, 2 * k], dtype))
@@ -266,7 +257,7 @@ def _extract(call: Call[TopKPlan], source: SideLogits, dtype: torch.dtype) -> Te
     chunk: the workspace's (:func:`~orda_tp.engine.workspace.row_layout`, a chunk's logits over the
     widest shard in ``dtype``); the reference backend walks every row at once, in fp64."""
     plan, layout, rows, device = call.plan, call.layout, call.labels.shape[0], call.labels.device
-    if call.math is None:
+    if call.math is None:  # the reference: every row at once, in fp64
         dtype, chunk = torch.float64, max(rows, 1)
     else:
         shards, workspace = layout.world_size, layout.workspace_mib
@@ -282,6 +273,7 @@ def _extract(call: Call[TopKPlan], source: SideLogits, dtype: torch.dtype) -> Te
         # Relative to the row's best value: a peaked row's log-probabilities stay as exact as log_softmax's.
         logprobs[begin:end] = (found.values - found.values[:, :1]) - found.log_sum[:, None]
     bad = ~torch.isfinite(log_partition)
+    # One host read; the merged values are the same on every rank, so every rank raises alike.
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         raise ValueError(

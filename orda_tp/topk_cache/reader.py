@@ -47,6 +47,7 @@ class TopKCacheReader:
                     f"{shard.path} has other settings than {self.shards[0].path} (this != first): "
                     + "; ".join(mismatched)
                 )
+            # The shards must tile [0, num_tokens): a gap or an overlap names the rows.
             if shard.start > end:
                 raise ValueError(f"{self.directory} misses rows [{end}, {shard.start}): no shard holds them")
             if shard.start < end:
@@ -79,6 +80,7 @@ class TopKCacheReader:
             )
         start, stop = int(start), int(stop)
         parts = []
+        # The shard holding start: the last whose first offset is at most start.
         index = max(0, bisect_right(self._starts, start) - 1)
         while index < len(self.shards) and self.shards[index].start < stop:
             shard = self.shards[index]
@@ -97,7 +99,7 @@ class TopKCacheReader:
             raise TypeError(
                 f"offsets must be a 1-D integer tensor, got {getattr(offsets, 'shape', type(offsets).__name__)}"
             )
-        offsets = offsets.detach().to("cpu", torch.int64)
+        offsets = offsets.detach().to("cpu", torch.int64)  # the shards are read on the host
         if offsets.numel() and (int(offsets.min()) < 0 or int(offsets.max()) >= self.num_tokens):
             raise ValueError(
                 f"offsets must lie in [0, num_tokens={self.num_tokens}), got values in "
@@ -105,10 +107,12 @@ class TopKCacheReader:
             )
         ids = torch.empty(offsets.numel(), self.settings.k, dtype=torch.int64)
         logprobs = torch.empty(offsets.numel(), self.settings.k)
+        # Each offset's shard: the last whose first offset is at most it.
         owner = torch.searchsorted(torch.tensor(self._starts), offsets, right=True) - 1
         for index in owner.unique().tolist():
             where = (owner == index).nonzero().squeeze(1)
             local = offsets[where] - self.shards[index].start
+            # One read per shard, over the span of its requested rows.
             low = int(local.min())
             part_ids, part_logprobs = self._read(index, low, int(local.max()) + 1)
             ids[where], logprobs[where] = part_ids[local - low], part_logprobs[local - low]
@@ -128,8 +132,9 @@ class TopKCacheReader:
         if handle is None:
             handle = safe_open(self.shards[index].path, framework="pt")
         self._handles[index] = handle  # the most recently read, last
-        if len(self._handles) > OPEN_SHARDS:
+        if len(self._handles) > OPEN_SHARDS:  # the least recently read closes: each holds a file and its map
             self._handles.popitem(last=False)
         ids = handle.get_slice("ids")[begin:end]
         logprobs = handle.get_slice("logprobs")[begin:end]
+        # float32 holds every stored float16 and bfloat16 value exactly: the upcast changes nothing.
         return ids.to(torch.int64), logprobs.to(torch.float32)

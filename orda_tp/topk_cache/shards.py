@@ -26,6 +26,7 @@ __all__ += ["shard_name", "shard_offsets", "temporary_name"]
 
 FORMAT, FORMAT_VERSION = "orda_tp.topk_cache", "1"
 LOGPROB_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# shard_name's twelve digits, or more past 10¹² rows; a hidden temporary file does not match.
 _SHARD = re.compile(r"topk-(\d{12,})\.safetensors")
 _STORED_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16}
 _STORED_DTYPES["F32"] = torch.float32
@@ -84,7 +85,7 @@ class CacheSettings:
             "version": FORMAT_VERSION,
             "vocab_size": str(self.vocab_size),
             "k": str(self.k),
-            "temperature": repr(self.temperature),
+            "temperature": repr(self.temperature),  # repr: the float reads back exactly
             "logit_softcap": cap,
             "teacher": self.teacher,
             "logprob_dtype": _dtype_name(self.logprob_dtype),
@@ -128,11 +129,14 @@ def head_digest(weight: Tensor) -> str:
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if is_dtensor(weight):
         weight = weight.full_tensor()
+    # Row-major bytes on the host: the digest depends on neither the device nor the strides.
     flat = weight.detach().to("cpu").contiguous().reshape(-1)
+    # The dtype and shape first: the same bytes as another dtype or shape hash differently.
     digest = hashlib.sha256(f"{_dtype_name(flat.dtype)}|{tuple(weight.shape)}|".encode())
     step = max(1, (64 << 20) // max(1, flat.element_size()))  # hash 64 MiB at a time
     for begin in range(0, flat.numel(), step):
         part = flat[begin : begin + step]
+        # The raw bytes through ctypes, not NumPy, which has no bfloat16.
         digest.update(ctypes.string_at(part.data_ptr(), part.numel() * part.element_size()))
     return digest.hexdigest()[:16]
 
@@ -159,7 +163,7 @@ class Shard(NamedTuple):
 def open_shard(path: str, start: int) -> Shard:
     """Read and check a shard's header: metadata, offset, tensors' shapes and dtypes, file size."""
     try:
-        with open(path, "rb") as file:
+        with open(path, "rb") as file:  # safetensors' first 8 bytes: the header's length, little-endian
             header_bytes = int.from_bytes(file.read(8), "little")
         handle = safe_open(path, framework="pt")
         metadata = handle.metadata() or {}
@@ -181,6 +185,7 @@ def open_shard(path: str, start: int) -> Shard:
         if shape != [rows, settings.k] or stored != dtype:
             raise ValueError(f"{path}: {name} is {stored} {shape}, its metadata says {dtype} {[rows, settings.k]}")
         size += rows * settings.k * dtype.itemsize
+    # The file must be exactly the header and the tensors it declares: a truncated write shows here.
     actual = os.path.getsize(path)
     if actual != size:
         raise ValueError(f"{path} is {actual} bytes, its header says {size}: a truncated or corrupt shard")

@@ -28,9 +28,10 @@ def stored_logprobs(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
     nearest its k values can sum past 1 by ``Σ p·|l|·2⁻¹¹`` in float16, which
     :class:`~orda_tp.PrecomputedTeacher` refuses), which are rounded toward −inf (:func:`rounded_down`)."""
     stored = logprobs.to(dtype)
+    # Only the rows whose rounded mass exceeds 1 are rounded down: the rest keep round-to-nearest's accuracy.
     over = torch.exp(stored.double()).sum(dim=1) > 1
     if bool(over.any()):
-        stored[over] = rounded_down(logprobs[over], dtype)
+        stored[over] = rounded_down(logprobs[over], dtype)  # in place: only those rows change
     return stored
 
 
@@ -46,8 +47,10 @@ def rounded_down(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
             if dtype == logprobs.dtype
             else stored.where(stored.to(logprobs.dtype) <= logprobs, stored.nextafter(stored.new_tensor(float("-inf"))))
         )
+    # Sign and magnitude: for y ≤ 0 the next value down has bits + 1; from ±0, the smallest negative subnormal.
     bits = stored.view(torch.int16)
     lower = torch.where(stored == 0, torch.full_like(bits, _SMALLEST_NEGATIVE), bits + 1).view(dtype)
+    # Stepped down only where rounding to nearest went up.
     return torch.where(stored.to(logprobs.dtype) > logprobs, lower, stored)
 
 
@@ -62,6 +65,7 @@ def _check_rows(ids: object, logprobs: object, settings: CacheSettings) -> tuple
         raise ValueError(
             f"ids and logprobs must both be (rows, k={settings.k}), got {tuple(ids.shape)} and {tuple(logprobs.shape)}"
         )
+    # Shards are written from the host: the rows are checked there, once, before they are buffered.
     ids, logprobs = ids.detach().to("cpu"), logprobs.detach().to("cpu")
     bad = (ids < 0) | (ids >= settings.vocab_size)
     if bool(bad.any()):
@@ -99,7 +103,7 @@ class TopKCacheWriter:
         self.settings = settings
         self.start = check_count("start", start, 0)
         self.rows_per_shard = check_count("rows_per_shard", rows_per_shard, 1)
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, exist_ok=True)  # writers of one directory start at once
         self._flushed = self.start + _resumed_rows(self.directory, settings, self.start, check_flag("resume", resume))
         self._buffer: list[tuple[Tensor, Tensor]] = []
         self._buffered = 0
@@ -129,6 +133,7 @@ class TopKCacheWriter:
         ids, logprobs = _check_rows(ids, logprobs, self.settings)
         self._buffer.append((ids.to(self.settings.ids_dtype), stored_logprobs(logprobs, self.settings.logprob_dtype)))
         self._buffered += ids.shape[0]
+        # Full shards now; a shorter remainder waits for more rows or for close().
         while self._buffered >= self.rows_per_shard:
             self._flush(self.rows_per_shard)
 
@@ -145,11 +150,13 @@ class TopKCacheWriter:
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
     ) -> None:
+        # Also on an exception: every row appended so far is complete and checked, so it is written.
         self.close()
 
     def _flush(self, rows: int) -> None:
         """Write the first ``rows`` buffered rows as the shard at the next offset."""
         start, name = self._flushed, shard_name(self._flushed)
+        # Another writer's shard inside this range: ranges must be disjoint, and nothing is overwritten.
         for offset in shard_offsets(self.directory):
             if start <= offset < start + rows:
                 raise FileExistsError(
@@ -160,12 +167,14 @@ class TopKCacheWriter:
         logprobs = torch.cat([pair[1] for pair in self._buffer])
         metadata = self.settings.metadata() | {"start": str(start), "rows": str(rows)}
         data = safetensors_save({"ids": ids[:rows].contiguous(), "logprobs": logprobs[:rows].contiguous()}, metadata)
+        # A hidden temporary name, synced, then renamed: a crash never leaves a partial shard under a shard's name.
         temporary = os.path.join(self.directory, temporary_name(start))
         with open(temporary, "wb") as file:
             file.write(data)
             file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, os.path.join(self.directory, name))
+            os.fsync(file.fileno())  # the bytes are on disk before the name says the shard is complete
+        os.replace(temporary, os.path.join(self.directory, name))  # atomic: readers see the whole shard or none
+        # The rows past this shard stay buffered, as one piece.
         self._buffer = [(ids[rows:], logprobs[rows:])] if rows < ids.shape[0] else []
         self._flushed += rows
         self._buffered -= rows
