@@ -338,7 +338,7 @@ ERRORS = [
     ({"kl_alpha": 0.5}, {}, ValueError, "kl_alpha=0.5 is not used by kl_divergence='forward'"),
     ({"kl_divergence": "renyi", "kl_alpha": 3.0}, {}, ValueError, "kl_alpha must lie in"),
     ({"kl_alfa": 0.5}, {}, TypeError, "got an unexpected keyword argument 'kl_alfa' (the variant keywords are"),
-    ({"backend": "reference"}, {}, ValueError, "backend must be one of ['auto', 'torch', 'triton'], got 'reference'"),
+    ({"backend": "reference"}, {}, ValueError, "backend must be one of ['auto', 'triton', 'torch'], got 'reference'"),
     ({"tp_group": "world"}, {}, TypeError, "tp_group must be a torch.distributed ProcessGroup or None, got str"),
     ({}, {"teacher": lambda t: t[..., :-1]}, ValueError, "teacher_logits must have student_logits' shape (2, 5, 37)"),
     ({}, {"labels": lambda y: y.reshape(-1)}, ValueError, "labels must have shape (2, 5) (student_logits' leading"),

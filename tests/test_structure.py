@@ -1,7 +1,7 @@
 """The shape of the code, kept as the engine was simplified to (docs/architecture.md, "Reading a call").
 
 - One ``distillation_loss`` call (forward and backward, reverse KL, tied teacher, 8 × 64 rows) runs
-  named functions of at most 12 files and 55 functions of orda_tp on the torch backend (56 on the
+  named functions of at most 13 files and 55 functions of orda_tp on the torch backend (56 on the
   Triton backend, whose launches take one more helper), so that a reader
   follows it top to bottom: api → options → plan → row walker → block math / kernels.
 - No module of orda_tp is over 400 lines, no function over 60 lines (its docstring aside).
@@ -9,6 +9,9 @@
   blocks included), so each module can be read after the ones it uses.
 - No import runs up the floors (:data:`FLOORS`, the same imports counted), so the house reads
   bottom-up: a floor's modules use those of their own floor and of the floors below.
+- Comments say why and docstrings state contracts: comment lines (whose text starts with ``#``) are
+  at least :data:`MIN_COMMENT_SHARE` of the package's lines, docstring lines (every line of a
+  module's, class's or function's docstring) at most :data:`MAX_DOCSTRING_SHARE`.
 - One call pipeline: the steps every door shares after its own checks (the rank-consistent error
   path, the default workspace, the label range, the exchange, the backend choice) are taken in
   ``engine/call.py`` alone (:data:`PIPELINE_STEPS`), and rows per chunk come from the one
@@ -58,6 +61,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 )
 
 
+MIN_COMMENT_SHARE, MAX_DOCSTRING_SHARE = 0.03, 0.15
 #: The steps of every door's path: called in ``engine/call.py`` and nowhere else in the package.
 PIPELINE_STEPS = ("fail_on_every_rank", "default_workspace_mib", "check_label_range", "ShardExchange", "select_backend")
 #: The walks that size their chunks by the workspace rule (``row_layout``).
@@ -254,3 +258,30 @@ def test_one_call_pipeline_under_every_door() -> None:
             if called == "row_layout" and module not in CHUNKED_WALKS:
                 misplaced.append(f"{module} calls row_layout (the walks alone: {CHUNKED_WALKS})")
     assert not misplaced, "\n".join(misplaced)
+
+
+def _docstring_line_numbers(tree: ast.Module) -> set[int]:
+    """The lines of every module, class and function docstring of ``tree``."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return lines
+
+
+def test_comments_say_why_and_docstrings_state_contracts() -> None:
+    total = comments = docstrings = 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        total += len(lines)
+        comments += sum(1 for line in lines if line.strip().startswith("#"))
+        docstrings += len(_docstring_line_numbers(ast.parse(text)))
+    assert comments >= MIN_COMMENT_SHARE * total, f"{comments} comment lines of {total}"
+    assert docstrings <= MAX_DOCSTRING_SHARE * total, f"{docstrings} docstring lines of {total}"

@@ -38,7 +38,7 @@ __all__ = [
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 #: The logits-level losses read logits; "reference" builds them from hidden states.
-LOGITS_BACKENDS = ("auto", "torch", "triton")
+LOGITS_BACKENDS = tuple(name for name in BACKENDS if name != "reference")
 REDUCTIONS = ("mean", "sum", "none")
 PROFILE_NAMES = tuple(sorted(PROFILES))
 
