@@ -116,7 +116,8 @@ def _run(
         with _readable_teacher(teacher, options.reduction) as source:
             return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
     # Tensor parallelism: a group is given, or some tensor is a DTensor (whose mesh names the group).
-    given = [student_hidden, weight, labels, *(t for _, t in getattr(teacher, "named_tensors", list)())]
+    held = [tensor for _, tensor in teacher.named_tensors()] if isinstance(teacher, TeacherSource) else []
+    given = [student_hidden, weight, labels, *held]
     sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in given)
     group = call_group(weight, options.tp_group) if sharded else None
     checks = shard_inputs if sharded else _one_device_inputs
