@@ -1,15 +1,52 @@
-"""A teacher's top-k log-probabilities on disk: a directory of safetensors shards, each a contiguous
-range of global token offsets, that many writers fill at once (:class:`TopKCacheWriter`) and
-:class:`TopKCacheReader` reads back checked (docs/guide.md, "Top-k teacher caches"; the shard format
-and errors: docs/reference.md, "Top-k extraction and caches").
+"""A teacher's top-k log-probabilities: extracted without its logits (:mod:`.extraction`,
+``orda_tp.teacher_topk``), and on disk as a directory of safetensors shards, each a contiguous range
+of global token offsets, that many writers fill at once (:class:`TopKCacheWriter`) and
+:class:`TopKCacheReader` reads back checked (docs/guide.md, "Top-k teacher caches"; the shard
+format and errors: docs/reference.md, "Top-k extraction and caches").
 
 ``from orda_tp.topk_cache import CacheSettings, TopKCacheWriter, TopKCacheReader, head_digest``
-(``import orda_tp`` does not import this module: it needs ``pip install 'orda_tp[cache]'``).
+needs ``pip install 'orda_tp[cache]'`` (safetensors); the extraction, which ``import orda_tp``
+imports, does not: the cache's names are imported when first named.
 """
 
-from .reader import OPEN_SHARDS, TopKCacheReader
-from .shards import FORMAT, FORMAT_VERSION, LOGPROB_DTYPES, CacheSettings, head_digest, shard_name
-from .writer import TopKCacheWriter, stored_logprobs
+from __future__ import annotations
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "LOGPROB_DTYPES", "OPEN_SHARDS", "CacheSettings", "TopKCacheReader"]
-__all__ += ["TopKCacheWriter", "head_digest", "shard_name", "stored_logprobs"]
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from .extraction import TeacherTopK, TopKPlan, teacher_topk, teacher_topk_of_logits
+
+if TYPE_CHECKING:
+    from .reader import OPEN_SHARDS, TopKCacheReader
+    from .shards import FORMAT, FORMAT_VERSION, LOGPROB_DTYPES, CacheSettings, head_digest, shard_name
+    from .writer import TopKCacheWriter, stored_logprobs
+
+# The cache's names and their modules, which import safetensors (an optional extra).
+_CACHE = {name: ".reader" for name in ("OPEN_SHARDS", "TopKCacheReader")}
+_CACHE |= {name: ".shards" for name in ("FORMAT", "FORMAT_VERSION", "LOGPROB_DTYPES", "CacheSettings")}
+_CACHE |= {name: ".shards" for name in ("head_digest", "shard_name")}
+_CACHE |= {name: ".writer" for name in ("TopKCacheWriter", "stored_logprobs")}
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LOGPROB_DTYPES",
+    "OPEN_SHARDS",
+    "CacheSettings",
+    "TeacherTopK",
+    "TopKCacheReader",
+    "TopKCacheWriter",
+    "TopKPlan",
+    "head_digest",
+    "shard_name",
+    "stored_logprobs",
+    "teacher_topk",
+    "teacher_topk_of_logits",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """A cache name, imported when first named (PEP 562): ``import orda_tp`` needs no safetensors."""
+    if name not in _CACHE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_CACHE[name], __name__), name)
