@@ -185,22 +185,27 @@ def build_student(args: argparse.Namespace, runtime: Runtime) -> LlamaForCausalL
 # ---- the teacher's top-k -----------------------------------------------------------------------
 
 
-def extract_topk(teacher: LlamaForCausalLM, inputs: Tensor, k: int, runtime: Runtime) -> orda_tp.TeacherTopK:
-    """The teacher's top-``k`` log-probabilities at every position of ``inputs``, ``(batch · seq, k)`` rows in
-    row-major order, from its final hidden states and this rank's vocabulary shard of its head."""
+def extract_topk(
+    teacher: LlamaForCausalLM, inputs: Tensor, k: int, temperature: float, runtime: Runtime
+) -> orda_tp.TeacherTopK:
+    """The teacher's top-``k`` log-probabilities at ``temperature`` (the training's: the cache is then the
+    teacher the loss reads, as it is) at every position of ``inputs``, ``(batch · seq, k)`` rows in row-major
+    order, from its final hidden states and this rank's vocabulary shard of its head."""
     with torch.no_grad():
         hidden = final_hidden(teacher, inputs)
     # A tensor-parallel teacher holds only its shard; this replicated one takes its rows of the head (rank order).
     head_shard = teacher.lm_head.weight.chunk(runtime.world_size)[runtime.rank]
-    return orda_tp.teacher_topk(hidden.reshape(-1, hidden.shape[-1]), head_shard, k, tp_group=runtime.group)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return orda_tp.teacher_topk(rows, head_shard, k, temperature=temperature, tp_group=runtime.group)
 
 
 def cache_settings(teacher_name: str, args: argparse.Namespace) -> CacheSettings:
-    """What the cache holds: log-probabilities of the untempered, uncapped teacher ``teacher_name``."""
+    """What the cache holds: log-probabilities of the uncapped teacher ``teacher_name`` at the training's
+    temperature."""
     return CacheSettings(
         vocab_size=args.vocab,
         k=args.k,
-        temperature=1.0,
+        temperature=args.temperature,
         logit_softcap=None,
         teacher=teacher_name,
         logprob_dtype=STORED_DTYPE,
@@ -223,7 +228,7 @@ def write_cache(
         if runtime.rank == 0:
             writer = stack.enter_context(TopKCacheWriter(directory, settings, start=0))
         for batch in batches:
-            topk = extract_topk(teacher, batch.inputs, args.k, runtime)
+            topk = extract_topk(teacher, batch.inputs, args.k, args.temperature, runtime)
             mass += topk.logprobs.exp().sum(dim=1).sum()
             if writer is not None:
                 writer.append(topk)
@@ -283,7 +288,7 @@ def check_rows(
     rows, exact = 0, True
     for batch in batches:
         ids, logprobs = (rows.to(runtime.device) for rows in reader.rows(batch.start, batch.stop))
-        online = extract_topk(teacher, batch.inputs, args.k, runtime)
+        online = extract_topk(teacher, batch.inputs, args.k, args.temperature, runtime)
         exact &= torch.equal(ids, online.ids) and torch.equal(
             logprobs, stored_logprobs(online.logprobs.cpu(), STORED_DTYPE).to(logprobs)
         )
@@ -341,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The student's settings: a cache of another vocabulary, k, temperature or teacher raises here (a job
     # without the teacher at hand passes teacher=None, or the name it was written with).
-    reader.check(vocab_size=args.vocab, k=args.k, temperature=1.0, logit_softcap=None, teacher=teacher_name)
+    reader.check(
+        vocab_size=args.vocab, k=args.k, temperature=args.temperature, logit_softcap=None, teacher=teacher_name
+    )
     rows_ok = check_rows(reader, teacher, batches, args, runtime)
     cached = train_student(
         build_student(args, runtime),
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     online = train_student(
         build_student(args, runtime),
-        lambda batch: extract_topk(teacher, batch.inputs, args.k, runtime).teacher(tail=TAIL),
+        lambda batch: extract_topk(teacher, batch.inputs, args.k, args.temperature, runtime).teacher(tail=TAIL),
         batches,
         args,
     )

@@ -129,7 +129,7 @@ def _kd_loss(
         lambda: call_text(options.settings_text, teacher_text, token_weights, ("num_batch_labels", num_batch_labels)),
     )
     # No student CE, the mean over valid rows, a frozen teacher of given logits: NeMo's loss.
-    plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size)
+    plan = LossPlan.for_logits(options, 0.0, "mean", "precomputed_logits", layout.vocab_size, cache)
     # Any leading shape becomes rows, as the labels did.
     student = checked.student.reshape(-1, checked.student.shape[-1])
     teacher: TeacherBlocks

@@ -38,7 +38,7 @@ def compare(
         teacher_ce_weight=0.4 if tail == "uniform" else 0.0, label_smoothing=0.1, reduction=reduction,
         vocab_size=vocab_size, **VARIANT_KWARGS[variant],
     )  # fmt: skip
-    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, tail=tail)
+    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, tail=tail, retemper=True)
     config = None if backend == "reference" else SMALL_CHUNKS
     out = orda_tp.distillation_loss(
         problem.student_hidden, problem.weight, problem.labels, cache, backend=backend, config=config, **kwargs
@@ -94,7 +94,7 @@ def test_renormalized_cache_refuses_variants_infinite_without_support(variant: s
             **VARIANT_KWARGS[variant],  # type: ignore[arg-type]
         )  # fmt: skip
     # The same cache with another tail, or without a KL term, is fine.
-    uniform = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
+    uniform = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, retemper=True)
     out = orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, uniform, kl_weight=1.0)
     assert torch.isfinite(out.loss)
 
@@ -117,7 +117,7 @@ def test_the_cache_is_read_in_chunks_never_densified() -> None:
 
     problem = make_problem(rows=16, vocab=VOCAB, seed=4)
     ids, logprobs = topk_of(problem.teacher_logits, K)
-    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
+    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, retemper=True)
     seen: list[tuple[int, int]] = []
     original = TopKBlocks.block
 
@@ -143,7 +143,7 @@ def test_the_sparse_block_reads_as_the_dense_block() -> None:
     vocab, rows, k, vocab_start, start, stop = 1000, 5, 11, 200, 150, 550
     logits = torch.randn(rows, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     ids, logprobs = topk_of(logits, k)
-    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
+    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, retemper=True)
     blocks = cache.block_source(vocab_start=vocab_start, vocab_size=vocab)
     assert blocks is not None
     dense = blocks.block(1, 4, start, stop, torch.float64, as_stored=False)
@@ -244,7 +244,7 @@ def test_kdloss_takes_a_topk_cache_in_place_of_teacher_logits(variant: str, tail
     labels = torch.randint(0, VOCAB, (2, 7), generator=generator)
     labels[0, ::3] = -100
     ids, logprobs = topk_of(teacher_logits.reshape(-1, VOCAB), K)
-    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs.to(dtype), tail=tail)
+    cache = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs.to(dtype), tail=tail, retemper=True)
     keywords = dict(temperature=1.5, kl_divergence=variant, chunk_size=5, backend=backend, **VARIANT_KWARGS[variant])
     loss = orda_tp.KDLoss(**keywords)(student, cache, labels)  # type: ignore[arg-type]
     (grad,) = torch.autograd.grad(loss, student)

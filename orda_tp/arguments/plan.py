@@ -43,6 +43,32 @@ def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weig
         )
 
 
+def _teacher_temperature(
+    options: LossOptions, teacher: TeacherSource, teacher_ce_weight: float, vocab_size: int
+) -> float:
+    """What the loss divides the teacher's values by: its teacher temperature (``kl_teacher_temperature``,
+    else ``kl_temperature``); 1 for a cache of logits already divided by one (used as it is); for a
+    top-k cache, the ratio to the temperature it was made at (1: as it is), where the cache allows it."""
+    tempered = teacher.cache_temperature
+    if tempered is not None:
+        _check_tempered_cache(options, tempered, teacher_ce_weight)
+        return 1.0
+    given = options.kl_teacher_temperature
+    temperature = options.kl_temperature if given is None else given
+    made_at = teacher.made_at_temperature
+    if made_at is None:
+        return temperature
+    # The teacher CE reads the teacher at T = 1: a cache made at another one cannot give it.
+    if teacher_ce_weight > 0 and made_at != 1.0:
+        raise ValueError(
+            f"teacher_ce_weight={teacher_ce_weight} asks for the teacher CE at temperature 1, but the top-k cache "
+            f"was made at topk_temperature={made_at!r}; pass teacher_ce_weight=0.0"
+        )
+    if options.kl_weight > 0:
+        teacher.check_read_at(temperature, vocab_size)
+    return temperature / made_at
+
+
 def check_sparse_teacher(divergence: Divergence, params: DivergenceParams) -> None:
     """Refuse a variant that is +inf on every row of a teacher without mass outside its top-k ids
     (a ``PrecomputedTeacher(tail="renormalize")``, for the fused and the logits-level losses)."""
@@ -59,7 +85,13 @@ def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight
     """What a cache cannot give: a soft-cap of logits it holds (they are taken as capped); and,
     for a teacher without mass on most columns (a renormalized top-k cache), the variants that are
     +inf there and the teacher CE, +inf on every row."""
-    if options.teacher_logit_softcap is not None and not teacher.reads_head:
+    capped = options.teacher_logit_softcap
+    if capped is not None and teacher.made_at_softcap is not None and capped != teacher.made_at_softcap:
+        raise ValueError(
+            f"teacher_logit_softcap={capped!r} disagrees with the top-k cache's topk_softcap="
+            f"{teacher.made_at_softcap!r}, the soft-cap it was made with; leave teacher_logit_softcap=None"
+        )
+    if capped is not None and teacher.made_at_softcap is None and not teacher.reads_head:
         raise ValueError(
             f"teacher_logit_softcap={options.teacher_logit_softcap!r} caps logits a teacher head forms, but "
             f"this {teacher.kind} cache is taken as already capped; cap the cache when you build it and "
@@ -253,14 +285,7 @@ class LossPlan:
         )
         if not teacher.trainable:
             _check_cache(options, teacher, teacher_ce_weight)
-        # A cache of logits already divided by a temperature is used as it is (teacher temperature 1).
-        tempered = teacher.cache_temperature
-        if tempered is None:
-            given = options.kl_teacher_temperature
-            teacher_temperature = options.kl_temperature if given is None else given
-        else:
-            _check_tempered_cache(options, tempered, teacher_ce_weight)
-            teacher_temperature = 1.0
+        teacher_temperature = _teacher_temperature(options, teacher, teacher_ce_weight, vocab_size)
         if divergence.cotrains_teacher and options.kl_weight > 0:
             role = "cotrained"
         elif teacher_ce_weight > 0:
@@ -298,15 +323,28 @@ class LossPlan:
             teacher_trainable=teacher.trainable,
             config=options.kernel_config,
             student_softcap=options.logit_softcap,
-            teacher_softcap=options.teacher_logit_softcap,
+            # A cache holds capped values already (a top-k cache may declare its cap, the loss's alike).
+            teacher_softcap=options.teacher_logit_softcap if teacher.reads_head else None,
         )
 
     @staticmethod
     def for_logits(
-        options: LogitsOptions, student_ce_weight: float, reduction: str, teacher_kind: str, vocab_size: int
+        options: LogitsOptions,
+        student_ce_weight: float,
+        reduction: str,
+        teacher_kind: str,
+        vocab_size: int,
+        cache: TeacherSource | None = None,
     ) -> LossPlan:
         """``loss = w_s·CE(s) + T²·D(p, q)`` with ``p = softmax(s/T)``, ``q = softmax(t/T)`` on given
-        logits: the teacher is frozen (no gradient reaches its logits, whatever the variant)."""
+        logits: the teacher is frozen (no gradient reaches its logits, whatever the variant).
+        ``cache``: a top-k cache standing for the teacher's logits (read at ``T`` relative to the
+        temperature it was made at)."""
+        teacher_temperature = options.temperature
+        made_at = None if cache is None else cache.made_at_temperature
+        if cache is not None and made_at is not None:
+            cache.check_read_at(options.temperature, vocab_size)
+            teacher_temperature = options.temperature / made_at
         return LossPlan(
             student_terms=(CrossEntropy(),) if student_ce_weight > 0 else (),
             term_weights=(student_ce_weight,) if student_ce_weight > 0 else (),
@@ -314,7 +352,7 @@ class LossPlan:
             teacher_ce_weight=0.0,
             kl_weight=1.0,
             student_temperature=options.temperature,
-            teacher_temperature=options.temperature,
+            teacher_temperature=teacher_temperature,
             divergence=options.divergence,
             params=options.params,
             vocab_size=vocab_size,

@@ -20,7 +20,7 @@ from .source import (
     check_tensor,
     columns,
 )
-from .topk import TAILS, TopKBlocks, check_topk_values, tail_values
+from .topk import TAILS, TopKBlocks, check_topk_values, retempered_mass, tail_values
 
 try:
     from torch.distributed.tensor import DTensor
@@ -39,6 +39,11 @@ class PrecomputedTeacher(TeacherSource):
     ``topk_ids`` (BT, k) int64 global vocabulary ids and ``topk_logprobs`` (BT, k) their
     log-probabilities, the rest of each row's mass spread evenly over the other real columns
     (``tail="uniform"``) or none (``tail="renormalize"``: the softmax of the cached values).
+    A top-k cache is the teacher at the temperature it was made at, ``topk_temperature`` (None: 1,
+    raw log-probabilities), from logits soft-capped by ``topk_softcap`` (None: not capped): a loss
+    that reads the teacher at that temperature uses it as it is; at another one its values are
+    re-tempered, which is exact only when it lists every id: a cut cache raises then, unless
+    ``retemper=True`` (:meth:`check_read_at`; docs/guide.md, "Top-k teacher caches").
     No gradient reaches the cache, so none of its tensors may require grad. ``logits_temperature=T``
     declares logits already divided by T (e.g. by ``project_teacher_logits``), which the KL uses as
     they are (teacher temperature 1). A tensor modified in place after construction is rejected when
@@ -54,6 +59,9 @@ class PrecomputedTeacher(TeacherSource):
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
     tail: str = "uniform"
+    topk_temperature: float | None = None
+    topk_softcap: float | None = None
+    retemper: bool = False
     _versions: tuple[int | None, ...] = field(init=False, repr=False, compare=False)
     # Set by prepare_logits when it shifted the rows of plain (not DTensor) logits by their
     # maximum: right for whole rows, wrong for one vocabulary shard of them.
@@ -92,6 +100,20 @@ class PrecomputedTeacher(TeacherSource):
                     "PrecomputedTeacher.teacher_hidden and teacher_weight must share their last dimension, got "
                     f"{tuple(self.teacher_hidden.shape)} and {tuple(self.teacher_weight.shape)}"
                 )
+        if not isinstance(self.retemper, bool):
+            raise TypeError(f"PrecomputedTeacher.retemper must be a bool, got {self.retemper!r}")
+        declared = [name for name in ("topk_temperature", "topk_softcap") if getattr(self, name) is not None]
+        declared += ["retemper"] if self.retemper else []
+        if declared and not has_topk:
+            raise ValueError(
+                f"PrecomputedTeacher.{declared[0]} describes a top-k cache (topk_ids=..., topk_logprobs=...); "
+                "a cache of logits declares its temperature with logits_temperature"
+            )
+        if self.logits_temperature is not None and has_topk:
+            raise ValueError(
+                "PrecomputedTeacher.logits_temperature declares logits divided by a temperature; a top-k cache "
+                "declares the temperature it was made at with topk_temperature"
+            )
         if self.logits_temperature is not None:
             value = self.logits_temperature
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -102,6 +124,9 @@ class PrecomputedTeacher(TeacherSource):
         kind = "precomputed_logits" if has_logits else "precomputed_hidden" if has_hidden else "precomputed_topk"
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "cache_temperature", self.logits_temperature)
+        made_at = (1.0 if self.topk_temperature is None else float(self.topk_temperature)) if has_topk else None
+        object.__setattr__(self, "made_at_temperature", made_at)
+        object.__setattr__(self, "made_at_softcap", self.topk_softcap)
         # A renormalized top-k cache has no mass off its ids; only a cached head's logits can be soft-capped.
         object.__setattr__(self, "sparse_support", has_topk and self.tail == "renormalize")
         object.__setattr__(self, "reads_head", has_hidden)
@@ -124,6 +149,12 @@ class PrecomputedTeacher(TeacherSource):
             )
         if self.tail not in TAILS:
             raise ValueError(f"PrecomputedTeacher.tail must be one of {TAILS}, got {self.tail!r}")
+        for name in ("topk_temperature", "topk_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                raise TypeError(f"PrecomputedTeacher.{name} must be a float or None, got {value!r}")
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"PrecomputedTeacher.{name} must be a finite float > 0 or None, got {value!r}")
 
     def _version_of(self, name: str, tensor: torch.Tensor) -> int | None:
         """The tensor's version counter, or None for one without (only in a cache declared immutable)."""
@@ -222,6 +253,27 @@ class PrecomputedTeacher(TeacherSource):
 
     def trained_tensors(self) -> list[tuple[str, Tensor]]:
         return []
+
+    def check_read_at(self, temperature: float, vocab_size: int) -> None:
+        """Raise where a loss would read a top-k cache at another ``temperature`` than it was made at
+        and the re-tempering is not exact (the cache lists fewer than ``vocab_size`` ids), unless
+        ``retemper=True``: the message names both temperatures and the mass the listed ids would
+        keep at ``temperature`` (reads the values: only where it raises)."""
+        made_at, ids, logprobs = self.made_at_temperature, self.topk_ids, self.topk_logprobs
+        if made_at is None or temperature == made_at or self.retemper:
+            return
+        assert ids is not None and logprobs is not None
+        k = ids.shape[1]
+        if k >= vocab_size:  # every id listed: re-tempering the values is exact
+            return
+        kept, now = retempered_mass(logprobs, vocab_size, made_at / temperature)
+        raise ValueError(
+            f"this PrecomputedTeacher is a top-k cache (k = {k} of {vocab_size} ids) made at temperature {made_at!r}, "
+            f"and the loss reads the teacher at temperature {temperature!r}: re-tempered, its ids would hold "
+            f"{now:.3g} of the mass (the rows' mean; {kept:.3g} at {made_at!r}), the rest only the tail's guess. "
+            f"Extract the cache at {temperature!r} (teacher_topk(..., temperature={temperature!r})), or pass "
+            "retemper=True to read it re-tempered anyway"
+        )
 
     def check_shardable(self) -> None:
         if self._rows_shifted_locally:

@@ -115,6 +115,11 @@ class TeacherSource:
     default_ce_weight: ClassVar[float] = 0.0
     #: The temperature a cache of logits was already divided by, or None.
     cache_temperature: float | None = None
+    #: A top-k cache's: the temperature its log-probabilities were made at (the teacher at another
+    #: temperature is a re-tempering of them, :meth:`check_read_at`); None for the other teachers.
+    made_at_temperature: float | None = None
+    #: A top-k cache's: the soft-cap of the logits it was made from (None: not capped, or not a top-k cache).
+    made_at_softcap: float | None = None
     #: Whether the teacher has no mass on most columns (a renormalized top-k cache): the plan
     #: refuses the variants that are then +inf on every row.
     sparse_support: bool = False
@@ -159,6 +164,10 @@ class TeacherSource:
     def trained_tensors(self) -> list[tuple[str, Tensor]]:
         """The tensors ``KernelConfig.check_finite_inputs`` covers (a cache has its own checks)."""
         return [(f"teacher {name}", tensor) for name, tensor in self.named_tensors()]
+
+    def check_read_at(self, temperature: float, vocab_size: int) -> None:
+        """Raise unless the loss may read this teacher at ``temperature`` (a cache made at another
+        one: exact, or allowed; :class:`orda_tp.PrecomputedTeacher`)."""
 
     def check_unmodified(self) -> None:
         """Raise if a cached tensor changed in place since the descriptor was built."""

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .source import SparseLogits
 
-__all__ = ["TAILS", "TopKBlocks", "check_topk_values", "tail_values"]
+__all__ = ["TAILS", "TopKBlocks", "check_topk_values", "retempered_mass", "tail_values"]
 
 TAILS = ("uniform", "renormalize")
 
@@ -32,6 +32,19 @@ def tail_values(logprobs: Tensor, tail: str, vocab_size: int) -> Tensor:
     # A mass rounded above 1 leaves none (log 0 = −inf), not a NaN.
     missing = (1.0 - torch.exp(logprobs).sum(dim=1)).clamp_min(0.0)
     return torch.log(missing) - math.log(vocab_size - k)
+
+
+def retempered_mass(logprobs: Tensor, vocab_size: int, power: float) -> tuple[float, float]:
+    """The rows' mean mass on the listed ids, as cached and with every probability raised to
+    ``power`` (re-tempered from ``T`` to ``T / power``) and renormalized, the missing mass spread
+    evenly over the ``V − k`` other columns (the uniform tail's model of it)."""
+    listed = torch.exp(logprobs.double())
+    missing = (1.0 - listed.sum(dim=1)).clamp_min(0.0)
+    powered = (listed**power).sum(dim=1)
+    # The tail's V − k columns, each missing / (V − k), raised to the power: (V − k)^{1−p} · missing^p.
+    others = vocab_size - logprobs.shape[1]
+    tail = others ** (1.0 - power) * missing**power
+    return float(listed.sum(dim=1).mean()), float((powered / (powered + tail)).mean())
 
 
 def check_topk_values(ids: Tensor, logprobs: Tensor, vocab_size: int) -> None:

@@ -32,16 +32,28 @@ __all__ = ["TeacherTopK", "TopKPlan", "teacher_topk", "teacher_topk_of_logits"]
 
 class TeacherTopK(NamedTuple):
     """Per row: ``ids`` (rows, k) int64 global vocabulary ids, ``logprobs`` (rows, k) their
-    log-probabilities ``t_ids − log_partition`` (fp32; fp64 for fp64 inputs), largest first, and
-    ``log_partition`` (rows,) the ``LSE`` of the scaled logits ``t`` over the real vocabulary."""
+    log-probabilities (fp32; fp64 for fp64 inputs), largest first, and ``log_partition`` (rows,)
+    the ``LSE`` of the scaled logits over the real vocabulary; and what they were extracted at:
+    the ``temperature``, the ``logit_softcap`` and the real ``vocab_size``."""
 
     ids: Tensor
     logprobs: Tensor
     log_partition: Tensor
+    temperature: float = 1.0
+    logit_softcap: float | None = None
+    vocab_size: int | None = None
 
-    def teacher(self, tail: str = "uniform") -> PrecomputedTeacher:
-        """The cache as the teacher of a loss (``tail``: :class:`PrecomputedTeacher`'s)."""
-        return PrecomputedTeacher(topk_ids=self.ids, topk_logprobs=self.logprobs, tail=tail)
+    def teacher(self, tail: str = "uniform", *, retemper: bool = False) -> PrecomputedTeacher:
+        """The cache as the teacher of a loss (``tail``: :class:`PrecomputedTeacher`'s), the teacher at
+        the temperature it was extracted at (``retemper``: :class:`PrecomputedTeacher`'s)."""
+        return PrecomputedTeacher(
+            topk_ids=self.ids,
+            topk_logprobs=self.logprobs,
+            tail=tail,
+            topk_temperature=self.temperature,
+            topk_softcap=self.logit_softcap,
+            retemper=retemper,
+        )
 
 
 @dataclass(frozen=True)
@@ -280,4 +292,4 @@ def _extract(call: Call[TopKPlan], source: SideLogits, dtype: torch.dtype) -> Te
             f"the teacher's scaled logits of row {row} hold NaN or +inf, or no finite value (log-partition "
             f"{float(log_partition[row])}): check the hidden states and the head (or the logits)"
         )
-    return TeacherTopK(ids, logprobs, log_partition)
+    return TeacherTopK(ids, logprobs, log_partition, plan.temperature, plan.logit_softcap, layout.vocab_size)

@@ -119,12 +119,21 @@ class TopKCacheReader:
         return ids, logprobs
 
     def teacher(
-        self, start: int, stop: int, tail: str = "uniform", device: torch.device | str | None = None
-    ) -> PrecomputedTeacher:
+        self, start: int, stop: int, tail: str = "uniform", device: torch.device | str | None = None,
+        *, retemper: bool = False,
+    ) -> PrecomputedTeacher:  # fmt: skip
         """Rows ``[start, stop)`` as the teacher of a loss (``tail``: :class:`~orda_tp.PrecomputedTeacher`'s),
         on ``device`` (default: the CPU)."""
         ids, logprobs = self.rows(start, stop)
-        return PrecomputedTeacher(topk_ids=ids.to(device), topk_logprobs=logprobs.to(device), tail=tail)
+        # The teacher at the temperature and soft-cap the cache was made with: a loss at another one re-tempers it.
+        return PrecomputedTeacher(
+            topk_ids=ids.to(device),
+            topk_logprobs=logprobs.to(device),
+            tail=tail,
+            topk_temperature=self.settings.temperature,
+            topk_softcap=self.settings.logit_softcap,
+            retemper=retemper,
+        )
 
     def _read(self, index: int, begin: int, end: int) -> tuple[Tensor, Tensor]:
         """Local rows ``[begin, end)`` of shard ``index`` as int64 ids and float32 log-probabilities."""

@@ -64,7 +64,7 @@ class Problem:
         if mode == "topk":
             k = min(TOPK, self.real_columns or self.teacher_logits.shape[1])
             ids, logprobs = topk_of(self.teacher_logits, k, self.real_columns, torch.float32)
-            return PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
+            return PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, retemper=True)
         return PrecomputedTeacher(logits=self.teacher_logits)
 
     def trainable(self, mode: str) -> list[Tensor]:

@@ -38,7 +38,7 @@ def topk_worker(rank: int, world: int) -> list[str]:
         if vocab_size is not None:
             full.labels[full.labels >= vocab_size] = 0
         ids, logprobs = topk_of(full.teacher_logits, 9, vocab_size)
-        teacher = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, tail=tail)
+        teacher = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, tail=tail, retemper=True)
         kwargs = dict(
             kl_weight=1.0, kl_divergence=variant, kl_temperature=1.5, backend=backend, config=config,
             vocab_size=vocab_size, **VARIANT_KWARGS[variant],
@@ -64,7 +64,7 @@ def _bad_cache_problems(rank: int, world: int) -> list[str]:
     full = make_problem(rows=6, vocab=203, seed=2)
     ids, logprobs = topk_of(full.teacher_logits, 4)
     ids[3, 1] = 203
-    teacher = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs)
+    teacher = orda_tp.PrecomputedTeacher(topk_ids=ids, topk_logprobs=logprobs, retemper=True)
     start, stop = chunk_ranges(203, world)[rank]
     try:
         weight = full.weight.detach()[start:stop]
