@@ -90,7 +90,7 @@ def test_a_writer_never_writes_over_another_writers_shards(tmp_path: Path) -> No
     with pytest.raises(FileExistsError, match="resume=True"):
         TopKCacheWriter(tmp_path, _settings(), start=10)
     writer = TopKCacheWriter(tmp_path, _settings(), start=5, rows_per_shard=7)
-    with pytest.raises(FileExistsError, match=r"lies in rows \[5, 12\)"):
+    with pytest.raises(FileExistsError, match=r"rows from 5 to 12 overlap rows \[10, 17\)"):
         writer.append(topk[:2])  # (ids, logprobs): rows [5, 45), the first shard [5, 12) over the one at 10
     assert writer.num_written == ROWS  # nothing was lost: the rows stay buffered
 
@@ -156,7 +156,7 @@ def test_reader_rejects_a_gap_and_mixed_settings(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"{shard_name(21)} overlaps rows \[21, 22\)"):
         TopKCacheReader(tmp_path)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="holds no top-k cache shards"):
+    with pytest.raises(ValueError, match=r"holds no cache shards \(topk-<offset>.safetensors\)"):
         TopKCacheReader(tmp_path / "empty")
 
 

@@ -43,12 +43,13 @@ def _check_tempered_cache(options: LossOptions, tempered: float, teacher_ce_weig
         )
 
 
-def _teacher_temperature(
+def _cache_temperature(
     options: LossOptions, teacher: TeacherSource, teacher_ce_weight: float, vocab_size: int
 ) -> float:
-    """What the loss divides the teacher's values by: its teacher temperature (``kl_teacher_temperature``,
-    else ``kl_temperature``); 1 for a cache of logits already divided by one (used as it is); for a
-    top-k cache, the ratio to the temperature it was made at (1: as it is), where the cache allows it."""
+    """What the loss divides a cache's values by: 1 for a cache of logits already divided by a
+    temperature (used as it is); for a top-k cache, the ratio of the loss's teacher temperature
+    (``kl_teacher_temperature``, else ``kl_temperature``) to the one it was made at (1: as it is),
+    where the cache allows it; else the loss's teacher temperature."""
     tempered = teacher.cache_temperature
     if tempered is not None:
         _check_tempered_cache(options, tempered, teacher_ce_weight)
@@ -283,9 +284,11 @@ class LossPlan:
         teacher_ce_weight = (
             teacher.default_ce_weight if options.teacher_ce_weight is None else options.teacher_ce_weight
         )
+        given = options.kl_teacher_temperature
+        teacher_temperature = options.kl_temperature if given is None else given
         if not teacher.trainable:
             _check_cache(options, teacher, teacher_ce_weight)
-        teacher_temperature = _teacher_temperature(options, teacher, teacher_ce_weight, vocab_size)
+            teacher_temperature = _cache_temperature(options, teacher, teacher_ce_weight, vocab_size)
         if divergence.cotrains_teacher and options.kl_weight > 0:
             role = "cotrained"
         elif teacher_ce_weight > 0:

@@ -100,20 +100,7 @@ class PrecomputedTeacher(TeacherSource):
                     "PrecomputedTeacher.teacher_hidden and teacher_weight must share their last dimension, got "
                     f"{tuple(self.teacher_hidden.shape)} and {tuple(self.teacher_weight.shape)}"
                 )
-        if not isinstance(self.retemper, bool):
-            raise TypeError(f"PrecomputedTeacher.retemper must be a bool, got {self.retemper!r}")
-        declared = [name for name in ("topk_temperature", "topk_softcap") if getattr(self, name) is not None]
-        declared += ["retemper"] if self.retemper else []
-        if declared and not has_topk:
-            raise ValueError(
-                f"PrecomputedTeacher.{declared[0]} describes a top-k cache (topk_ids=..., topk_logprobs=...); "
-                "a cache of logits declares its temperature with logits_temperature"
-            )
-        if self.logits_temperature is not None and has_topk:
-            raise ValueError(
-                "PrecomputedTeacher.logits_temperature declares logits divided by a temperature; a top-k cache "
-                "declares the temperature it was made at with topk_temperature"
-            )
+        self._check_declarations(has_topk)
         if self.logits_temperature is not None:
             value = self.logits_temperature
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -130,6 +117,24 @@ class PrecomputedTeacher(TeacherSource):
         # A renormalized top-k cache has no mass off its ids; only a cached head's logits can be soft-capped.
         object.__setattr__(self, "sparse_support", has_topk and self.tail == "renormalize")
         object.__setattr__(self, "reads_head", has_hidden)
+
+    def _check_declarations(self, has_topk: bool) -> None:
+        """What a top-k cache declares (``topk_temperature``, ``topk_softcap``, ``retemper``) is a top-k
+        cache's alone, and ``logits_temperature`` a cache of logits'."""
+        if not isinstance(self.retemper, bool):
+            raise TypeError(f"PrecomputedTeacher.retemper must be a bool, got {self.retemper!r}")
+        declared = [name for name in ("topk_temperature", "topk_softcap") if getattr(self, name) is not None]
+        declared += ["retemper"] if self.retemper else []
+        if declared and not has_topk:
+            raise ValueError(
+                f"PrecomputedTeacher.{declared[0]} describes a top-k cache (topk_ids=..., topk_logprobs=...); "
+                "a cache of logits declares its temperature with logits_temperature"
+            )
+        if self.logits_temperature is not None and has_topk:
+            raise ValueError(
+                "PrecomputedTeacher.logits_temperature declares logits divided by a temperature; a top-k cache "
+                "declares the temperature it was made at with topk_temperature"
+            )
 
     def _check_topk(self) -> None:
         """Types and shapes of a top-k cache (its values are checked where the loss reads them)."""

@@ -1,25 +1,156 @@
-"""Writing a top-k cache: :class:`TopKCacheWriter`, one per contiguous range of global offsets."""
+"""Writing a teacher cache: :class:`ShardWriter`, one per contiguous range of global offsets, and
+the top-k cache's :class:`TopKCacheWriter`."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from types import TracebackType
+from typing import Generic
 
 import torch
 from torch import Tensor
 
 from ..arguments.validation import check_count, check_flag
 from .extraction import TeacherTopK
-from .shards import CacheSettings, open_shard, shard_name, shard_offsets, temporary_name
+from .shards import CacheSettings, S, Shard, checksum_metadata, shard_name, shard_ranges, temporary_name
 
 try:
     from safetensors.torch import save as safetensors_save
 except ImportError as error:  # pragma: no cover - the extra is missing
     raise ImportError("orda_tp.topk_cache needs safetensors: pip install 'orda_tp[cache]'") from error
 
-__all__ = ["TopKCacheWriter", "rounded_down", "stored_logprobs"]
+__all__ = ["ShardWriter", "TopKCacheWriter", "rounded_down", "stored_logprobs"]
 
 _SMALLEST_NEGATIVE = -32767  # int16 bits 0x8001: the negative float16 / bfloat16 closest to 0
+
+
+class ShardWriter(Generic[S]):
+    """Writes rows of one kind of cache (``settings``'s) from global offset ``start`` on into
+    ``directory`` (made if missing): a shard every ``rows_per_shard`` rows and one on :meth:`close`,
+    each written to a hidden name, synced and renamed, its tensors' checksums in its header.
+
+    ``stop``: the end of this writer's range (None: open), past which appending raises. Ranges of
+    writers never overlap: a writer whose range covers a row that a shard of another writer holds
+    raises before it writes anything (with ``stop``, over its whole range; without, where it
+    starts, and before each shard, over that shard's rows), naming both ranges. With
+    ``resume=True`` it continues after its own shards (those from ``start`` on, contiguous, within
+    its range; their settings must equal ``settings``): :attr:`num_written` counts them, and the
+    caller skips that many of its rows. Without it, a shard at ``start`` raises FileExistsError.
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], settings: S, start: int = 0, rows_per_shard: int = 65536,
+        resume: bool = False, stop: int | None = None,
+    ) -> None:  # fmt: skip
+        self.directory, self.settings = os.fspath(directory), settings
+        self.start = check_count("start", start, 0)
+        self.stop = None if stop is None else check_count("stop", stop, self.start)
+        self.rows_per_shard = check_count("rows_per_shard", rows_per_shard, 1)
+        os.makedirs(self.directory, exist_ok=True)  # writers of one directory start at once
+        shards = shard_ranges(self.directory, type(settings))
+        self._flushed = self.start + self._resumed(shards, check_flag("resume", resume))
+        self._check_disjoint(shards, self._flushed, self.stop)
+        self._buffer: dict[str, list[Tensor]] = {}
+        self._buffered = 0
+        self._closed = False
+        stale = os.path.join(self.directory, temporary_name(self._flushed, settings.PREFIX))
+        if os.path.exists(stale):  # what a crash left while writing the next shard
+            os.remove(stale)
+
+    @property
+    def num_written(self) -> int:
+        """The rows this writer's range holds so far: resumed, written and buffered."""
+        return self._flushed - self.start + self._buffered
+
+    def close(self) -> None:
+        """Write the buffered rows (a last, shorter shard); later calls do nothing."""
+        if not self._closed:
+            self._closed = True
+            if self._buffered:
+                self._flush(self._buffered)
+
+    def __enter__(self) -> ShardWriter[S]:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        # Also on an exception: every row appended so far is complete and checked, so it is written.
+        self.close()
+
+    def append_tensors(self, tensors: Mapping[str, Tensor]) -> None:
+        """Buffer a block of rows, the shard's tensors by name (checked, on the CPU), and write
+        every full shard."""
+        if self._closed:
+            raise ValueError(f"append on a closed {type(self).__name__}")
+        rows = next(iter(tensors.values())).shape[0]
+        if self.stop is not None and self.start + self.num_written + rows > self.stop:
+            raise ValueError(
+                f"appending {rows} rows would pass this writer's stop={self.stop} (it holds rows [{self.start}, "
+                f"{self.start + self.num_written}))"
+            )
+        for name, tensor in tensors.items():
+            self._buffer.setdefault(name, []).append(tensor)
+        self._buffered += rows
+        # Full shards now; a shorter remainder waits for more rows or for close().
+        while self._buffered >= self.rows_per_shard:
+            self._flush(self.rows_per_shard)
+
+    def _resumed(self, shards: list[Shard], resume: bool) -> int:
+        """How many rows from ``start`` on this writer's own shards already hold, contiguous and
+        within its range; raises if there are some and ``resume`` is False."""
+        by_start = {shard.start: shard for shard in shards}
+        rows = 0
+        while (shard := by_start.get(self.start + rows)) is not None:
+            if self.stop is not None and shard.start + shard.rows > self.stop:
+                break  # past this writer's range: another writer's
+            if not resume:
+                raise FileExistsError(
+                    f"{shard.path} exists: pass resume=True to continue after it, or use another directory"
+                )
+            mismatched = shard.settings.mismatches(self.settings)
+            if mismatched:
+                raise ValueError(
+                    f"{shard.path} was written with other settings (shard's != writer's): {'; '.join(mismatched)}"
+                )
+            rows += shard.rows
+        return rows
+
+    def _check_disjoint(self, shards: list[Shard], begin: int, end: int | None) -> None:
+        """Raise FileExistsError if a shard in ``shards`` holds a row of ``[begin, end)`` (None: up
+        to the shard that starts there, a writer's open range)."""
+        for shard in shards:
+            last = shard.start + shard.rows
+            # An open range is known where it starts; a closed one intersects the shard's rows.
+            overlap = shard.start <= begin < last if end is None else shard.start < end and begin < last
+            if overlap:
+                upto = "on" if end is None else f"to {end}"
+                raise FileExistsError(
+                    f"this writer's rows from {begin} {upto} overlap rows [{shard.start}, {last}) that {shard.path} "
+                    "holds: writers' ranges must be disjoint"
+                )
+
+    def _flush(self, rows: int) -> None:
+        """Write the first ``rows`` buffered rows as the shard at the next offset."""
+        start, prefix = self._flushed, self.settings.PREFIX
+        # Another writer's shard inside this shard's rows: nothing is overwritten, nothing overlaps.
+        self._check_disjoint(shard_ranges(self.directory, type(self.settings)), start, start + rows)
+        joined = {name: torch.cat(parts) for name, parts in self._buffer.items()}
+        tensors = {name: tensor[:rows].contiguous() for name, tensor in joined.items()}
+        metadata = self.settings.metadata() | {"start": str(start), "rows": str(rows)} | checksum_metadata(tensors)
+        data = safetensors_save(tensors, metadata)
+        # A hidden temporary name, synced, then renamed: a crash never leaves a partial shard under a shard's name.
+        temporary = os.path.join(self.directory, temporary_name(start, prefix))
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())  # the bytes are on disk before the name says the shard is complete
+        os.replace(temporary, os.path.join(self.directory, shard_name(start, prefix)))  # atomic: whole or none
+        # The rows past this shard stay buffered, as one piece.
+        self._buffer = {name: [tensor[rows:]] for name, tensor in joined.items()} if rows < self._buffered else {}
+        self._flushed += rows
+        self._buffered -= rows
 
 
 def stored_logprobs(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
@@ -37,9 +168,8 @@ def stored_logprobs(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
 
 def rounded_down(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
     """``logprobs`` (≤ 0) in ``dtype``, rounded toward −inf: each stored probability is at most
-    the given one, so a row's mass never rounds above what it was. For the 16-bit dtypes the next
-    value down from a nonpositive ``y`` is its bits plus one (sign and magnitude), from ``±0`` the
-    smallest negative subnormal; values below the dtype's range become −inf."""
+    the given one, so a row's mass never rounds above what it was. Values below the dtype's range
+    become −inf."""
     stored = logprobs.to(dtype)
     if dtype not in (torch.float16, torch.bfloat16):
         return (
@@ -86,112 +216,51 @@ def _check_rows(ids: object, logprobs: object, settings: CacheSettings) -> tuple
     return ids, logprobs
 
 
-class TopKCacheWriter:
-    """Writes rows from global offset ``start`` on into ``directory`` (made if missing), a shard every
-    ``rows_per_shard`` rows and one on :meth:`close` (module docstring). With ``resume=True`` it
-    continues after its own shards (those from ``start`` on, contiguous; their settings must equal
-    ``settings``): :attr:`num_written` counts them, and the caller skips that many of its rows.
-    Without it, a shard at ``start`` already there raises FileExistsError (nothing is overwritten)."""
+def _check_extraction(topk: TeacherTopK, settings: CacheSettings) -> None:
+    """A :class:`~orda_tp.TeacherTopK` states what it was extracted at: the cache's settings."""
+    stated = {"temperature": topk.temperature, "logit_softcap": topk.logit_softcap}
+    differing = [f"{name}={value!r}" for name, value in stated.items() if value != getattr(settings, name)]
+    if differing:
+        raise ValueError(
+            f"the rows were extracted at {', '.join(differing)}, the cache holds "
+            + ", ".join(f"{name}={getattr(settings, name)!r}" for name in stated)
+        )
+    if topk.vocab_size is not None and topk.vocab_size != settings.vocab_size:
+        raise ValueError(
+            f"the rows were extracted over a vocabulary of {topk.vocab_size} ids, the cache is for vocab_size="
+            f"{settings.vocab_size}: a head shard passed to teacher_topk without its tp_group? (each rank then ranks "
+            "only its own columns)"
+        )
+
+
+class TopKCacheWriter(ShardWriter[CacheSettings]):
+    """A :class:`ShardWriter` of a top-k cache (:class:`~.shards.CacheSettings`): rows of
+    ``k`` ids (int32, or int64 from vocabularies of 2³¹ ids) and their log-probabilities, stored
+    as :func:`stored_logprobs` rounds them."""
 
     def __init__(
         self, directory: str | os.PathLike[str], settings: CacheSettings, start: int = 0,
-        rows_per_shard: int = 65536, resume: bool = False,
+        rows_per_shard: int = 65536, resume: bool = False, stop: int | None = None,
     ) -> None:  # fmt: skip
         if not isinstance(settings, CacheSettings):
             raise TypeError(f"settings must be an orda_tp.topk_cache.CacheSettings, got {type(settings).__name__}")
-        self.directory = os.fspath(directory)
-        self.settings = settings
-        self.start = check_count("start", start, 0)
-        self.rows_per_shard = check_count("rows_per_shard", rows_per_shard, 1)
-        os.makedirs(self.directory, exist_ok=True)  # writers of one directory start at once
-        self._flushed = self.start + _resumed_rows(self.directory, settings, self.start, check_flag("resume", resume))
-        self._buffer: list[tuple[Tensor, Tensor]] = []
-        self._buffered = 0
-        self._closed = False
-        stale = os.path.join(self.directory, temporary_name(self._flushed))
-        if os.path.exists(stale):  # what a crash left while writing the next shard
-            os.remove(stale)
-
-    @property
-    def num_written(self) -> int:
-        """The rows this writer's range holds so far: resumed, written and buffered."""
-        return self._flushed - self.start + self._buffered
+        super().__init__(directory, settings, start, rows_per_shard, resume, stop)
 
     def append(self, topk: TeacherTopK | tuple[Tensor, Tensor] | Tensor, logprobs: Tensor | None = None) -> None:
-        """Append rows: a :class:`~orda_tp.TeacherTopK`, an ``(ids, logprobs)`` pair, or ``ids``
-        with ``logprobs`` given; (rows, k) on any device (copied to the CPU and checked)."""
+        """Append rows: a :class:`~orda_tp.TeacherTopK` (whose temperature, soft-cap and vocabulary
+        must be the cache's), an ``(ids, logprobs)`` pair, or ``ids`` with ``logprobs`` given;
+        (rows, k) on any device (copied to the CPU and checked)."""
         if self._closed:
             raise ValueError("append on a closed TopKCacheWriter")
         if logprobs is not None:
             ids = topk
         elif isinstance(topk, TeacherTopK):
+            _check_extraction(topk, self.settings)
             ids, logprobs = topk.ids, topk.logprobs
         elif isinstance(topk, (tuple, list)) and len(topk) == 2:
             ids, logprobs = topk
         else:
             raise TypeError(f"append takes a TeacherTopK or (ids, logprobs), got {type(topk).__name__}")
         ids, logprobs = _check_rows(ids, logprobs, self.settings)
-        self._buffer.append((ids.to(self.settings.ids_dtype), stored_logprobs(logprobs, self.settings.logprob_dtype)))
-        self._buffered += ids.shape[0]
-        # Full shards now; a shorter remainder waits for more rows or for close().
-        while self._buffered >= self.rows_per_shard:
-            self._flush(self.rows_per_shard)
-
-    def close(self) -> None:
-        """Write the buffered rows (a last, shorter shard); later calls do nothing."""
-        if not self._closed:
-            self._closed = True
-            if self._buffered:
-                self._flush(self._buffered)
-
-    def __enter__(self) -> TopKCacheWriter:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        # Also on an exception: every row appended so far is complete and checked, so it is written.
-        self.close()
-
-    def _flush(self, rows: int) -> None:
-        """Write the first ``rows`` buffered rows as the shard at the next offset."""
-        start, name = self._flushed, shard_name(self._flushed)
-        # Another writer's shard inside this range: ranges must be disjoint, and nothing is overwritten.
-        for offset in shard_offsets(self.directory):
-            if start <= offset < start + rows:
-                raise FileExistsError(
-                    f"{os.path.join(self.directory, shard_name(offset))} lies in rows [{start}, {start + rows}) "
-                    "that this writer is writing: writers' ranges must be disjoint"
-                )
-        ids = torch.cat([pair[0] for pair in self._buffer])
-        logprobs = torch.cat([pair[1] for pair in self._buffer])
-        metadata = self.settings.metadata() | {"start": str(start), "rows": str(rows)}
-        data = safetensors_save({"ids": ids[:rows].contiguous(), "logprobs": logprobs[:rows].contiguous()}, metadata)
-        # A hidden temporary name, synced, then renamed: a crash never leaves a partial shard under a shard's name.
-        temporary = os.path.join(self.directory, temporary_name(start))
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())  # the bytes are on disk before the name says the shard is complete
-        os.replace(temporary, os.path.join(self.directory, name))  # atomic: readers see the whole shard or none
-        # The rows past this shard stay buffered, as one piece.
-        self._buffer = [(ids[rows:], logprobs[rows:])] if rows < ids.shape[0] else []
-        self._flushed += rows
-        self._buffered -= rows
-
-
-def _resumed_rows(directory: str, settings: CacheSettings, start: int, resume: bool) -> int:
-    """How many rows from ``start`` on the shards already in ``directory`` hold, contiguous (checked
-    like the reader checks them); raises if there are some and ``resume`` is False."""
-    offsets = set(shard_offsets(directory))
-    rows = 0
-    while start + rows in offsets:
-        path = os.path.join(directory, shard_name(start + rows))
-        if not resume:
-            raise FileExistsError(f"{path} exists: pass resume=True to continue after it, or use another directory")
-        shard = open_shard(path, start + rows)
-        mismatched = shard.settings.mismatches(settings)
-        if mismatched:
-            raise ValueError(f"{path} was written with other settings (shard's != writer's): {'; '.join(mismatched)}")
-        rows += shard.rows
-    return rows
+        stored = stored_logprobs(logprobs, self.settings.logprob_dtype)
+        self.append_tensors({"ids": ids.to(self.settings.ids_dtype), "logprobs": stored})
