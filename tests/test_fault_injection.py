@@ -53,6 +53,7 @@ EXEMPT = {
     "teachers/source.py:TeacherHead.__post_init__": BUILT_BY_THE_USER,
     "teachers/cached.py:PrecomputedTeacher.__post_init__": BUILT_BY_THE_USER,
     "teachers/cached.py:PrecomputedTeacher._check_topk": BUILT_BY_THE_USER,
+    "teachers/cached.py:PrecomputedTeacher._check_declarations": BUILT_BY_THE_USER,
     "teachers/cached.py:PrecomputedTeacher._version_of": BUILT_BY_THE_USER,
     "teachers/cached.py:PrecomputedTeacher.prepare_logits": BUILT_BY_THE_USER + " (a method the user calls)",
     "lm_head.py:DistillationHead.from_linear": BUILT_BY_THE_USER,

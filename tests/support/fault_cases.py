@@ -627,6 +627,23 @@ FUSED_FAULTS = [
         _then(_set(tail="renormalize"), _kw(teacher_ce_weight=1.0)),
         "teacher_ce_weight",
     ),
+    Fault("top-k cache made at 1 read at 2", "fused", "topk", _kw(kl_temperature=2.0), "temperature"),
+    Fault(
+        "top-k cache made at 2 with teacher CE",
+        "fused",
+        "topk",
+        _then(
+            _set(after_build=lambda t: replace(t, topk_temperature=2.0)), _kw(kl_temperature=2.0, teacher_ce_weight=1.0)
+        ),
+        "teacher_ce_weight",
+    ),
+    Fault(
+        "teacher soft-cap other than a top-k cache's",
+        "fused",
+        "topk",
+        _then(_set(after_build=lambda t: replace(t, topk_softcap=5.0)), _kw(teacher_logit_softcap=4.0)),
+        "teacher_logit_softcap",
+    ),
     Fault("top-k id beyond the vocabulary", "fused", "topk", _topk_edit(_ids_out_of_range), "topk_ids"),
     Fault("top-k id twice in a row", "fused", "topk", _topk_edit(_ids_repeated), "topk_ids"),
     Fault("positive top-k log-probability", "fused", "topk", _topk_edit(_positive_logprob), "topk_logprobs"),
