@@ -270,6 +270,15 @@ def precomputed_teacher(inputs: BenchInputs) -> PrecomputedTeacher:
         return PrecomputedTeacher(logits=inputs.teacher_hidden @ inputs.weight.detach().T)
 
 
+def hidden_cache_teacher(inputs: BenchInputs) -> PrecomputedTeacher:
+    """The tied teacher as a hidden-state cache: its hidden states in the input dtype, read with a
+    head of its own (a copy of the student's), as ``HiddenCacheReader.teacher`` hands it over."""
+    with torch.no_grad():
+        return PrecomputedTeacher(
+            teacher_hidden=inputs.teacher_hidden.clone(), teacher_weight=inputs.weight.detach().clone()
+        )
+
+
 def topk_teacher(inputs: BenchInputs, tail: str, k: int = 64) -> PrecomputedTeacher:
     """The tied teacher as a top-``k`` cache: each row's ``k`` most likely ids and their fp32
     log-probabilities (the rest of the mass as ``tail`` says)."""
@@ -928,6 +937,7 @@ def extras_specs(shape: BenchShape, device: torch.device) -> list[RowSpec]:
     teachers = (
         ("separate", separate_teacher, 4),
         ("precomputed", precomputed_teacher, 3),
+        ("hidden cache", hidden_cache_teacher, 4),
         ("top-64 uniform", partial(topk_teacher, tail="uniform"), 3),
         ("top-64 renormalize", partial(topk_teacher, tail="renormalize"), 3),
     )
