@@ -209,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=text)
     parser.add_argument("--time-limit", type=float, default=480.0, help="seconds after which no row starts")
     parser.add_argument(
+        "--extras-cases", default=None, help="comma list: only the --extras rows whose case names one of these"
+    )
+    parser.add_argument(
         "--logit-std", type=float, default=2.0, help="the logits' standard deviation (head weights N(0, σ²/H))"
     )
     return parser.parse_args(argv)
@@ -1014,6 +1017,9 @@ def run_bench(args: argparse.Namespace, bench: Bench, scale: Scale) -> None:
     run_specs(bench, specs)
     precision = precision_part(bench, scale, profiles) if args.precision else None
     later = extras_specs(scale.shapes[0], device) if args.extras else []
+    if args.extras_cases:  # e.g. "hidden cache,top-64": the rows a change is about, beside the main rows
+        wanted = args.extras_cases.split(",")
+        later = [spec for spec in later if any(name in spec.case for name in wanted)]
     if args.sweep:
         later += sweep_specs(scale, impls, device)
     if later:

@@ -45,8 +45,11 @@ def settings(**changes: object) -> CacheSettings:
     return CacheSettings(**({"vocab_size": VOCAB, "k": K, "teacher": "t"} | changes))  # type: ignore[arg-type]
 
 
-def write(directory: Path, rows: orda_tp.TeacherTopK, start: int = 0, **keywords: object) -> None:
-    with TopKCacheWriter(directory, settings(), start=start, rows_per_shard=7, **keywords) as writer:  # type: ignore[arg-type]
+def write(
+    directory: Path, rows: orda_tp.TeacherTopK, start: int = 0, encoding: str = "plain", **keywords: object
+) -> None:
+    cache = settings(encoding=encoding)
+    with TopKCacheWriter(directory, cache, start=start, rows_per_shard=7, **keywords) as writer:  # type: ignore[arg-type]
         writer.append(rows)
 
 
@@ -61,9 +64,12 @@ def flip_byte(path: Path, tensor: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("tensor", ["ids", "logprobs"])
-def test_a_flipped_byte_is_refused_naming_the_shard_and_the_tensor(tmp_path: Path, tensor: str) -> None:
-    write(tmp_path, topk())
+@pytest.mark.parametrize(
+    ("encoding", "tensor"),
+    [("plain", "ids"), ("plain", "logprobs"), ("compact", "packed_ids"), ("compact", "packed_logprobs")],
+)
+def test_a_flipped_byte_is_refused_naming_the_shard_and_the_tensor(tmp_path: Path, encoding: str, tensor: str) -> None:
+    write(tmp_path, topk(), encoding=encoding)
     flip_byte(tmp_path / shard_name(14), tensor)
     reader = TopKCacheReader(tmp_path)  # headers and sizes: still consistent
     ids, _ = reader.rows(0, 14)  # the shards before it are intact and served
@@ -90,7 +96,8 @@ def test_verify_reads_a_whole_cache(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_a_cache_written_without_checksums_reads_with_one_warning(tmp_path: Path) -> None:
-    """A cache as 41dfd16 wrote it: the same shards without the checksum entries."""
+    """A cache as 41dfd16 wrote it: the same shards at format version 1, without the encoding and
+    the checksum entries."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -98,9 +105,10 @@ def test_a_cache_written_without_checksums_reads_with_one_warning(tmp_path: Path
     write(tmp_path, rows)
     for path in sorted(tmp_path.glob("topk-*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
-            metadata = {
-                key: value for key, value in (handle.metadata() or {}).items() if not key.startswith("checksum.")
-            }
+            stated = handle.metadata() or {}
+            metadata = {key: value for key, value in stated.items() if not key.startswith("checksum.")}
+        assert metadata.pop("encoding") == "plain" and metadata["version"] == "2"
+        metadata["version"] = "1"
         save_file(load_file(str(path)), str(path), metadata=metadata)
     reader = TopKCacheReader(tmp_path)
     with warnings.catch_warnings(record=True) as caught:

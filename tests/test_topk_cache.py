@@ -194,7 +194,7 @@ def test_appended_rows_are_checked(tmp_path: Path) -> None:
         logprobs[2, 3] = bad
         with pytest.raises(ValueError, match=r"logprobs must be log-probabilities.*logprobs\[2, 3\]"):
             writer.append((topk.ids, logprobs))
-    with pytest.raises(ValueError, match=r"\(rows, k=8\), got \(4, 7\)"):
+    with pytest.raises(ValueError, match=r"\(rows, k=8\) on one device, got \(4, 7\) on cpu"):
         writer.append((topk.ids[:, :7], topk.logprobs[:, :7]))
     with pytest.raises(TypeError, match="ids must be an integer tensor"):
         writer.append((topk.ids.float(), topk.logprobs))

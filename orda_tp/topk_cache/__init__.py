@@ -21,7 +21,9 @@ from .extraction import TeacherTopK, TopKPlan, teacher_topk, teacher_topk_of_log
 if TYPE_CHECKING:
     from .hidden import HiddenCacheReader, HiddenCacheSettings, HiddenCacheWriter
     from .reader import OPEN_SHARDS, TopKCacheReader, Verification
+    from .rounding import stored_logprobs
     from .shards import (
+        ENCODINGS,
         FORMAT,
         FORMAT_VERSION,
         LOGPROB_DTYPES,
@@ -30,16 +32,19 @@ if TYPE_CHECKING:
         head_digest,
         shard_name,
     )
-    from .writer import TopKCacheWriter, stored_logprobs
+    from .writer import TopKCacheWriter
 
 # The cache's names and their modules, which import safetensors (an optional extra).
 _CACHE = {name: ".reader" for name in ("OPEN_SHARDS", "TopKCacheReader", "Verification")}
 _CACHE |= {name: ".shards" for name in ("FORMAT", "FORMAT_VERSION", "LOGPROB_DTYPES", "CacheSettings")}
 _CACHE |= {name: ".shards" for name in ("UncheckedShardWarning", "head_digest", "shard_name")}
 _CACHE |= {name: ".hidden" for name in ("HiddenCacheReader", "HiddenCacheSettings", "HiddenCacheWriter")}
-_CACHE |= {name: ".writer" for name in ("TopKCacheWriter", "stored_logprobs")}
+_CACHE |= {name: ".writer" for name in ("TopKCacheWriter",)}
+_CACHE |= {name: ".rounding" for name in ("stored_logprobs",)}
+_CACHE |= {name: ".shards" for name in ("ENCODINGS",)}
 
 __all__ = [
+    "ENCODINGS",
     "FORMAT",
     "FORMAT_VERSION",
     "LOGPROB_DTYPES",

@@ -59,7 +59,7 @@ class HiddenCacheSettings:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str], where: str) -> HiddenCacheSettings:
-        read_format(metadata, cls.FORMAT, "1", where)
+        read_format(metadata, cls.FORMAT, ("1",), where)
         try:
             return cls(int(metadata["hidden_size"]), HIDDEN_DTYPES[metadata["dtype"]], metadata["teacher"])
         except (KeyError, ValueError, TypeError) as error:

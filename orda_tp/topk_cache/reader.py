@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..arguments.validation import is_int
 from ..teachers import PrecomputedTeacher
+from . import compact
 from .shards import CacheSettings, S, UncheckedShardWarning, shard_ranges, verify_shard
 
 try:
@@ -184,14 +185,15 @@ class TopKCacheReader(ShardReader[CacheSettings]):
         if mismatched:
             raise ValueError(f"the top-k cache in {self.directory} does not match: {'; '.join(mismatched)}")
 
-    def rows(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Rows ``[start, stop)``: ids (stop − start, k) int64 and log-probabilities float32."""
-        return _upcast(self.tensor_rows(start, stop))
+    def rows(self, start: int, stop: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+        """Rows ``[start, stop)``: ids (stop − start, k) int64 and log-probabilities float32, on
+        ``device`` (default: the CPU; a compact cache's bytes move there and are decoded there)."""
+        return self._decoded(self.tensor_rows(start, stop), device)
 
-    def gather(self, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    def gather(self, offsets: Tensor, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
         """The rows at ``offsets`` (:meth:`ShardReader.tensor_gather`): ids int64, log-probabilities
-        float32."""
-        return _upcast(self.tensor_gather(offsets))
+        float32, on ``device`` (as :meth:`rows`)."""
+        return self._decoded(self.tensor_gather(offsets), device)
 
     def teacher(
         self, start: int, stop: int, tail: str = "uniform", device: torch.device | str | None = None,
@@ -199,18 +201,21 @@ class TopKCacheReader(ShardReader[CacheSettings]):
     ) -> PrecomputedTeacher:  # fmt: skip
         """Rows ``[start, stop)`` as the teacher of a loss (``tail``, ``retemper``:
         :class:`~orda_tp.PrecomputedTeacher`'s), on ``device`` (default: the CPU)."""
-        ids, logprobs = self.rows(start, stop)
+        ids, logprobs = self.rows(start, stop, device)
         # The teacher at the temperature and soft-cap the cache was made with: a loss at another one re-tempers it.
         return PrecomputedTeacher(
-            topk_ids=ids.to(device),
-            topk_logprobs=logprobs.to(device),
+            topk_ids=ids,
+            topk_logprobs=logprobs,
             tail=tail,
             topk_temperature=self.settings.temperature,
             topk_softcap=self.settings.logit_softcap,
             retemper=retemper,
         )
 
-
-def _upcast(tensors: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    # float32 holds every stored float16 and bfloat16 value exactly: the upcast changes nothing.
-    return tensors["ids"].to(torch.int64), tensors["logprobs"].to(torch.float32)
+    def _decoded(self, stored: dict[str, Tensor], device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+        """Stored rows as int64 ids and float32 log-probabilities on ``device``."""
+        stored = {name: tensor.to(device) for name, tensor in stored.items()}
+        if self.settings.encoding == "compact":
+            return compact.decode(stored, self.settings.k, self.settings.vocab_size)
+        # float32 holds every stored float16 and bfloat16 value exactly: the upcast changes nothing.
+        return stored["ids"].to(torch.int64), stored["logprobs"].to(torch.float32)

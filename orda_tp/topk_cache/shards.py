@@ -27,6 +27,8 @@ from torch import Tensor
 
 from ..arguments.validation import check_count, check_number
 from ..parallel.dtensor import is_dtensor
+from .compact import TENSORS as COMPACT_TENSORS
+from .compact import layout as compact_layout
 
 try:
     from safetensors import SafetensorError, safe_open
@@ -36,6 +38,7 @@ except ImportError as error:  # pragma: no cover - the extra is missing
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "ENCODINGS",
     "LOGPROB_DTYPES",
     "CacheSettings",
     "Shard",
@@ -50,10 +53,13 @@ __all__ = [
     "verify_shard",
 ]
 
-FORMAT, FORMAT_VERSION = "orda_tp.topk_cache", "1"
+FORMAT, FORMAT_VERSION = "orda_tp.topk_cache", "2"
+#: How a top-k cache's rows are stored: "plain" (int32 ids, ``logprob_dtype`` values; version 1's
+#: only encoding) or "compact" (:mod:`.compact`: Elias-Fano ids and float16 magnitudes, 208–232 B/token at k = 64).
+ENCODINGS = ("plain", "compact")
 LOGPROB_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_STORED_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16}
-_STORED_DTYPES |= {"F32": torch.float32, "F64": torch.float64}
+_STORED_DTYPES = {"U8": torch.uint8, "I32": torch.int32, "I64": torch.int64, "F16": torch.float16}
+_STORED_DTYPES |= {"BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _CHECKSUM = "checksum."  # metadata key prefix: "checksum.<tensor>" = "crc32:<8 hex digits>"
 _READ_BYTES = 64 << 20  # a shard is verified 64 MiB of file at a time
 
@@ -97,20 +103,24 @@ def settings_mismatches(settings: object, other: object) -> list[str]:
     ]
 
 
-def read_format(metadata: Mapping[str, str], format_name: str, version: str, where: str) -> None:
-    """Raise unless ``metadata`` states ``format_name`` at ``version``."""
-    if metadata.get("format") != format_name or metadata.get("version") != version:
+def read_format(metadata: Mapping[str, str], format_name: str, versions: tuple[str, ...], where: str) -> str:
+    """The version ``metadata`` states; raise unless it states ``format_name`` at one of ``versions``."""
+    version = metadata.get("version")
+    if metadata.get("format") != format_name or version not in versions:
         raise ValueError(
-            f"{where} is not an {format_name} shard of version {version}: its metadata states format "
-            f"{metadata.get('format')!r}, version {metadata.get('version')!r}"
+            f"{where} is not an {format_name} shard of version {' or '.join(versions)}: its metadata states format "
+            f"{metadata.get('format')!r}, version {version!r}"
         )
+    return version
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """What every shard of a top-k cache shares: the teacher's real ``vocab_size``, ``k``, the
     extraction's ``temperature`` and ``logit_softcap``, a ``teacher`` name (a model name or
-    :func:`head_digest` of its head; "" for none) and the stored log-probabilities' ``logprob_dtype``."""
+    :func:`head_digest` of its head; "" for none), the stored log-probabilities' ``logprob_dtype``
+    and the rows' ``encoding`` (:data:`ENCODINGS`; "compact" stores float16 values exactly in
+    fewer bytes, so it needs ``logprob_dtype=torch.float16``)."""
 
     FORMAT: ClassVar[str] = FORMAT
     PREFIX: ClassVar[str] = "topk"
@@ -121,6 +131,7 @@ class CacheSettings:
     logit_softcap: float | None = None
     teacher: str = ""
     logprob_dtype: torch.dtype = torch.float16
+    encoding: str = "plain"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vocab_size", check_count("CacheSettings.vocab_size", self.vocab_size, 1))
@@ -139,6 +150,15 @@ class CacheSettings:
             raise ValueError(
                 f"CacheSettings.logprob_dtype must be one of {list(LOGPROB_DTYPES)}, got {self.logprob_dtype!r}"
             )
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"CacheSettings.encoding must be one of {list(ENCODINGS)}, got {self.encoding!r}")
+        if self.encoding == "compact":
+            compact_layout(self.k, self.vocab_size)  # the codec's limits: vocab_size <= 2**31
+            if self.logprob_dtype != torch.float16:
+                raise ValueError(
+                    f"CacheSettings.encoding='compact' stores float16 log-probabilities; got logprob_dtype="
+                    f"{self.logprob_dtype!r} (use encoding='plain' for it)"
+                )
 
     @property
     def ids_dtype(self) -> torch.dtype:
@@ -146,6 +166,10 @@ class CacheSettings:
         return torch.int32 if self.vocab_size < 2**31 else torch.int64
 
     def tensors(self, rows: int) -> dict[str, tuple[list[int], torch.dtype]]:
+        if self.encoding == "compact":  # the codec's two byte tables, a fixed width per row
+            plan = compact_layout(self.k, self.vocab_size)
+            widths = (plan.id_bytes, plan.logprob_bytes)
+            return {name: ([rows, width], torch.uint8) for name, width in zip(COMPACT_TENSORS, widths)}
         return {"ids": ([rows, self.k], self.ids_dtype), "logprobs": ([rows, self.k], self.logprob_dtype)}
 
     def metadata(self) -> dict[str, str]:
@@ -160,12 +184,13 @@ class CacheSettings:
             "logit_softcap": cap,
             "teacher": self.teacher,
             "logprob_dtype": dtype_name(self.logprob_dtype),
+            "encoding": self.encoding,
         }
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str], where: str) -> CacheSettings:
         """The settings a shard's metadata states (``where`` names the shard in errors)."""
-        read_format(metadata, FORMAT, FORMAT_VERSION, where)
+        version = read_format(metadata, FORMAT, ("1", FORMAT_VERSION), where)
         try:
             cap = metadata["logit_softcap"]
             return cls(
@@ -175,6 +200,7 @@ class CacheSettings:
                 logit_softcap=None if cap == "none" else float(cap),
                 teacher=metadata["teacher"],
                 logprob_dtype=LOGPROB_DTYPES[metadata["logprob_dtype"]],
+                encoding="plain" if version == "1" else metadata["encoding"],  # version 1 had no other
             )
         except (KeyError, ValueError, TypeError) as error:
             raise ValueError(f"{where} has unreadable metadata ({type(error).__name__}: {error})") from error

@@ -12,7 +12,9 @@ import torch
 from torch import Tensor
 
 from ..arguments.validation import check_count, check_flag
+from . import compact
 from .extraction import TeacherTopK
+from .rounding import stored_logprobs
 from .shards import CacheSettings, S, Shard, checksum_metadata, shard_name, shard_ranges, temporary_name
 
 try:
@@ -20,9 +22,7 @@ try:
 except ImportError as error:  # pragma: no cover - the extra is missing
     raise ImportError("orda_tp.topk_cache needs safetensors: pip install 'orda_tp[cache]'") from error
 
-__all__ = ["ShardWriter", "TopKCacheWriter", "rounded_down", "stored_logprobs"]
-
-_SMALLEST_NEGATIVE = -32767  # int16 bits 0x8001: the negative float16 / bfloat16 closest to 0
+__all__ = ["ShardWriter", "TopKCacheWriter", "stored_logprobs"]
 
 
 class ShardWriter(Generic[S]):
@@ -153,50 +153,20 @@ class ShardWriter(Generic[S]):
         self._buffered -= rows
 
 
-def stored_logprobs(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
-    """``logprobs`` (rows, k) as stored in ``dtype``: rounded to nearest, except in the rows whose
-    rounded mass ``Σ e^l`` would exceed 1 (a peaked teacher's top-k holds nearly all the mass; to
-    nearest its k values can sum past 1 by ``Σ p·|l|·2⁻¹¹`` in float16, which
-    :class:`~orda_tp.PrecomputedTeacher` refuses), which are rounded toward −inf (:func:`rounded_down`)."""
-    stored = logprobs.to(dtype)
-    # Only the rows whose rounded mass exceeds 1 are rounded down: the rest keep round-to-nearest's accuracy.
-    over = torch.exp(stored.double()).sum(dim=1) > 1
-    if bool(over.any()):
-        stored[over] = rounded_down(logprobs[over], dtype)  # in place: only those rows change
-    return stored
-
-
-def rounded_down(logprobs: Tensor, dtype: torch.dtype) -> Tensor:
-    """``logprobs`` (≤ 0) in ``dtype``, rounded toward −inf: each stored probability is at most
-    the given one, so a row's mass never rounds above what it was. Values below the dtype's range
-    become −inf."""
-    stored = logprobs.to(dtype)
-    if dtype not in (torch.float16, torch.bfloat16):
-        return (
-            stored
-            if dtype == logprobs.dtype
-            else stored.where(stored.to(logprobs.dtype) <= logprobs, stored.nextafter(stored.new_tensor(float("-inf"))))
-        )
-    # Sign and magnitude: for y ≤ 0 the next value down has bits + 1; from ±0, the smallest negative subnormal.
-    bits = stored.view(torch.int16)
-    lower = torch.where(stored == 0, torch.full_like(bits, _SMALLEST_NEGATIVE), bits + 1).view(dtype)
-    # Stepped down only where rounding to nearest went up.
-    return torch.where(stored.to(logprobs.dtype) > logprobs, lower, stored)
-
-
 def _check_rows(ids: object, logprobs: object, settings: CacheSettings) -> tuple[Tensor, Tensor]:
-    """``ids`` and ``logprobs`` (rows, k) checked against the settings, on the CPU."""
+    """``ids`` and ``logprobs`` (rows, k) checked against the settings, detached, on their device."""
     if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"ids must be an integer tensor (rows, k), got {getattr(ids, 'dtype', type(ids).__name__)}")
     if not isinstance(logprobs, Tensor) or not logprobs.is_floating_point():
         got = getattr(logprobs, "dtype", type(logprobs).__name__)
         raise TypeError(f"logprobs must be a floating-point tensor (rows, k), got {got}")
-    if ids.dim() != 2 or ids.shape[1] != settings.k or logprobs.shape != ids.shape:
+    if ids.dim() != 2 or ids.shape[1] != settings.k or logprobs.shape != ids.shape or ids.device != logprobs.device:
         raise ValueError(
-            f"ids and logprobs must both be (rows, k={settings.k}), got {tuple(ids.shape)} and {tuple(logprobs.shape)}"
+            f"ids and logprobs must both be (rows, k={settings.k}) on one device, got {tuple(ids.shape)} on "
+            f"{ids.device} and {tuple(logprobs.shape)} on {logprobs.device}"
         )
-    # Shards are written from the host: the rows are checked there, once, before they are buffered.
-    ids, logprobs = ids.detach().to("cpu"), logprobs.detach().to("cpu")
+    # Checked once where the rows are, before they are encoded or copied to the host.
+    ids, logprobs = ids.detach(), logprobs.detach()
     bad = (ids < 0) | (ids >= settings.vocab_size)
     if bool(bad.any()):
         row, column = (int(i) for i in bad.nonzero()[0])
@@ -235,8 +205,9 @@ def _check_extraction(topk: TeacherTopK, settings: CacheSettings) -> None:
 
 class TopKCacheWriter(ShardWriter[CacheSettings]):
     """A :class:`ShardWriter` of a top-k cache (:class:`~.shards.CacheSettings`): rows of
-    ``k`` ids (int32, or int64 from vocabularies of 2³¹ ids) and their log-probabilities, stored
-    as :func:`stored_logprobs` rounds them."""
+    ``k`` ids and their log-probabilities, stored as :func:`~.rounding.stored_logprobs` rounds
+    them; with ``encoding="plain"`` as int32 ids (int64 from vocabularies of 2³¹ ids) and
+    ``logprob_dtype`` values, with ``encoding="compact"`` as :mod:`.compact` packs them."""
 
     def __init__(
         self, directory: str | os.PathLike[str], settings: CacheSettings, start: int = 0,
@@ -249,7 +220,8 @@ class TopKCacheWriter(ShardWriter[CacheSettings]):
     def append(self, topk: TeacherTopK | tuple[Tensor, Tensor] | Tensor, logprobs: Tensor | None = None) -> None:
         """Append rows: a :class:`~orda_tp.TeacherTopK` (whose temperature, soft-cap and vocabulary
         must be the cache's), an ``(ids, logprobs)`` pair, or ``ids`` with ``logprobs`` given;
-        (rows, k) on any device (copied to the CPU and checked)."""
+        (rows, k) on any device (checked there; a compact cache encodes them there too, then the
+        stored form is copied to the CPU)."""
         if self._closed:
             raise ValueError("append on a closed TopKCacheWriter")
         if logprobs is not None:
@@ -262,5 +234,10 @@ class TopKCacheWriter(ShardWriter[CacheSettings]):
         else:
             raise TypeError(f"append takes a TeacherTopK or (ids, logprobs), got {type(topk).__name__}")
         ids, logprobs = _check_rows(ids, logprobs, self.settings)
-        stored = stored_logprobs(logprobs, self.settings.logprob_dtype)
-        self.append_tensors({"ids": ids.to(self.settings.ids_dtype), "logprobs": stored})
+        if self.settings.encoding == "compact":
+            # Encoded where the rows are (a GPU encodes faster than the host); only the packed bytes travel.
+            packed = compact.encode(ids, logprobs, self.settings.vocab_size)
+            self.append_tensors({name: tensor.to("cpu") for name, tensor in packed.items()})
+            return
+        stored = stored_logprobs(logprobs.to("cpu"), self.settings.logprob_dtype)
+        self.append_tensors({"ids": ids.to("cpu", self.settings.ids_dtype), "logprobs": stored})
