@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .arguments.config import ExecutionConfig
-from .arguments.options import GradScalerLike, LossOptions
+from .arguments.options import GradScalerLike, LossOptions, check_loss_keywords
 from .arguments.plan import LossPlan
 from .arguments.validation import ValueChecks, check_denominator, check_inputs, check_token_weights, runs_host_checks
 from .divergences import EntropyGate
@@ -258,6 +258,7 @@ class DistillationLoss(nn.Module):
 
     def __init__(self, **keywords: Any) -> None:
         super().__init__()
+        check_loss_keywords(type(self).__name__, keywords)
         self.options = LossOptions(**keywords)
 
     def forward(

@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import nn
 
 from orda_tp import DistillationLoss
+from orda_tp.arguments.options import check_loss_keywords
 
 from .megatron_head import (
     IGNORE_INDEX,
@@ -68,6 +69,7 @@ def install_distillation_head(
             "tp_group and sequence_parallel from the output layer, vocab_size= its own keyword); got them in "
             "loss_options"
         )
+    check_loss_keywords("install_distillation_head", loss_options)
     tp_size = dist.get_world_size(layer.tp_group)
     # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × tp: the columns past
     # vocab_size are padding, which the loss gives no probability.
