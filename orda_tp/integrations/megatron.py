@@ -11,12 +11,16 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import nn
 
 from orda_tp import DistillationLoss
 from orda_tp.arguments.options import check_loss_keywords
+
+try:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+except ImportError as error:  # an optional extra: say how to install it
+    raise ImportError("orda_tp.integrations.megatron needs megatron-core: pip install 'orda_tp[megatron]'") from error
 
 from .megatron_head import (
     IGNORE_INDEX,
