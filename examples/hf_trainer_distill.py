@@ -33,9 +33,16 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import orda_tp
+
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+except ImportError as error:  # not a dependency of orda_tp: say how to install it
+    raise ImportError(
+        "examples/hf_trainer_distill.py needs transformers and accelerate: "
+        "pip install 'transformers==5.24.0' 'accelerate==1.15.0'"
+    ) from error
 
 VOCAB_SIZE = 512
 SEQ_LEN = 16

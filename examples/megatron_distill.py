@@ -26,12 +26,16 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.random import initialize_rng_tracker
-from megatron.core.transformer import TransformerConfig
 from torch import Tensor
+
+try:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer import TransformerConfig
+except ImportError as error:  # an optional extra of orda_tp: say how to install it
+    raise ImportError("examples/megatron_distill.py needs megatron-core: pip install 'orda_tp[megatron]'") from error
 
 from orda_tp.integrations.megatron import install_distillation_head
 

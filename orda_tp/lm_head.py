@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .arguments.options import check_loss_keywords
 from .engine.call import raised_on_every_rank
 from .loss import DistillationLoss, DistillationLossOutput, TeacherArgument
 from .parallel.local_shards import call_group
@@ -66,6 +67,7 @@ class DistillationHead(nn.Linear):
         dtype: torch.dtype | None = None,
         **loss_options: Any,
     ) -> None:
+        check_loss_keywords(type(self).__name__, loss_options)
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self.loss = DistillationLoss(**loss_options)
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .arguments.config import ExecutionConfig
-from .arguments.options import GradScalerLike, LossOptions
+from .arguments.options import GradScalerLike, LossOptions, check_loss_keywords
 from .arguments.plan import LossPlan
 from .arguments.validation import ValueChecks, check_denominator, check_inputs, check_token_weights, runs_host_checks
 from .divergences import EntropyGate
@@ -202,6 +202,20 @@ def distillation_loss(
     """Student CE, teacher CE and a KL term from hidden states and LM-head weights, without
     building the (BT, V) logits (except with ``backend="reference"``).
 
+    ``student_hidden`` (BT, H): the states that feed the LM head, batch and sequence flattened;
+    ``weight`` (V, H): the head's weight as ``nn.Linear`` stores it (no bias); ``labels`` (BT,)
+    ``torch.long``: each row's target, or ``ignore_index``; ``teacher``: ``TiedTeacher(hidden)``
+    (BT, H) read through ``weight``, ``SeparateTeacher(hidden, weight)`` (BT, H_t) and (V, H_t),
+    ``TeacherHead(hidden, head_module)``, or ``PrecomputedTeacher(logits=...)`` (BT, V) /
+    ``(teacher_hidden=..., teacher_weight=...)`` as a separate teacher's / ``(topk_ids=...,
+    topk_logprobs=...)`` (BT, k). Every tensor on one device; hidden states, weights and logits
+    fp16, bf16, fp32 or fp64, not necessarily of one dtype.
+
+    Returns a :class:`DistillationLossOutput` ``(loss, student_ce, teacher_ce, kl, z_loss)``:
+    ``loss`` differentiable, the unweighted components detached; 0-d tensors for ``reduction=``
+    "mean" (over the rows not ignored, or ``num_valid_tokens``) and "sum", (BT,) per row for
+    "none" (0 on ignored rows).
+
     ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)
     + z_loss_weight·LSE(s)²`` with ``s = student_hidden·weightᵀ`` (``CE(s)`` label-smoothed by
     ``label_smoothing``), ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``; ``logit_softcap=c``
@@ -254,10 +268,13 @@ def distillation_loss(
 
 class DistillationLoss(nn.Module):
     """Module form of :func:`distillation_loss`: its keywords are fixed and validated at construction
-    (:class:`~orda_tp.arguments.options.LossOptions`); ``forward`` takes the call's tensors."""
+    (:class:`~orda_tp.arguments.options.LossOptions`); ``forward(student_hidden, weight, labels,
+    teacher)`` takes the call's tensors, with :func:`distillation_loss`'s shapes, and returns its
+    :class:`DistillationLossOutput`."""
 
     def __init__(self, **keywords: Any) -> None:
         super().__init__()
+        check_loss_keywords(type(self).__name__, keywords)
         self.options = LossOptions(**keywords)
 
     def forward(

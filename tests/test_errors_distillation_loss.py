@@ -1,8 +1,9 @@
 """The errors of ``distillation_loss`` and ``DistillationLoss`` (docs/reference.md §8): the loss
 keywords (the weights, temperatures, ``gradient_materialization_scale``, ``reduction``,
-``ignore_index``, ``grad_scaler``) and the call's tensors (``student_hidden``, ``weight``,
-``labels`` and their values, ``num_valid_tokens``); the baseline problem every error test changes
-is valid for each teacher kind. How the cases are checked: tests/support/error_cases.py.
+``ignore_index``, ``grad_scaler``, a misspelled one, also ``DistillationHead``'s) and the call's
+tensors (``student_hidden``, ``weight``, ``labels`` and their values, ``num_valid_tokens``); the
+baseline problem every error test changes is valid for each teacher kind. How the cases are
+checked: tests/support/error_cases.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from orda_tp import DistillationLoss, PrecomputedTeacher, TiedTeacher
+from orda_tp import DistillationHead, DistillationLoss, PrecomputedTeacher, TiedTeacher, distillation_loss
 
 from .support.error_cases import (
     APIS,
@@ -163,6 +164,42 @@ def _good_keywords() -> list[Any]:
 @pytest.mark.parametrize("keywords", _good_keywords())
 def test_allowed_keywords_and_boundaries_pass(keywords: dict[str, Any]) -> None:
     assert_keywords_pass(keywords)
+
+
+# A misspelled keyword names what was called (not LossOptions.__init__, which the modules build) and the
+# keyword meant; the function's is Python's own.
+UNEXPECTED = "got an unexpected keyword argument"
+UNKNOWN_KEYWORDS = [
+    pytest.param(
+        lambda: DistillationLoss(reductoin="sum"),
+        f"DistillationLoss() {UNEXPECTED} 'reductoin'; did you mean 'reduction'?",
+        id="loss",
+    ),
+    pytest.param(
+        lambda: DistillationHead(4, 11, temprature=2.0),
+        f"DistillationHead() {UNEXPECTED} 'temprature'; did you mean 'kl_temperature'?",
+        id="head",
+    ),
+    pytest.param(
+        lambda: DistillationHead.from_linear(torch.nn.Linear(4, 11, bias=False), kl_wieght=1.0),
+        f"DistillationHead() {UNEXPECTED} 'kl_wieght'; did you mean 'kl_weight'?",
+        id="head.from_linear",
+    ),
+    pytest.param(lambda: DistillationLoss(tp_size=2), f"DistillationLoss() {UNEXPECTED} 'tp_size'", id="no-close-one"),
+]
+
+
+@pytest.mark.parametrize(("build", "message"), UNKNOWN_KEYWORDS)
+def test_a_misspelled_keyword_names_the_class_called(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(TypeError) as raised:
+        build()
+    assert str(raised.value) == message
+
+
+def test_a_misspelled_keyword_of_the_function_is_pythons_error() -> None:
+    t = make_inputs()
+    with pytest.raises(TypeError, match=r"^distillation_loss\(\) got an unexpected keyword argument 'temprature'$"):
+        distillation_loss(**t.arguments(teacher=TiedTeacher(t.teacher_hidden)), temprature=2.0)
 
 
 # --------------------------------------------------------------------------------------------------

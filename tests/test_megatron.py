@@ -53,7 +53,10 @@ EXPECTED_ERRORS = {
     "deferred embedding wgrad": ("ValueError", "defer_embedding_wgrad_compute=True"),
     "vocab_size above the padded vocabulary": ("ValueError", "vocab_size must be the real vocabulary size"),
     "reserved keyword": ("ValueError", "install_distillation_head sets ['reduction'] itself"),
-    "unknown keyword": ("TypeError", "kl_wieght"),
+    "unknown keyword": (
+        "TypeError",
+        "install_distillation_head() got an unexpected keyword argument 'kl_wieght'; did you mean 'kl_weight'?",
+    ),
     "teacher with another padded vocabulary": ("ValueError", "with 32 vocabulary rows each, teacher tp ranks"),
     "teacher with sequence parallelism": ("ValueError", "the teacher must use the student's sequence parallelism"),
     "teacher without embeddings": ("ValueError", "without pipeline parallelism"),

@@ -1,6 +1,7 @@
 """``import orda_tp`` needs torch alone: the optional extras (safetensors for the top-k cache files,
-megatron-core for its integration) are imported where they are named, and then a missing one
-raises with its install line."""
+megatron-core for its integration, triton for the kernels) are imported where they are named, and
+then a missing one raises with its install line; so do the examples that need transformers or
+megatron-core."""
 
 from __future__ import annotations
 
@@ -30,3 +31,32 @@ def test_the_cache_files_name_their_extra_where_safetensors_is_missing() -> None
     run = _without("safetensors", "from orda_tp.topk_cache import TopKCacheWriter")
     assert run.returncode != 0
     assert "orda_tp.topk_cache needs safetensors: pip install 'orda_tp[cache]'" in run.stderr
+
+
+def test_the_megatron_integration_names_its_extra_where_megatron_core_is_missing() -> None:
+    for module in ("orda_tp.integrations.megatron", "orda_tp.integrations.megatron_head"):
+        run = _without("megatron", f"import {module}")
+        assert run.returncode != 0
+        assert "orda_tp.integrations.megatron needs megatron-core: pip install 'orda_tp[megatron]'" in run.stderr
+
+
+def test_printing_a_kernel_names_its_extra_where_triton_is_missing() -> None:
+    run = _without("triton", "import orda_tp.kernels; orda_tp.kernels.print_kernel('grads', kl_divergence='reverse')")
+    assert run.returncode != 0
+    assert "printing a kernel needs triton: pip install 'orda_tp[gpu]'" in run.stderr
+    command = "import runpy, sys; sys.argv[1:] = ['grads']; runpy.run_module('orda_tp.kernels', run_name='__main__')"
+    run = _without("triton", command)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip() == (
+        "python -m orda_tp.kernels: printing a kernel needs triton: pip install 'orda_tp[gpu]'"
+    )
+
+
+def test_the_examples_name_their_packages_where_missing() -> None:
+    for package, example, line in [
+        ("transformers", "hf_trainer_distill.py", "pip install 'transformers==5.24.0' 'accelerate==1.15.0'"),
+        ("megatron", "megatron_distill.py", "pip install 'orda_tp[megatron]'"),
+    ]:
+        run = _without(package, f"import runpy; runpy.run_path('examples/{example}', run_name='__main__')")
+        assert run.returncode != 0
+        assert f"examples/{example} needs " in run.stderr and line in run.stderr, run.stderr

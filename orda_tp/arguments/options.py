@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -32,6 +33,7 @@ __all__ = [
     "GradScalerLike",
     "LogitsOptions",
     "LossOptions",
+    "check_loss_keywords",
     "resolve_divergence",
     "setting_text",
 ]
@@ -247,6 +249,18 @@ def setting_text(value: object) -> str:
 
 
 KEYWORD_DEFAULTS: dict[str, object] = {spec.name: spec.default for spec in fields(LossOptions) if spec.init}
+
+
+def check_loss_keywords(door: str, keywords: Mapping[str, object]) -> None:
+    """Python's TypeError for a keyword :class:`LossOptions` does not take, naming ``door`` (what the
+    user called, not ``LossOptions.__init__``) and the closest loss keyword."""
+    for keyword in keywords:
+        if keyword not in KEYWORD_DEFAULTS:
+            close = difflib.get_close_matches(keyword, KEYWORD_DEFAULTS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{door}() got an unexpected keyword argument {keyword!r}{hint}")
+
+
 # The numeric keywords, and whether each must be > 0 (else ≥ 0); the optional ones may be None.
 _NUMBERS = {
     "student_ce_weight": False,

@@ -11,11 +11,16 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import nn
 
 from orda_tp import DistillationLoss
+from orda_tp.arguments.options import check_loss_keywords
+
+try:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+except ImportError as error:  # an optional extra: say how to install it
+    raise ImportError("orda_tp.integrations.megatron needs megatron-core: pip install 'orda_tp[megatron]'") from error
 
 from .megatron_head import (
     IGNORE_INDEX,
@@ -68,6 +73,7 @@ def install_distillation_head(
             "tp_group and sequence_parallel from the output layer, vocab_size= its own keyword); got them in "
             "loss_options"
         )
+    check_loss_keywords("install_distillation_head", loss_options)
     tp_size = dist.get_world_size(layer.tp_group)
     # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × tp: the columns past
     # vocab_size are padding, which the loss gives no probability.

@@ -10,13 +10,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from orda_tp import DistillationLoss, DistillationLossOutput, PrecomputedTeacher, SeparateTeacher, TiedTeacher
 from orda_tp.engine.call import raised_on_every_rank
 from orda_tp.parallel.layout import agree_checks
+
+try:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+except ImportError as error:  # an optional extra: say how to install it
+    raise ImportError("orda_tp.integrations.megatron needs megatron-core: pip install 'orda_tp[megatron]'") from error
 
 __all__ = [
     "DistillationModel",

@@ -35,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = kernel_source(args.kernel, args.kl_divergence, kl_alpha=args.kl_alpha, kl_beta=args.kl_beta)
     except ValueError as error:
         parser.error(str(error))
+    except ImportError as error:  # triton is not installed: its install line, without a traceback
+        raise SystemExit(f"{parser.prog}: {error}") from error
     print(text)
     return 0
 

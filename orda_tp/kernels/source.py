@@ -7,6 +7,7 @@ kernel").
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,8 @@ def _section(title: str, text: str) -> str:
 
 def _kernel_function(kernel: str) -> object:
     """The ``@triton.jit`` kernel called ``kernel`` (imported here: Triton is optional)."""
+    if importlib.util.find_spec("triton") is None:
+        raise ImportError("printing a kernel needs triton: pip install 'orda_tp[gpu]'")
     from . import grads, partition, rows, scale, sums
 
     kernels = {
