@@ -71,8 +71,17 @@ def _teachers(orda_tp: Any, x: dict[str, torch.Tensor], shard: slice) -> dict[st
         "separate": lambda: orda_tp.SeparateTeacher(hidden, weight),
         "logits": lambda: orda_tp.PrecomputedTeacher(logits=x["teacher_logits"][:, shard]),
         "hidden": lambda: orda_tp.PrecomputedTeacher(teacher_hidden=hidden, teacher_weight=weight),
-        "topk": lambda: topk.teacher("uniform"),
+        "topk": lambda: _retempered(topk),
     }
+
+
+def _retempered(topk: Any) -> Any:
+    """A top-k result as a teacher that every checkout reads alike at any temperature: re-tempered
+    (``retemper=True``; a checkout before the argument existed always re-tempered)."""
+    try:
+        return topk.teacher("uniform", retemper=True)
+    except TypeError:
+        return topk.teacher("uniform")
 
 
 LOSS_SETTINGS: dict[str, dict[str, Any]] = {
@@ -135,7 +144,8 @@ def _other_doors(orda_tp: Any, x: dict[str, torch.Tensor], backend: str, group: 
         ("topk", orda_tp.teacher_topk(x["teacher_hidden_wide"], x["teacher_weight"][shard], 7, temperature=2.0, **tp)),
         ("topk_of_logits", orda_tp.teacher_topk_of_logits(x["teacher_logits"][:, shard], 7, logit_softcap=4.0, **tp)),
     ):
-        out.update({f"{name}.{field}": value for field, value in found._asdict().items()})
+        # The tensors (a later TeacherTopK also states its settings, which are not outputs).
+        out.update({f"{name}.{field}": value for field, value in found._asdict().items() if torch.is_tensor(value)})
     if group is None:
         head = orda_tp.DistillationHead(x["weight"].shape[1], x["weight"].shape[0], kl_weight=1.0, backend=backend)
         with torch.no_grad():

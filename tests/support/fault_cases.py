@@ -897,6 +897,8 @@ HEAD_FAULTS = [
     Fault("head teacher without labels", "head", "tied", _fw(labels=None), "labels"),
     Fault("head negative num_valid_tokens", "head", "tied", _fw(num_valid_tokens=-2.0), "num_valid_tokens"),
     Fault("head label beyond the vocabulary", "head", "tied", _labels(_label_at(VOCAB + 3)), "labels"),
+    # Raised while the head is built, before any group is known: injected on every rank only.
+    Fault("head misspelled keyword", "head", "tied", _kw(kl_temprature=2.0), "kl_temprature", one_rank=False),
 ]
 
 FAULTS = {fault.name: fault for fault in FUSED_FAULTS + KD_FAULTS + FLASH_FAULTS + HEAD_FAULTS}
