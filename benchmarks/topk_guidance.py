@@ -3,7 +3,7 @@ the KD term and its gradients from the cache against those from the dense teache
 a user makes (``k``, the tail, the temperature the cache is extracted at). docs/guide.md §15.3 reads
 its advice from these numbers (docs/benchmarks.md, "Top-k caches against the teacher they stand for").
 
-    python benchmarks/topk_guidance.py            # 3–5 minutes on a 2-core CPU
+    python benchmarks/topk_guidance.py            # 2–3 minutes on a 2-core CPU (more beside other jobs)
     python benchmarks/topk_guidance.py --quick    # fewer steps and tokens: 1–2 minutes
 
 The teacher: a ``transformers.LlamaForCausalLM`` built from a ``LlamaConfig`` (vocab 32000, hidden 64,
