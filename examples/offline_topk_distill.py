@@ -3,6 +3,7 @@ train a tensor-parallel student from it, and check that this is the same trainin
 
     torchrun --standalone --nproc-per-node 2 examples/offline_topk_distill.py            # TP = 2 on gloo (CPU)
     torchrun --standalone --nproc-per-node 2 examples/offline_topk_distill.py --k 32 --steps 12 --cache-dir /tmp/c
+    torchrun --standalone --nproc-per-node 2 examples/offline_topk_distill.py --k 32 --cache-dir /tmp/c --resume
     python examples/offline_topk_distill.py                                               # one process, TP = 1
 
 1. The corpus: ``--sequences`` sequences of ``--seq`` tokens drawn from the synthetic Markov language of the
@@ -20,6 +21,10 @@ train a tensor-parallel student from it, and check that this is the same trainin
    With data parallelism, data-parallel rank ``d`` would run the teacher over its own contiguous range of
    sequences and its tensor-parallel rank 0 would open a writer with ``start=`` the global offset of that
    range's first token; here TP = world size and DP = 1, so one writer holds every row from offset 0.
+   The writer writes a shard every ``--rows-per-shard`` rows. A ``--cache-dir`` that already holds shards
+   is refused (on every rank, before the teacher trains) unless ``--resume`` is given, which keeps them
+   and finishes the cache (the writer continues after its last whole shard: a killed run loses at most
+   the rows of one shard), or ``--replace``, which deletes them and writes the cache again.
 4. Phase "train": the student, a smaller tiny Llama whose ``lm_head`` is an ``orda_tp.DistillationHead``
    split over the ranks by ``parallelize_module(student, mesh, {"lm_head": orda_tp.VocabParallel()})``,
    trains ``--steps`` steps on ``student CE + kl_weight · T² · KL(teacher_T ‖ student_T)``, each batch's
@@ -31,6 +36,12 @@ train a tensor-parallel student from it, and check that this is the same trainin
    teacher online (``teacher_topk`` of the same teacher computed in memory every step, fp32) gives the same
    losses within the cache's fp16 rounding (relative 2⁻¹¹ per stored log-probability). The script prints
    both losses per step and ``check PASS`` (or ``check FAIL``, exiting 1 on every rank).
+6. Beside the PASS, what the cache costs against the real teacher (a measure, not a check): on the first
+   batch, with the student trained from the cache, the KD term ``T²·KL(teacher_T ‖ student_T)`` from the
+   cache and from the teacher itself (its final hidden states through its head: every id, at the training
+   temperature), and the cosine and size of the KD term's gradient with respect to the student's hidden
+   states, from the cache against the dense teacher's (docs/benchmarks.md, "Top-k caches against the
+   teacher they stand for", measures them on a V = 32000 teacher).
 
 Needs transformers (tested with 5.24.0) and safetensors for the cache (``pip install -e '.[cache]'``). About 10 s
 with 2 ranks on two CPU cores. Only rank 0 prints.
@@ -48,11 +59,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -76,6 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; the defaults finish in well under a minute with 2 ranks on two CPU cores."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-dir", type=Path, default=None, help="where to write the cache (default: a temp dir)")
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--resume", action="store_true", help="keep the shards already in --cache-dir and finish the cache"
+    )
+    existing.add_argument(
+        "--replace", action="store_true", help="delete the shards already in --cache-dir and write the cache again"
+    )
+    parser.add_argument("--rows-per-shard", type=positive_int, default=1024, help="rows in each shard of the cache")
     parser.add_argument("--k", type=positive_int, default=64, help="log-probabilities cached per token")
     parser.add_argument("--steps", type=positive_int, default=8, help="student training steps")
     parser.add_argument("--teacher-steps", type=int, default=150, help="teacher pre-training steps (0: random)")
@@ -94,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--teacher-steps must be >= 0, got {args.teacher_steps}")
     if args.sequences % args.batch != 0:
         parser.error(f"--sequences ({args.sequences}) must be a multiple of --batch ({args.batch})")
+    if (args.resume or args.replace) and args.cache_dir is None:
+        parser.error("--resume and --replace need --cache-dir (the default is a new temporary directory)")
     return args
 
 
@@ -219,32 +242,68 @@ def write_cache(
     directory: Path,
     args: argparse.Namespace,
     runtime: Runtime,
-) -> float:
+) -> int:
     """Phase "write": every rank extracts every batch's top-k (the head split over the ranks); rank 0 appends it
-    to the cache, in corpus order from offset 0. Returns the mean probability mass the top-k holds."""
-    mass = torch.zeros((), device=runtime.device)
+    to the cache, in corpus order from offset 0. With ``--resume`` the writer continues after the shards it
+    finds (their settings must be these), and the batches they hold are not run again. Returns the rows the
+    directory held before (0 without ``--resume``)."""
     with contextlib.ExitStack() as stack:
-        writer = None
+        writer: TopKCacheWriter | None = None
+        opened: list[tuple[int, str]] = [(0, "")]  # rank 0's: the rows its shards hold, or why it cannot write
         if runtime.rank == 0:
-            writer = stack.enter_context(TopKCacheWriter(directory, settings, start=0))
+            try:
+                writer = TopKCacheWriter(
+                    directory, settings, start=0, rows_per_shard=args.rows_per_shard, resume=args.resume
+                )
+                stack.enter_context(writer)
+                opened = [(writer.num_written, "")]
+            except (OSError, ValueError) as error:  # e.g. kept shards of another teacher, k or temperature
+                opened = [(0, f"cannot write the cache in {directory}: {error}")]
+        if runtime.group is not None:
+            # On every rank: the extraction is collective, so every rank skips the same batches, or raises.
+            dist.broadcast_object_list(opened, src=0, group=runtime.group)
+        kept, failure = opened[0]
+        if failure:
+            raise SystemExit(failure)
         for batch in batches:
+            if batch.stop <= kept:
+                continue
             topk = extract_topk(teacher, batch.inputs, args.k, args.temperature, runtime)
-            mass += topk.logprobs.exp().sum(dim=1).sum()
             if writer is not None:
-                writer.append(topk)
+                skip = max(0, kept - batch.start)  # the rows of a batch that a kept shard already holds
+                writer.append(
+                    topk._replace(
+                        ids=topk.ids[skip:], logprobs=topk.logprobs[skip:], log_partition=topk.log_partition[skip:]
+                    )
+                )
     if runtime.group is not None:
         dist.barrier(group=runtime.group)  # the cache is complete before any rank reads it
-    return mass.item() / (batches[-1].stop - batches[0].start)
+    return kept
 
 
-def shared_cache_dir(requested: Path | None, runtime: Runtime) -> Path:
-    """``requested``, or a new temporary directory made by rank 0, its path sent to every rank."""
-    paths = [
-        str(requested) if requested is not None else tempfile.mkdtemp(prefix="orda_topk_") if runtime.rank == 0 else ""
-    ]
+def cache_directory(args: argparse.Namespace, runtime: Runtime) -> Path:
+    """``--cache-dir``, or a new temporary directory made by rank 0, its path sent to every rank. Shards already
+    there are refused on every rank unless ``--resume`` keeps them or ``--replace`` has rank 0 delete them."""
+    listing: list[list[str]] = [[]]  # rank 0's: the directory, then the names of the shards in it
+    if runtime.rank == 0:
+        chosen = args.cache_dir if args.cache_dir is not None else Path(tempfile.mkdtemp(prefix="orda_topk_"))
+        listing = [[str(chosen), *sorted(path.name for path in chosen.glob(f"{CacheSettings.PREFIX}-*.safetensors"))]]
     if runtime.group is not None:
-        dist.broadcast_object_list(paths, src=0, group=runtime.group)
-    return Path(paths[0])
+        dist.broadcast_object_list(listing, src=0, group=runtime.group)  # before rank 0 writes or deletes anything
+    directory, shards = Path(listing[0][0]), listing[0][1:]
+    if shards and not (args.resume or args.replace):
+        raise SystemExit(
+            f"--cache-dir {directory} already holds {len(shards)} top-k cache shards ({shards[0]} …): pass --resume "
+            "to keep them and finish the cache, or --replace to delete them and write it again"
+        )
+    if shards and args.replace:
+        if runtime.rank == 0:
+            # The cache's files only (and a killed writer's hidden temporaries); anything else in the directory stays.
+            prefix = CacheSettings.PREFIX
+            for path in (*directory.glob(f"{prefix}-*.safetensors"), *directory.glob(f".{prefix}-*.safetensors.tmp")):
+                path.unlink()
+        runtime.log(f"--replace: deleted the {len(shards)} shards in {directory}")
+    return directory
 
 
 def disk_mib(directory: Path) -> float:
@@ -261,7 +320,7 @@ TeacherSource = Callable[[CorpusBatch], orda_tp.PrecomputedTeacher]
 def train_student(
     student: LlamaForCausalLM, teacher_of: TeacherSource, batches: list[CorpusBatch], args: argparse.Namespace
 ) -> list[float]:
-    """``args.steps`` AdamW steps of the student on the batches in order (wrapping around the corpus), each
+    """``args.steps`` AdamW steps of ``student`` on the batches in order (wrapping around the corpus), each
     batch's teacher from ``teacher_of``; returns the loss of every step."""
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
     losses = []
@@ -273,6 +332,51 @@ def train_student(
         optimizer.step()
         losses.append(output.loss.item())
     return losses
+
+
+class AgainstTeacher(NamedTuple):
+    """The KD term ``T²·KL(teacher_T ‖ student_T)`` from the cache and from the dense teacher, and the cosine
+    and size (norm ratio) of its gradient with respect to the student's hidden states, cache against teacher."""
+
+    kd_cache: float
+    kd_teacher: float
+    hidden_cosine: float
+    hidden_size: float
+
+
+def against_teacher(
+    student: LlamaForCausalLM,
+    teacher: LlamaForCausalLM,
+    reader: TopKCacheReader,
+    batch: CorpusBatch,
+    args: argparse.Namespace,
+    runtime: Runtime,
+) -> AgainstTeacher:
+    """What the cache costs against the real teacher on ``batch``: the KD term alone (student CE weight 0) from
+    ``reader``'s rows and from the dense teacher (its final hidden states through this rank's shard of its head,
+    at the training temperature), and its gradient with respect to the student's hidden states."""
+    with torch.no_grad():
+        hidden = final_hidden(student, batch.inputs).flatten(0, 1)
+        teacher_hidden = final_hidden(teacher, batch.inputs).flatten(0, 1)
+    weight = student.lm_head.weight
+    weight = (weight.to_local() if isinstance(weight, DTensor) else weight).detach()  # this rank's vocabulary shard
+    head_shard = teacher.lm_head.weight.chunk(runtime.world_size)[runtime.rank]
+    teachers = (
+        reader.teacher(batch.start, batch.stop, tail=TAIL, device=runtime.device),
+        orda_tp.SeparateTeacher(teacher_hidden, head_shard),
+    )
+    terms, grads = [], []
+    for source in teachers:
+        rows = hidden.clone().requires_grad_()
+        output = orda_tp.distillation_loss(
+            rows, weight, batch.labels.flatten(), source, student_ce_weight=0.0, teacher_ce_weight=0.0,
+            kl_weight=1.0, kl_temperature=args.temperature, tp_group=runtime.group,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(output.loss, rows)  # whole on every rank: the ranks' parts are summed
+        terms.append(output.loss.item())
+        grads.append(grad.flatten().double())
+    cosine = F.cosine_similarity(grads[0], grads[1], dim=0).item()
+    return AgainstTeacher(terms[0], terms[1], cosine, (grads[0].norm() / grads[1].norm()).item())
 
 
 def check_rows(
@@ -325,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab % runtime.world_size != 0:
         raise SystemExit(f"--vocab ({args.vocab}) must be a multiple of the world size ({runtime.world_size})")
     began = time.perf_counter()
+    # Before the teacher trains: a directory that holds shards is refused at once, on every rank.
+    directory = cache_directory(args, runtime)
     batches = corpus_batches(make_corpus(args), args.batch, runtime.device)
     teacher = tiny_llama(
         args.vocab, args.teacher_hidden, layers=2, max_seq=args.seq, seed=args.seed, device=runtime.device
@@ -335,14 +441,14 @@ def main(argv: list[str] | None = None) -> int:
         f"k {args.k} | T {args.temperature} | tail {TAIL}"
     )
     pretrain_teacher(teacher, args, runtime)
-    directory = shared_cache_dir(args.cache_dir, runtime)
     teacher_name = head_digest(teacher.lm_head.weight)  # names the teacher (and its training) the cache is of
-    mass = write_cache(teacher, cache_settings(teacher_name, args), batches, directory, args, runtime)
+    kept = write_cache(teacher, cache_settings(teacher_name, args), batches, directory, args, runtime)
     reader = TopKCacheReader(directory)
+    mass = reader.rows(0, reader.num_tokens)[1].exp().sum(dim=1).mean().item()
     runtime.log(
-        f"write: {reader.num_tokens} tokens x top-{args.k} in {directory} ({disk_mib(directory):.2f} MiB) | "
-        f"mean top-k mass {mass:.4f} | "
-        f"{time.perf_counter() - began:.1f} s"
+        f"write: {reader.num_tokens} tokens x top-{args.k} in {directory} ({len(reader.shards)} shards, "
+        f"{disk_mib(directory):.2f} MiB; {kept} rows kept, {reader.num_tokens - kept} written now) | "
+        f"mean top-k mass {mass:.4f} | {time.perf_counter() - began:.1f} s"
     )
     # The student's settings: a cache of another vocabulary, k, temperature or teacher raises here (a job
     # without the teacher at hand passes teacher=None, or the name it was written with).
@@ -350,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=args.vocab, k=args.k, temperature=args.temperature, logit_softcap=None, teacher=teacher_name
     )
     rows_ok = check_rows(reader, teacher, batches, args, runtime)
+    student = build_student(args, runtime)
     cached = train_student(
-        build_student(args, runtime),
+        student,
         lambda batch: reader.teacher(batch.start, batch.stop, tail=TAIL, device=runtime.device),
         batches,
         args,
@@ -363,6 +470,13 @@ def main(argv: list[str] | None = None) -> int:
         args,
     )
     losses_ok = check_losses(cached, online, runtime)
+    cost = against_teacher(student, teacher, reader, batches[0], args, runtime)
+    relative = cost.kd_cache / cost.kd_teacher - 1
+    runtime.log(
+        f"cache vs teacher: KD term {cost.kd_cache:.6f} from the cache, {cost.kd_teacher:.6f} from the dense teacher "
+        f"(rel {relative:+.2e}) | hidden-gradient cosine {cost.hidden_cosine:.6f}, size {cost.hidden_size:.4f} "
+        f"(batch 1, the student trained from the cache, T {args.temperature})"
+    )
     if runtime.group is not None:
         dist.barrier(group=runtime.group)  # every rank is done with the cache
     if args.cache_dir is None and runtime.rank == 0:
@@ -370,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = rows_ok and losses_ok
     runtime.log(
         f"summary: student loss {cached[0]:.4f} -> {cached[-1]:.4f} over {args.steps} steps from the cache | "
+        f"cache vs teacher: KL rel {relative:+.1e}, hidden-gradient cosine {cost.hidden_cosine:.4f} | "
         f"{time.perf_counter() - began:.1f} s | check {'PASS' if passed else 'FAIL'}"
     )
     if runtime.group is not None:
