@@ -38,15 +38,19 @@ import glob
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-import orda_tp
-from orda_tp.topk_cache import CacheSettings, TopKCacheReader, TopKCacheWriter, stored_logprobs
-from orda_tp.topk_cache.compact import LOGPROB_BITS, decode, encode, layout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import orda_tp  # noqa: E402
+from orda_tp.topk_cache import CacheSettings, TopKCacheReader, TopKCacheWriter, stored_logprobs  # noqa: E402
+from orda_tp.topk_cache.compact import LOGPROB_BITS, decode, encode, layout  # noqa: E402
 
 VOCABS = (32000, 128256, 151936, 262144, 2**31)
 KS = (16, 64, 128, 256)

@@ -321,8 +321,8 @@ def test_compact_cache_settings_are_checked(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_compact_cache_encodes_and_decodes_on_the_gpu(tmp_path: Path) -> None:
-    """Rows on a GPU are encoded there (the same shards as from the CPU), and read onto a GPU they
-    are decoded there (the CPU's rows)."""
+    """Rows on a GPU are encoded there (the same shards' tensors and checksums as from the CPU), and
+    read onto a GPU they are decoded there (the CPU's rows)."""
     from orda_tp.topk_cache import TopKCacheReader
 
     generator = torch.Generator().manual_seed(6)
@@ -332,8 +332,15 @@ def test_a_compact_cache_encodes_and_decodes_on_the_gpu(tmp_path: Path) -> None:
     on_gpu = topk._replace(ids=topk.ids.cuda(), logprobs=topk.logprobs.cuda())
     _write_cache(tmp_path / "cpu", topk, "compact")
     _write_cache(tmp_path / "gpu", on_gpu, "compact")
-    for a, b in zip(sorted((tmp_path / "cpu").iterdir()), sorted((tmp_path / "gpu").iterdir())):
-        assert a.read_bytes() == b.read_bytes()
+    from safetensors import safe_open
+
+    # The same tensors and metadata (the header's key order is safetensors' own, not the bytes').
+    shards = [sorted((tmp_path / side).glob("topk-*.safetensors")) for side in ("cpu", "gpu")]
+    assert len(shards[0]) == len(shards[1]) == 5
+    for a, b in zip(*shards):
+        with safe_open(str(a), framework="pt") as one, safe_open(str(b), framework="pt") as other:
+            assert one.metadata() == other.metadata() and set(one.keys()) == set(other.keys())
+            assert all(torch.equal(one.get_tensor(name), other.get_tensor(name)) for name in one.keys())
     reader = TopKCacheReader(tmp_path / "gpu")
     ids, logprobs = reader.rows(0, 30, device="cuda")
     assert ids.is_cuda and all(torch.equal(a.cpu(), b) for a, b in zip((ids, logprobs), reader.rows(0, 30)))
