@@ -34,7 +34,7 @@ from torch import Tensor
 from ..arguments.validation import check_count
 from .rounding import stored_logprobs
 
-__all__ = ["LOGPROB_BITS", "MAX_VOCAB_SIZE", "TENSORS", "CompactLayout", "decode", "encode", "layout"]
+__all__ = ["LOGPROB_BITS", "MAX_VOCAB_SIZE", "TENSORS", "CompactLayout", "decode", "encode", "encode_checked", "layout"]
 
 #: The largest vocabulary the codec takes: every id below 2³¹ (a low part of at most 31 bits).
 MAX_VOCAB_SIZE = 2**31
@@ -93,7 +93,14 @@ def encode(ids: Tensor, logprobs: Tensor, vocab_size: int) -> dict[str, Tensor]:
     bytes). The log-probabilities are rounded as the float16 cache rounds them
     (:func:`~orda_tp.topk_cache.writer.stored_logprobs`). Raises ValueError / TypeError for inputs
     out of that contract (reads the values: synchronizes with the device)."""
-    rows, k = _check_inputs(ids, logprobs, vocab_size)
+    _check_inputs(ids, logprobs, vocab_size)
+    return encode_checked(ids, logprobs, vocab_size)
+
+
+def encode_checked(ids: Tensor, logprobs: Tensor, vocab_size: int) -> dict[str, Tensor]:
+    """:func:`encode` of rows already checked against its contract (the cache's writer checks them
+    once, with distinct ids too): no check, no synchronization."""
+    rows, k = ids.shape
     plan = layout(k, vocab_size)
     widths = (plan.id_bytes, plan.logprob_bytes)
     packed = [torch.empty(rows, width, dtype=torch.uint8, device=ids.device) for width in widths]
@@ -172,8 +179,8 @@ def _decode_block(packed_ids: Tensor, packed_logprobs: Tensor, plan: CompactLayo
     return ids, logprobs + 0.0  # −0 + 0 = +0: a stored 0 reads back as 0
 
 
-def _check_inputs(ids: object, logprobs: object, vocab_size: int) -> tuple[int, int]:
-    """``(rows, k)`` of valid :func:`encode` inputs, else ValueError / TypeError naming the argument."""
+def _check_inputs(ids: object, logprobs: object, vocab_size: int) -> None:
+    """Return for valid :func:`encode` inputs, else raise ValueError / TypeError naming the argument."""
     if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"ids must be an integer tensor (rows, k), got {getattr(ids, 'dtype', type(ids).__name__)}")
     if not isinstance(logprobs, Tensor) or not logprobs.is_floating_point():
@@ -186,7 +193,7 @@ def _check_inputs(ids: object, logprobs: object, vocab_size: int) -> tuple[int, 
         )
     layout(ids.shape[1], vocab_size)  # checks k and vocab_size
     if ids.numel() == 0:
-        return 0, ids.shape[1]
+        return
     # Reductions first (no full-size temporaries); the place of a bad value only when there is one.
     low, high = ids.aminmax()
     if int(low) < 0 or int(high) >= vocab_size:
@@ -196,7 +203,6 @@ def _check_inputs(ids: object, logprobs: object, vocab_size: int) -> tuple[int, 
     if not float(logprobs.max()) <= 0:
         row, column = (int(i) for i in (torch.isnan(logprobs) | (logprobs > 0)).nonzero()[0])
         raise ValueError(f"logprobs must be <= 0 (or -inf); logprobs[{row}, {column}] = {logprobs[row, column]}")
-    return ids.shape[0], ids.shape[1]
 
 
 def _check_stored(stored: object, plan: CompactLayout) -> tuple[Tensor, Tensor]:

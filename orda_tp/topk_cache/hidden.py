@@ -107,14 +107,7 @@ class HiddenCacheReader(ShardReader[HiddenCacheSettings]):
 
     def check(self, *, hidden_size: int | None = None, teacher: str | None = None) -> None:
         """Raise a ValueError naming every given setting the cache does not have (None: not checked)."""
-        asked = {"hidden_size": hidden_size, "teacher": teacher}
-        mismatched = [
-            f"{name}: the cache has {getattr(self.settings, name)!r}, expected {value!r}"
-            for name, value in asked.items()
-            if value is not None and getattr(self.settings, name) != value
-        ]
-        if mismatched:
-            raise ValueError(f"the hidden-state cache in {self.directory} does not match: {'; '.join(mismatched)}")
+        self.check_settings("hidden-state", {"hidden_size": hidden_size, "teacher": teacher})
 
     def rows(self, start: int, stop: int) -> Tensor:
         """Rows ``[start, stop)``, (stop − start, hidden_size), in the stored dtype."""

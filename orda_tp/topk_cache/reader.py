@@ -76,6 +76,17 @@ class ShardReader(Generic[S]):
         self._verified: set[int] = set()
         self._warned = False
 
+    def check_settings(self, kind: str, asked: dict[str, object]) -> None:
+        """Raise a ValueError naming every setting in ``asked`` (None: not checked) that the ``kind``
+        cache does not have."""
+        mismatched = [
+            f"{name}: the cache has {getattr(self.settings, name)!r}, expected {value!r}"
+            for name, value in asked.items()
+            if value is not None and getattr(self.settings, name) != value
+        ]
+        if mismatched:
+            raise ValueError(f"the {kind} cache in {self.directory} does not match: {'; '.join(mismatched)}")
+
     def verify(self) -> Verification:
         """Read every shard's bytes and check them against its checksums (raises on the first
         mismatch); shards without checksums are counted, not read."""
@@ -176,14 +187,7 @@ class TopKCacheReader(ShardReader[CacheSettings]):
     ) -> None:  # fmt: skip
         """Raise a ValueError naming every given setting the cache does not have (None: not checked)."""
         asked: dict[str, object] = {"vocab_size": vocab_size, "k": k, "temperature": temperature}
-        asked |= {"logit_softcap": logit_softcap, "teacher": teacher}
-        mismatched = [
-            f"{name}: the cache has {getattr(self.settings, name)!r}, expected {value!r}"
-            for name, value in asked.items()
-            if value is not None and getattr(self.settings, name) != value
-        ]
-        if mismatched:
-            raise ValueError(f"the top-k cache in {self.directory} does not match: {'; '.join(mismatched)}")
+        self.check_settings("top-k", asked | {"logit_softcap": logit_softcap, "teacher": teacher})
 
     def rows(self, start: int, stop: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
         """Rows ``[start, stop)``: ids (stop − start, k) int64 and log-probabilities float32, on

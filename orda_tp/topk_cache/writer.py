@@ -235,8 +235,8 @@ class TopKCacheWriter(ShardWriter[CacheSettings]):
             raise TypeError(f"append takes a TeacherTopK or (ids, logprobs), got {type(topk).__name__}")
         ids, logprobs = _check_rows(ids, logprobs, self.settings)
         if self.settings.encoding == "compact":
-            # Encoded where the rows are (a GPU encodes faster than the host); only the packed bytes travel.
-            packed = compact.encode(ids, logprobs, self.settings.vocab_size)
+            # Encoded where the rows are (checked above); only the packed bytes travel to the host.
+            packed = compact.encode_checked(ids, logprobs, self.settings.vocab_size)
             self.append_tensors({name: tensor.to("cpu") for name, tensor in packed.items()})
             return
         stored = stored_logprobs(logprobs.to("cpu"), self.settings.logprob_dtype)
