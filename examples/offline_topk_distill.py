@@ -67,7 +67,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
-from transformers import LlamaConfig, LlamaForCausalLM
+
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM
+except ImportError as error:  # not a dependency of orda_tp: say how to install it
+    raise ImportError(
+        "examples/offline_topk_distill.py needs transformers: pip install 'transformers==5.24.0'"
+    ) from error
 
 # Run from a checkout without installing: the repository root holds `orda_tp` and the main job's `launch`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
