@@ -1,0 +1,154 @@
+"""TRL adapter: :func:`chunked_divergence_loss` is TRL 1.16's ``DistillationTrainer`` loss
+(``trl.trainer.distillation_trainer._chunked_divergence_loss``: the generalized JSD(β) between the
+student's and the teacher's next-token distributions over the completion tokens) computed by
+:func:`orda_tp.distillation_loss`: the same arguments, the same ``(loss, entropy_sum, n_valid)``.
+:class:`OrdaDistillationTrainer` is ``DistillationTrainer`` with that loss; :func:`orda_divergence_loss`
+swaps it into any ``DistillationTrainer`` (subclasses included) for a block (docs/integrations.md, "TRL").
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from orda_tp.loss import distillation_loss
+from orda_tp.teachers import SeparateTeacher
+
+try:
+    import trl
+    import trl.trainer.distillation_trainer as trl_distillation
+    from trl import DistillationTrainer
+except ImportError as error:  # an optional extra: say how to install it
+    raise ImportError("orda_tp.integrations.trl needs trl: pip install 'orda_tp[trl]'") from error
+
+__all__ = ["OrdaDistillationTrainer", "chunked_divergence_loss", "orda_divergence_loss"]
+
+# TRL's loss function, looked up in its trainer's module at each call (the swap point).
+TRL_LOSS_NAME = "_chunked_divergence_loss"
+TESTED_TRL = "1.16.0"
+IGNORE_INDEX = -100
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast gives matmuls on ``device`` inside the caller's autocast region, or None."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def _denominator(n_valid: Tensor, num_items_in_batch: Tensor | int | None, device: torch.device) -> Tensor | int:
+    """TRL's: the mask's count (at least 1) when the trainer gives no count, else its count."""
+    if num_items_in_batch is None:
+        return n_valid.clamp(min=1)
+    if isinstance(num_items_in_batch, Tensor):
+        return num_items_in_batch.to(device)
+    return num_items_in_batch
+
+
+def chunked_divergence_loss(
+    student_hidden_states: Tensor,
+    teacher_hidden_states: Tensor,
+    student_lm_head_weight: Tensor,
+    teacher_lm_head_weight: Tensor,
+    completion_mask: Tensor,
+    beta: float,
+    num_items_in_batch: Tensor | int | None = None,
+    student_lm_head_bias: Tensor | None = None,
+    teacher_lm_head_bias: Tensor | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_final_logit_softcapping: float | None = None,
+    teacher_final_logit_softcapping: float | None = None,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """TRL 1.16's ``_chunked_divergence_loss``, argument for argument, by orda_tp's fused loss.
+
+    ``student_hidden_states`` (B, K, H_s) and ``teacher_hidden_states`` (B, K, H_t): the states that
+    feed each LM head at the K completion positions; the heads' weights (V, H_s), (V, H_t) and
+    biases (V,) or None; ``completion_mask`` (B, K), nonzero where a position is in the loss. Each
+    side's logits are ``cap(scale·(h·Wᵀ + b))/temperature`` (``cap`` the final soft-cap, if any);
+    ``beta`` picks the divergence: 0 is KL(teacher‖student), 1 is KL(student‖teacher), in between
+    ``β·KL(q‖m) + (1−β)·KL(p‖m)`` with ``m = β·q + (1−β)·p`` (no temperature² factor).
+
+    Returns ``(loss, entropy_sum, n_valid)``: the divergence summed over the masked-in positions and
+    divided by ``num_items_in_batch`` (by ``n_valid``, at least 1, when None); the student's entropy
+    at ``temperature`` summed over those positions (detached); their count (int64, 0-d). Gradients
+    reach the student's hidden states, head weight and bias; the teacher's tensors get none.
+
+    Heads given as DTensors sharded on the vocabulary are used shard by shard (no gather). Under
+    autocast the GEMMs run in autocast's dtype, as TRL's do.
+    """
+    valid = completion_mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    # Every position gets a label: the student CE, the one term that reads it, has weight 0.
+    labels = torch.where(valid, 0, IGNORE_INDEX)
+    student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])
+    teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])
+    student_weight, teacher_weight = student_lm_head_weight, teacher_lm_head_weight
+    compute_dtype = _autocast_dtype(student.device)
+    if compute_dtype is not None:  # TRL's GEMMs run in autocast's dtype; orda_tp's in its inputs'
+        student, teacher = student.to(compute_dtype), teacher.to(compute_dtype)
+        student_weight, teacher_weight = student_weight.to(compute_dtype), teacher_weight.to(compute_dtype)
+    output = distillation_loss(
+        student,
+        student_weight,
+        labels,
+        SeparateTeacher(teacher, teacher_weight, bias=teacher_lm_head_bias),
+        bias=student_lm_head_bias,
+        student_ce_weight=0.0,
+        teacher_ce_weight=0.0,
+        # orda_tp's KL term is T²·D; TRL's loss is D.
+        kl_weight=1.0 / temperature**2,
+        kl_temperature=temperature,
+        kl_divergence="generalized_jsd",
+        kl_beta=beta,
+        logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        logit_softcap=student_final_logit_softcapping,
+        teacher_logit_softcap=teacher_final_logit_softcapping,
+        student_entropy=True,
+        reduction="sum",
+    )
+    loss = output.loss / _denominator(n_valid, num_items_in_batch, output.loss.device)
+    return loss, output.student_entropy, n_valid
+
+
+def _trl_module() -> ModuleType:
+    """TRL's trainer module, checked to call a loss with :func:`chunked_divergence_loss`'s arguments."""
+    original = getattr(trl_distillation, TRL_LOSS_NAME, None)
+    ours = list(inspect.signature(chunked_divergence_loss).parameters)
+    if original is None or list(inspect.signature(original).parameters) != ours:
+        raise RuntimeError(
+            f"trl {trl.__version__}'s DistillationTrainer does not compute its loss with "
+            f"{TRL_LOSS_NAME}({', '.join(ours)}), the function orda_tp.integrations.trl stands in for "
+            f"(tested with trl=={TESTED_TRL}); install that version"
+        )
+    return trl_distillation
+
+
+@contextmanager
+def orda_divergence_loss() -> Iterator[None]:
+    """Inside the block, every TRL ``DistillationTrainer`` computes its loss with
+    :func:`chunked_divergence_loss` (TRL's function is put back after it, whatever happens)."""
+    module = _trl_module()
+    saved = getattr(module, TRL_LOSS_NAME)
+    setattr(module, TRL_LOSS_NAME, chunked_divergence_loss)
+    try:
+        yield
+    finally:
+        setattr(module, TRL_LOSS_NAME, saved)
+
+
+class OrdaDistillationTrainer(DistillationTrainer):
+    """TRL's ``DistillationTrainer`` whose loss is :func:`chunked_divergence_loss`: a drop-in
+    replacement (same arguments, same logs), everything else TRL's own."""
+
+    def _compute_loss(self, unwrapped_student: Any, inputs: Any, num_items_in_batch: Any) -> Any:
+        with orda_divergence_loss():
+            return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)

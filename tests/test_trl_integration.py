@@ -1,0 +1,263 @@
+"""orda_tp.integrations.trl against the real trl 1.16.0 package, on the CPU (TRL's loss runs there
+with its torch tiles).
+
+- ``chunked_divergence_loss`` equals TRL's ``_chunked_divergence_loss`` on the same inputs: the
+  loss, the entropy sum, the count, and the gradients of the student's hidden states, head weight
+  and bias (fp32, 1e-5), over β ∈ {0, 0.1, 0.5, 1}, T ∈ {1, 2, 0.7}, logit scales ≠ 1, soft-caps
+  on either side, biases, masks (one all masked), ``num_items_in_batch`` None / int / tensor, and
+  student and teacher of different widths; the teacher gets no gradient, as in TRL.
+- TRL's ``DistillationTrainer`` end to end (tiny Llama student and teacher built from configs,
+  completions from ``generate``, two optimizer steps with gradient accumulation): with TRL's loss
+  and with :class:`OrdaDistillationTrainer`, the logged losses and entropies and the student's
+  parameters after the steps agree within fp32 rounding, for β = 0, 0.5 and 1 with a biased head,
+  a configured logit scale and a final soft-cap.
+- The swap is undone after its block, and a TRL whose loss takes other arguments is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("trl")
+
+import trl.trainer.distillation_trainer as trl_distillation  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import DistillationConfig, DistillationTrainer  # noqa: E402
+
+from orda_tp.integrations import trl as orda_trl  # noqa: E402
+
+TRL_LOSS = trl_distillation._chunked_divergence_loss
+BATCH, POSITIONS, STUDENT_WIDTH, TEACHER_WIDTH, VOCAB = 3, 7, 16, 24, 301
+# Per case: logit scales, final soft-caps and which heads carry a bias (student, teacher).
+HEAD_SETTINGS = {
+    "plain": ((1.0, 1.0), (None, None), (False, False)),
+    "scaled, capped, biased": ((0.7, 1.3), (5.0, 4.0), (True, True)),
+    "teacher capped, student biased": ((1.25, 1.0), (None, 3.0), (True, False)),
+}
+
+
+def make_inputs(seed: int, settings: str, all_masked: bool = False) -> dict[str, Any]:
+    """TRL's keyword arguments for one random case (the student's tensors require gradients)."""
+    generator = torch.Generator().manual_seed(seed)
+    scales, caps, biased = HEAD_SETTINGS[settings]
+
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return torch.randn(*shape, generator=generator) * scale
+
+    mask = (torch.rand(BATCH, POSITIONS, generator=generator) < 0.7).long()
+    if all_masked:
+        mask.zero_()
+    student_bias = randn(VOCAB, scale=0.2).requires_grad_() if biased[0] else None
+    return {
+        "student_hidden_states": randn(BATCH, POSITIONS, STUDENT_WIDTH).requires_grad_(),
+        "teacher_hidden_states": randn(BATCH, POSITIONS, TEACHER_WIDTH),
+        "student_lm_head_weight": randn(VOCAB, STUDENT_WIDTH, scale=0.4).requires_grad_(),
+        "teacher_lm_head_weight": randn(VOCAB, TEACHER_WIDTH, scale=0.4),
+        "completion_mask": mask,
+        "student_lm_head_bias": student_bias,
+        "teacher_lm_head_bias": randn(VOCAB, scale=0.2) if biased[1] else None,
+        "student_logit_scale": scales[0],
+        "teacher_logit_scale": scales[1],
+        "student_final_logit_softcapping": caps[0],
+        "teacher_final_logit_softcapping": caps[1],
+    }
+
+
+def outputs_and_grads(loss_fn: Any, inputs: dict[str, Any], **call: Any) -> dict[str, Tensor]:
+    """``loss_fn``'s three outputs and the student's gradients, on fresh copies of ``inputs``."""
+    copies = {
+        name: value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value
+        for name, value in inputs.items()
+    }
+    loss, entropy_sum, n_valid = loss_fn(**copies, **call)
+    loss.backward()
+    found = {"loss": loss.detach(), "entropy_sum": entropy_sum, "n_valid": n_valid}
+    for name in ("student_hidden_states", "student_lm_head_weight", "student_lm_head_bias"):
+        tensor = copies[name]
+        if tensor is not None:
+            found[f"grad {name}"] = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+    return found
+
+
+CASES = [
+    pytest.param(beta, temperature, settings, items, id=f"beta={beta}-T={temperature}-{settings}-items={items}")
+    for beta, temperature, settings, items in itertools.product(
+        (0.0, 0.1, 0.5, 1.0), (1.0, 2.0, 0.7), HEAD_SETTINGS, ("none", "int", "tensor")
+    )
+    # Every β, T and head setting; each count kind with every β.
+    if (temperature, settings) in {(1.0, "plain"), (2.0, "scaled, capped, biased")}
+    or (items == "int" and settings != "plain")
+]
+
+
+@pytest.mark.parametrize("beta, temperature, settings, items", CASES)
+def test_equals_trl_loss(beta: float, temperature: float, settings: str, items: str) -> None:
+    inputs = make_inputs(seed=hash((beta, temperature, settings, items)) % 1000, settings=settings)
+    count = {"none": None, "int": 11, "tensor": torch.tensor(9.0)}[items]
+    call = {"beta": beta, "temperature": temperature, "num_items_in_batch": count}
+    expected = outputs_and_grads(TRL_LOSS, inputs, **call)
+    found = outputs_and_grads(orda_trl.chunked_divergence_loss, inputs, **call)
+    assert found.keys() == expected.keys()
+    assert found["n_valid"].dtype == expected["n_valid"].dtype == torch.int64
+    assert not found["entropy_sum"].requires_grad
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, rtol=1e-5, atol=1e-7, msg=lambda text, n=name: f"{n}: {text}")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_all_masked_batch_is_zero_like_trl(beta: float) -> None:
+    inputs = make_inputs(seed=3, settings="scaled, capped, biased", all_masked=True)
+    expected = outputs_and_grads(TRL_LOSS, inputs, beta=beta)
+    found = outputs_and_grads(orda_trl.chunked_divergence_loss, inputs, beta=beta)
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, rtol=0, atol=0)
+
+
+def test_teacher_gets_no_gradient() -> None:
+    inputs = make_inputs(seed=5, settings="scaled, capped, biased")
+    inputs["teacher_lm_head_weight"].requires_grad_()
+    loss, _, _ = orda_trl.chunked_divergence_loss(**inputs, beta=0.5, temperature=2.0)
+    loss.backward()
+    assert inputs["teacher_lm_head_weight"].grad is None
+    assert inputs["student_lm_head_weight"].grad is not None
+
+
+def test_the_swap_is_undone_after_its_block() -> None:
+    with orda_trl.orda_divergence_loss():
+        assert trl_distillation._chunked_divergence_loss is orda_trl.chunked_divergence_loss
+        with pytest.raises(KeyError):
+            with orda_trl.orda_divergence_loss():
+                raise KeyError("inside")
+        assert trl_distillation._chunked_divergence_loss is orda_trl.chunked_divergence_loss
+    assert trl_distillation._chunked_divergence_loss is TRL_LOSS
+
+
+def test_a_trl_loss_with_other_arguments_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def renamed(student_hidden_states: Tensor, teacher_hidden_states: Tensor, mask: Tensor) -> None:
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(trl_distillation, "_chunked_divergence_loss", renamed)
+    with pytest.raises(RuntimeError, match=r"tested with trl==1\.16\.0"):
+        with orda_trl.orda_divergence_loss():
+            pass
+    assert trl_distillation._chunked_divergence_loss is renamed
+
+
+# --- TRL's DistillationTrainer end to end ---------------------------------------------------------
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of 64 ids built here (no download)."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{word: i + 4 for i, word in enumerate(WORDS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        padding_side="left",
+        truncation_side="left",
+    )
+
+
+def make_model(width: int, seed: int, biased_head: bool) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    if biased_head:
+        model.lm_head = torch.nn.Linear(width, 64, bias=True)
+    return model
+
+
+def train(trainer_class: type[DistillationTrainer], beta: float, temperature: float, out: str) -> tuple[Any, Any]:
+    """Two SGD steps (2 micro-batches each) of ``trainer_class``: its logged steps and the student's
+    parameters after them."""
+    student = make_model(32, seed=0, biased_head=True)
+    teacher = make_model(48, seed=1, biased_head=True)
+    # Read by TRL's _compute_loss from the configs (Llama's own forward ignores both).
+    teacher.config.logit_scale = 1.5
+    student.config.final_logit_softcapping = 3.0
+    prompts = [" ".join(WORDS[(7 * i + j) % 60] for j in range(3 + i % 4)) for i in range(8)]
+    args = DistillationConfig(
+        output_dir=out,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-2,
+        # SGD keeps parameter differences proportional to gradient differences (Adam would magnify rounding).
+        optim="sgd",
+        max_completion_length=6,
+        beta=beta,
+        temperature=temperature,
+        generation_kwargs={"do_sample": False},
+        seed=0,
+        use_vllm=False,
+        disable_dropout=True,
+    )
+    trainer = trainer_class(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=make_tokenizer(),
+    )
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return logged, {name: value.detach().clone() for name, value in trainer.model.named_parameters()}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 1.0)])
+def test_trainer_end_to_end_equals_trl(
+    beta: float, temperature: float, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected_log, expected_params = train(DistillationTrainer, beta, temperature, str(tmp_path / "trl"))
+    calls = []
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
+        calls.append(kwargs["beta"] if "beta" in kwargs else args[5])
+        return orda_trl_loss(*args, **kwargs)
+
+    orda_trl_loss = orda_trl.chunked_divergence_loss
+    monkeypatch.setattr(orda_trl, "chunked_divergence_loss", counted)
+    found_log, found_params = train(orda_trl.OrdaDistillationTrainer, beta, temperature, str(tmp_path / "orda"))
+    assert calls == [beta] * 4  # 2 steps × 2 micro-batches went through orda_tp
+    assert len(found_log) == len(expected_log) == 2
+    for found, expected in zip(found_log, expected_log):
+        assert found["loss"] == pytest.approx(expected["loss"], rel=2e-5)
+        assert found["entropy"] == pytest.approx(expected["entropy"], rel=1e-5)
+    assert found_params.keys() == expected_params.keys()
+    for name, value in expected_params.items():
+        torch.testing.assert_close(
+            found_params[name], value, rtol=0, atol=1e-6, msg=lambda text, n=name: f"{n}: {text}"
+        )
+    assert trl_distillation._chunked_divergence_loss is TRL_LOSS
