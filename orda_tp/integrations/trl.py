@@ -8,6 +8,7 @@ swaps it into any ``DistillationTrainer`` (subclasses included) for a block (doc
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,14 +21,8 @@ from torch import Tensor
 from orda_tp.loss import distillation_loss
 from orda_tp.teachers import SeparateTeacher
 
-try:
-    import trl
-    import trl.trainer.distillation_trainer as trl_distillation
-    from trl import DistillationTrainer
-except ImportError as error:  # an optional extra: say how to install it
-    raise ImportError("orda_tp.integrations.trl needs trl: pip install 'orda_tp[trl]'") from error
-
-__all__ = ["OrdaDistillationTrainer", "chunked_divergence_loss", "orda_divergence_loss"]
+# OrdaDistillationTrainer is public too, built by __getattr__ on first use.
+__all__ = ["chunked_divergence_loss", "orda_divergence_loss"]
 
 # TRL's loss function, looked up in its trainer's module at each call (the swap point).
 TRL_LOSS_NAME = "_chunked_divergence_loss"
@@ -120,7 +115,15 @@ def chunked_divergence_loss(
 
 
 def _trl_module() -> ModuleType:
-    """TRL's trainer module, checked to call a loss with :func:`chunked_divergence_loss`'s arguments."""
+    """TRL's trainer module, checked to call a loss with :func:`chunked_divergence_loss`'s arguments
+    (imported here: the loss itself needs no TRL)."""
+    try:
+        import trl
+        import trl.trainer.distillation_trainer as trl_distillation
+    except ImportError as error:  # an optional extra: say how to install it
+        raise ImportError(
+            "the TRL trainer of orda_tp.integrations.trl needs trl: pip install 'orda_tp[trl]'"
+        ) from error
     original = getattr(trl_distillation, TRL_LOSS_NAME, None)
     ours = list(inspect.signature(chunked_divergence_loss).parameters)
     if original is None or list(inspect.signature(original).parameters) != ours:
@@ -145,10 +148,24 @@ def orda_divergence_loss() -> Iterator[None]:
         setattr(module, TRL_LOSS_NAME, saved)
 
 
-class OrdaDistillationTrainer(DistillationTrainer):
-    """TRL's ``DistillationTrainer`` whose loss is :func:`chunked_divergence_loss`: a drop-in
-    replacement (same arguments, same logs), everything else TRL's own."""
+@functools.cache
+def _trainer_class() -> type:
+    base = _trl_module().DistillationTrainer
 
-    def _compute_loss(self, unwrapped_student: Any, inputs: Any, num_items_in_batch: Any) -> Any:
-        with orda_divergence_loss():
-            return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
+    class OrdaDistillationTrainer(base):  # type: ignore[misc, valid-type]  # a base known at run time
+        """TRL's ``DistillationTrainer`` whose loss is :func:`chunked_divergence_loss`: a drop-in
+        replacement (same arguments, same logs), everything else TRL's own."""
+
+        def _compute_loss(self, unwrapped_student: Any, inputs: Any, num_items_in_batch: Any) -> Any:
+            with orda_divergence_loss():
+                return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
+
+    OrdaDistillationTrainer.__module__ = __name__
+    return OrdaDistillationTrainer
+
+
+def __getattr__(name: str) -> Any:
+    # OrdaDistillationTrainer subclasses TRL's trainer: built on first use, so the loss needs no TRL.
+    if name == "OrdaDistillationTrainer":
+        return _trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
