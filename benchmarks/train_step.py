@@ -34,6 +34,14 @@ log_target=True)``: forward KL, with its own CE as the hard loss), ``orda_teache
 cache of the same teacher from ``orda_tp.teacher_topk``, made before the step and not timed,
 ``tail="uniform"``; the teacher does not run in the step).
 
+On-policy methods (TRL's ``DistillationTrainer`` loss, ``benchmarks/onpolicy.py``: the generalized
+JSD at β = 0.5, T = 1, on the student's and the frozen teacher's final hidden states at the completion
+positions, the last 3/4 of the sequence (the first 1/4 is the prompt), the loss mask the batch's labels
+there, ``num_items_in_batch`` its count as the trainer passes it; the decoders read the whole sequence, as
+in the KD methods): ``trl_onpolicy`` (TRL 1.16's ``_chunked_divergence_loss``, called as the trainer
+calls it; its Triton kernels on a GPU, its torch tiles on the CPU) and ``orda_onpolicy``
+(``orda_tp.integrations.trl.chunked_divergence_loss`` on the same arguments).
+
 Each JSON line (one per method × compile setting) holds: the median step time over ``--steps``
 timed steps after ``--warmup`` (and their min and max), tokens/s (``batch × seq`` tokens per step),
 peak memory over the timed steps (``torch.cuda.max_memory_allocated``: weights, gradients, AdamW
@@ -51,7 +59,7 @@ recompilation). ``--repeats R`` times each method's step R − 1 more times, in 
 lines with ``"pass"`` ≥ 1.
 
 Every method starts from the same initial weights and batch; its first step's loss and gradients are
-compared with the reference of its task (``hf`` for CE, ``logits_kd`` for KD).
+compared with the reference of its task (``hf`` for CE, ``logits_kd`` for KD, ``trl_onpolicy`` on-policy).
 
     python benchmarks/train_step.py                     # one GPU, eager
     python benchmarks/train_step.py --compile --out DIR # eager and torch.compile, DIR/train_step.jsonl
@@ -92,6 +100,8 @@ from benchmarks.harness import environment, recover_device, sync_device  # noqa:
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import orda_tp  # noqa: E402
+from benchmarks.onpolicy import onpolicy_loss  # noqa: E402
+from orda_tp.integrations.trl import chunked_divergence_loss  # noqa: E402
 
 IGNORE_INDEX = -100
 IGNORE_EVERY = 7  # 1 label in 7 is IGNORE_INDEX (prompt or padding)
@@ -368,12 +378,22 @@ def topk_teacher(ctx: Context, batch: Batch) -> Any:
     return orda_tp.teacher_topk(rows, ctx.teacher.lm_head.weight, ctx.topk).teacher(tail="uniform")
 
 
-def import_or_skip(module: str, ctx: Context) -> Any:
+def trl_onpolicy(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
+    trainer = import_or_skip("trl.trainer.distillation_trainer", ctx, needs_cuda=False)
+    return onpolicy_loss(trainer._chunked_divergence_loss, student, ctx)
+
+
+def orda_onpolicy(student: LlamaForCausalLM, ctx: Context) -> HeadLoss:
+    return onpolicy_loss(chunked_divergence_loss, student, ctx)
+
+
+def import_or_skip(module: str, ctx: Context, needs_cuda: bool = True) -> Any:
+    """``module``, or Skip when it does not import (or, for kernels that need CUDA, off a GPU)."""
     try:
         imported = __import__(module, fromlist=["_"])
     except ImportError as error:
         raise Skip(f"{type(error).__name__}: {error}") from None
-    if ctx.device.type != "cuda":
+    if needs_cuda and ctx.device.type != "cuda":
         raise Skip("its kernels need CUDA")
     return imported
 
@@ -381,7 +401,7 @@ def import_or_skip(module: str, ctx: Context) -> Any:
 @dataclass(frozen=True)
 class Method:
     name: str
-    task: str  # "CE" or "KD"
+    task: str  # "CE", "KD" or "on-policy"
     prepare: Callable[[LlamaForCausalLM, Context], HeadLoss]
     runs_teacher: bool = False  # the teacher's forward is part of the step
     before_step: Callable[[Context, Batch], Any] | None = None  # Inputs.prepared, made untimed
@@ -397,8 +417,10 @@ METHODS = (
     Method("liger_jsd", "KD", liger_jsd, runs_teacher=True),
     Method("orda_teacher_head", "KD", orda_teacher_head, runs_teacher=True),
     Method("orda_topk", "KD", orda_topk, before_step=topk_teacher),
+    Method("trl_onpolicy", "on-policy", trl_onpolicy, runs_teacher=True),  # the on-policy reference
+    Method("orda_onpolicy", "on-policy", orda_onpolicy, runs_teacher=True),
 )
-REFERENCE = {"CE": "hf", "KD": "logits_kd"}
+REFERENCE = {"CE": "hf", "KD": "logits_kd", "on-policy": "trl_onpolicy"}
 
 
 @dataclass(frozen=True)
@@ -694,7 +716,7 @@ def check(records: list[dict[str, Any]]) -> list[str]:
 
 def versions(device: torch.device) -> dict[str, Any]:
     info = environment(device)
-    for distribution in ("transformers", "liger-kernel", "cut-cross-entropy"):
+    for distribution in ("transformers", "liger-kernel", "cut-cross-entropy", "trl"):
         try:
             info[distribution] = metadata.version(distribution)
         except metadata.PackageNotFoundError:

@@ -10,12 +10,13 @@ GPUs, torch versions, commits or shapes.
 The Markdown table has a row per (task, method, compile setting) that ran: the step's time (the
 median over passes of each pass's median, with the range of the pass medians when there are
 several), tokens/s (``batch × seq`` over that time) and their ratio to the task's reference (``hf``
-for CE, ``logits_kd`` for KD) in the same compile setting, peak memory, the head and loss alone
-(ms, share of the step as recorded), the largest micro-batch and the tokens/s at it, and the first
-step's loss and gradient errors against the reference (the worst of the checked parameters). Below
-it: the methods skipped or failed and why, each compiled record's graph breaks and whether Dynamo
-compiled more graphs during the timed steps than by the first (a recompilation), the host
-synchronizations of the loss, and with ``--kernels`` its costliest GPU kernels.
+for CE, ``logits_kd`` for KD, ``trl_onpolicy`` on-policy) in the same compile setting, peak memory,
+the head and loss alone (ms, share of the step as recorded), the largest micro-batch and the
+tokens/s at it, and the first step's loss and gradient errors against the reference (the worst of
+the checked parameters). Below it: the methods skipped or failed and why, each compiled record's
+graph breaks and whether Dynamo compiled more graphs during the timed steps than by the first (a
+recompilation), the host synchronizations of the loss, and with ``--kernels`` its costliest GPU
+kernels.
 
 The plot (``--plot``, matplotlib on the Agg backend; skipped with a message where matplotlib is not
 importable) has tokens/s per method on the left and the largest micro-batch on the right, grouped by
@@ -53,8 +54,10 @@ LABELS = {
     "liger_jsd": "Liger fused linear JSD (β = 0)",
     "orda_teacher_head": "orda_tp TeacherHead",
     "orda_topk": "orda_tp top-k cache",
+    "trl_onpolicy": "TRL DistillationTrainer loss (JSD, β = 0.5)",
+    "orda_onpolicy": "orda_tp TRL adapter (JSD, β = 0.5)",
 }
-TASKS = ("CE", "KD")
+TASKS = ("CE", "KD", "on-policy")
 CHECKED_ENVIRONMENT = ("gpu", "device", "torch", "git")  # what every header must agree on
 MISSING = "–"
 COLUMNS = (
@@ -231,7 +234,7 @@ def base_row(entry: Entry) -> Row:
 
 
 def make_rows(entries: dict[Key, Entry]) -> list[Row]:
-    """The rows of the entries that ran, by task (CE, KD), method (METHODS' order), eager first; each
+    """The rows of the entries that ran, by task (CE, KD, on-policy), method (METHODS' order), eager first; each
     with its tokens/s relative to its task's reference in the same compile setting."""
     ok = {key: base_row(entry) for key, entry in entries.items() if entry.record["status"] == "ok"}
     order = {name: index for index, name in enumerate(method_order(name for name, _ in ok))}

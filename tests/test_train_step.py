@@ -1,6 +1,7 @@
 """The training-step benchmark on the CPU: ``benchmarks/train_step.py --small`` in a subprocess, its
 own check, and each method's first-step loss and gradients against its task's reference, read from
-its JSON lines (so this test fails even if the script's check were wrong)."""
+its JSON lines (so this test fails even if the script's check were wrong). The on-policy task's
+reference is TRL's own loss (``trl_onpolicy``), so ``orda_onpolicy`` is orda_tp's TRL adapter against it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO_ROOT / "benchmarks" / "train_step.py")
-REFERENCE = {"CE": "hf", "KD": "logits_kd"}
-ALWAYS_RUN = {"hf", "orda", "logits_kd", "orda_teacher_head", "orda_topk"}  # torch only: no skip allowed
+REFERENCE = {"CE": "hf", "KD": "logits_kd", "on-policy": "trl_onpolicy"}
+# Need no GPU (trl is a test extra): no skip allowed.
+ALWAYS_RUN = {"hf", "orda", "logits_kd", "orda_teacher_head", "orda_topk", "trl_onpolicy", "orda_onpolicy"}
 
 
 def test_small_train_step_matches_references(tmp_path: Path) -> None:
