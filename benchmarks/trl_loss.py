@@ -274,21 +274,10 @@ class Run:
         reference: Outputs | None = None
         rows = []
         for impl, call in calls.items():
-            row = self.measure_row(impl, beta, lambda c=call: forward_backward(c, self.inputs, beta))
-            label = f"beta={beta} {impl} outputs"
-            ok, out = guarded(self.reporter, label, lambda c=call: outputs(c, self.inputs, beta))
-            if not ok:
-                row |= {"status": "error", "message": out}
-                self.reporter.fail(f"{label}: {out}")
-            else:
-                row |= {"loss": out.loss, "entropy_sum": out.entropy_sum, "n_valid": out.n_valid}
-                if impl == TRL:
-                    reference = out
-                elif reference is not None:
-                    row["check"] = check(out, reference, self.dtype)
-                    if not row["check"]["ok"]:
-                        self.reporter.fail(f"beta={beta} {impl} against TRL: {row['check']['errors']}")
-            del out
+            row, out = self.checked_row(impl, call, beta, reference)
+            if impl == TRL:
+                reference = out
+            del out  # the others' gradients go before the next row
             recover_device()
             rows.append(row)
         trl = rows[0]
@@ -300,6 +289,25 @@ class Run:
         for row in rows:
             self.emit(row)
         return rows
+
+    def checked_row(
+        self, impl: str, call: Call, beta: float, reference: Outputs | None
+    ) -> tuple[dict[str, Any], Outputs | None]:
+        """One row measured, then its outputs once more, checked against TRL's (``reference``)."""
+        row = self.measure_row(impl, beta, lambda: forward_backward(call, self.inputs, beta))
+        if row["status"] != "ok":
+            return row, None
+        label = f"beta={beta} {impl} outputs"
+        ok, out = guarded(self.reporter, label, lambda: outputs(call, self.inputs, beta))
+        if not ok:
+            self.reporter.fail(f"{label}: {out}")
+            return row | {"status": "error", "message": out}, None
+        row |= {"loss": out.loss, "entropy_sum": out.entropy_sum, "n_valid": out.n_valid}
+        if reference is not None:
+            row["check"] = check(out, reference, self.dtype)
+            if not row["check"]["ok"]:
+                self.reporter.fail(f"beta={beta} {impl} against TRL: {row['check']['errors']}")
+        return row, out
 
 
 def row_line(row: dict[str, Any]) -> str:
