@@ -204,7 +204,7 @@ class Outputs:
 def outputs(call: Call, x: LossInputs, beta: float) -> Outputs:
     loss, entropy_sum, n_valid = call(x, beta)
     dh, dw = torch.autograd.grad(loss, (x.student_hidden, x.student_weight))
-    return Outputs(float(loss), float(entropy_sum), int(n_valid), (dh.float(), dw.float()))
+    return Outputs(float(loss.detach()), float(entropy_sum), int(n_valid), (dh.float(), dw.float()))
 
 
 def relative(value: float, reference: float) -> float:
