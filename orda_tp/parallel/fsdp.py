@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -27,7 +28,14 @@ try:
 except ImportError:  # pragma: no cover
     _module_state_mapping = weakref.WeakKeyDictionary()
 
-__all__ = ["FsdpShard", "check_not_fsdp_sharded", "fsdp_shard_of", "head_weight", "unsharded_head_weight"]
+__all__ = [
+    "FsdpShard",
+    "check_not_fsdp_sharded",
+    "fsdp_shard_of",
+    "gradient_divide_factor",
+    "head_weight",
+    "unsharded_head_weight",
+]
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ def _fsdp_modules() -> Iterator[FSDPModule]:
             yield module
 
 
-def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
+def _param_groups(module: FSDPModule) -> list[Any]:
     # FSDP2 keeps no public record of what it shards: its private per-module state, read here alone in
     # orda_tp (tests/test_training_stacks.py fails if torch changes it).
     state = module._get_fsdp_state()
@@ -54,7 +62,11 @@ def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
     if groups is None:  # torch < 2.7: a single optional group
         group = getattr(state, "_fsdp_param_group", None)
         groups = [] if group is None else [group]
-    for group in groups:
+    return list(groups)
+
+
+def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
+    for group in _param_groups(module):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param
 
@@ -69,6 +81,15 @@ def fsdp_shard_of(tensor: object) -> FsdpShard | None:
         if any(parameter is tensor for parameter in _sharded_parameters(module)):
             return FsdpShard(module)
     return None
+
+
+def gradient_divide_factor(shard: FsdpShard) -> float | None:
+    """The factor by which FSDP2 divides the gradients it sums over the data-parallel ranks for
+    ``shard.module``'s parameters, where ``set_gradient_divide_factor`` set one; None: the
+    default, the data-parallel size (a mean)."""
+    factors = {getattr(group, "gradient_divide_factor", None) for group in _param_groups(shard.module)}
+    # set_gradient_divide_factor sets every group of a module alike.
+    return factors.pop() if len(factors) == 1 else None
 
 
 def check_not_fsdp_sharded(name: str, tensor: object) -> None:
