@@ -177,6 +177,12 @@ class RankResult:
     grads: dict[str, Tensor]
 
 
+def upstream(rank: int) -> float:
+    """The gradient each rank sends into its loss: different on each rank, to show that each
+    rank's reaches its own rows (a trainer's are equal)."""
+    return 1.0 + 0.5 * rank
+
+
 def oracle(student: Student, teacher: nn.Linear, case: Case, world_size: int) -> list[RankResult]:
     """Every rank's result of TRL's function on one process, the heads whole."""
     frozen = copy.deepcopy(teacher).requires_grad_(False)
@@ -185,7 +191,7 @@ def oracle(student: Student, teacher: nn.Linear, case: Case, world_size: int) ->
         model = copy.deepcopy(student)
         count = item_count(case, world_size)
         *outputs, hidden = redirected_loss(model, frozen, rank_batch(rank), case, count, trl_loss)
-        outputs[0].backward()
+        (outputs[0] * upstream(rank)).backward()
         grads = {name: parameter.grad for name, parameter in model.named_parameters()}
         results.append(RankResult((outputs[0], outputs[1], outputs[2]), hidden.grad, grads))
     return results

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from .trl_shard_cases import (
     shard_rows,
     teacher_head,
     trl_loss,
+    upstream,
 )
 
 # --- tensor parallelism ---------------------------------------------------------------------------
@@ -142,32 +143,48 @@ FSDP_CASES = [
     Case(0.5, 2.0, "scaled, capped, biased"),
     Case(1.0, 1.0, "teacher capped, student biased", items="none"),
 ]
-# (the student's head its own fully_shard unit, the teacher's head FSDP-sharded)
+
+
+class Arrangement(NamedTuple):
+    """How the models are wrapped: the student's head its own ``fully_shard`` unit or in the
+    root's, the teacher's head FSDP-sharded or whole, the head unit's gradient divide factor."""
+
+    head_unit: bool
+    teacher_sharded: bool
+    head_divisor: float | None = None
+
+
 ARRANGEMENTS = {
-    "head in the root's unit, teacher head whole": (False, False),
-    "head its own unit, teacher head whole": (True, False),
-    "head its own unit, teacher head sharded": (True, True),
-    "head in the root's unit, teacher head sharded": (False, True),
+    "head in the root's unit, teacher head whole": Arrangement(False, False),
+    "head its own unit, teacher head whole": Arrangement(True, False),
+    "head its own unit, teacher head sharded": Arrangement(True, True),
+    "head in the root's unit, teacher head sharded": Arrangement(False, True),
+    "head its own unit summing its gradient, teacher head whole": Arrangement(True, False, head_divisor=1.0),
 }
 
 
 def wrapped(student: Student, teacher: nn.Linear, mesh: DeviceMesh, arrangement: str) -> tuple[Student, nn.Linear]:
     """Copies of the models wrapped as ``arrangement`` says: the body a unit (as decoder layers
     are), the head its own unit or the root's, the teacher's head sharded or whole."""
-    head_unit, teacher_sharded = ARRANGEMENTS[arrangement]
+    wrap = ARRANGEMENTS[arrangement]
     model, teacher = copy.deepcopy(student), copy.deepcopy(teacher)
-    if head_unit:
-        fully_shard(model.lm_head, mesh=mesh)
+    if wrap.head_unit:
+        head = fully_shard(model.lm_head, mesh=mesh)
+        if wrap.head_divisor is not None:
+            head.set_gradient_divide_factor(wrap.head_divisor)
     fully_shard(model.body, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if teacher_sharded:
+    if wrap.teacher_sharded:
         fully_shard(teacher, mesh=mesh)
     return model, teacher
 
 
-def compare_rank(tag: str, got: RankResult, expected: list[RankResult], rank: int) -> list[str]:
+def compare_rank(
+    tag: str, got: RankResult, expected: list[RankResult], rank: int, head_divisor: float | None = None
+) -> list[str]:
     """This rank's outputs and hidden gradient against its own oracle result; the gradients FSDP
-    left on the shards against this rank's rows of the ranks' mean."""
+    left on the shards against this rank's rows of the ranks' mean (the head's sum ÷
+    ``head_divisor`` where one is set)."""
     world_size = len(expected)
     mine = expected[rank]
     problems = []
@@ -175,7 +192,8 @@ def compare_rank(tag: str, got: RankResult, expected: list[RankResult], rank: in
         problems += mismatch(f"{tag}: {what}", value, want)
     problems += mismatch(f"{tag}: hidden.grad", got.hidden_grad, mine.hidden_grad)
     for name, grad in got.grads.items():
-        mean = sum(result.grads[name] for result in expected) / world_size
+        divisor = head_divisor if head_divisor is not None and name.startswith("lm_head.") else world_size
+        mean = sum(result.grads[name] for result in expected) / divisor
         problems += mismatch(f"{tag}: {name}.grad", grad, shard_rows(mean, rank, world_size))
     return problems
 
@@ -188,7 +206,7 @@ def fsdp_step(
     count = item_count(case, dist.get_world_size())
     with fsdp_traffic() as traffic:
         *outputs, hidden = redirected_loss(model, teacher, rank_batch(rank), case, count, loss_fn)
-        outputs[0].backward()
+        (outputs[0] * upstream(rank)).backward()
     grads = {name: parameter.grad.to_local() for name, parameter in model.named_parameters()}
     return RankResult((outputs[0], outputs[1], outputs[2]), hidden.grad, grads), traffic
 
@@ -201,14 +219,17 @@ def fsdp_worker(rank: int, world_size: int) -> list[str]:
         for case in FSDP_CASES:
             student, teacher = Student(vocab, case.biased[0]), teacher_head(vocab, case.biased[1])
             expected = oracle(student, teacher, case, world_size)
-            for arrangement, (head_unit, teacher_sharded) in ARRANGEMENTS.items():
+            for arrangement, wrap in ARRANGEMENTS.items():
                 tag = f"V={vocab} {case}, {arrangement}"
                 note(tag)
                 model, wrapped_teacher = wrapped(student, teacher, mesh, arrangement)
                 got, traffic = fsdp_step(model, wrapped_teacher, case, rank, chunked_divergence_loss)
-                problems += compare_rank(tag, got, expected, rank)
+                problems += compare_rank(tag, got, expected, rank, wrap.head_divisor)
                 # The head's own unit never ran its forward: FSDP2 neither gathers it nor reduces its gradient.
-                untouched = [*([model.lm_head] if head_unit else []), *([wrapped_teacher] if teacher_sharded else [])]
+                untouched = [
+                    *([model.lm_head] if wrap.head_unit else []),
+                    *([wrapped_teacher] if wrap.teacher_sharded else []),
+                ]
                 if any(traffic.touches(module) for module in untouched) or not traffic.touches(model.body):
                     problems.append(f"{tag}: FSDP2 gathered or reduced a sharded head ({traffic})")
                 if any(p.grad is not None for p in wrapped_teacher.parameters()):
