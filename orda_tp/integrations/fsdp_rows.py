@@ -36,7 +36,7 @@ from torch import Tensor
 
 from orda_tp.loss import DistillationLossOutput, distillation_loss
 from orda_tp.parallel.collectives import all_gather_rows, all_gather_texts, host_group
-from orda_tp.parallel.dtensor import chunk_range, is_dtensor, placement_text
+from orda_tp.parallel.dtensor import DTensor, chunk_range, is_dtensor, placement_text
 from orda_tp.parallel.fsdp import FsdpShard, fsdp_shard_of, gradient_divide_factor
 from orda_tp.teachers import SeparateTeacher
 
@@ -45,10 +45,12 @@ __all__ = ["DataParallelHeads", "rows_gathered_loss", "sharded_heads"]
 
 @dataclass(frozen=True)
 class DataParallelHeads:
-    """The data-parallel group over which FSDP2 shards a call's head: its ``size`` ranks, this
-    rank's ``coordinate``, its vocabulary rows ``vocab_range`` of ``vocab_size``, and the factor
-    FSDP2 would divide the head's summed gradient by (``gradient_divisor``)."""
+    """The data-parallel group over which FSDP2 shards a call's head (``sharded`` names that
+    tensor): its ``size`` ranks, this rank's ``coordinate``, its vocabulary rows ``vocab_range`` of
+    ``vocab_size``, and the factor FSDP2 would divide the head's summed gradient by
+    (``gradient_divisor``)."""
 
+    sharded: str
     group: dist.ProcessGroup
     ranks: tuple[int, ...]
     coordinate: int
@@ -61,11 +63,15 @@ class DataParallelHeads:
         return len(self.ranks)
 
 
-def _mismatch(name: str, tensor: object, owner: str, heads: DataParallelHeads) -> ValueError:
-    held = placement_text(tensor) if is_dtensor(tensor) else f"a plain tensor of shape {tuple(tensor.shape)}"  # type: ignore[attr-defined]
+def _row_shard_on_1d_mesh(tensor: DTensor) -> bool:
+    return tensor.device_mesh.ndim == 1 and tensor.placements[0].is_shard(0)
+
+
+def _mismatch(name: str, tensor: Tensor, heads: DataParallelHeads, why: str = "") -> ValueError:
+    held = placement_text(tensor) if is_dtensor(tensor) else f"a plain tensor of shape {tuple(tensor.shape)}"
     return ValueError(
-        f"{name} is {held}, but the {owner} head is sharded by FSDP2 (fully_shard) over the data-parallel "
-        f"ranks {list(heads.ranks)} with {heads.vocab_size} vocabulary rows: both heads (and their biases) must be "
+        f"{name} is {held}{why}, but {heads.sharded} is sharded by FSDP2 (fully_shard) over the data-parallel "
+        f"ranks {list(heads.ranks)} ({heads.vocab_size} vocabulary rows): both heads (and their biases) must be "
         "sharded by FSDP2 over the same 1-D data-parallel mesh, or given whole (e.g. the LM head kept in its "
         "parent's fully_shard unit)"
     )
@@ -75,7 +81,7 @@ def _group_of(name: str, weight: Tensor, shard: FsdpShard) -> DataParallelHeads:
     """The data-parallel layout of ``weight``, a head FSDP2 holds sharded over a 1-D mesh."""
     assert is_dtensor(weight)  # FSDP2 shards parameters as DTensors
     mesh = weight.device_mesh
-    if mesh.ndim != 1 or len(weight.placements) != 1 or weight.placements[0] != torch.distributed.tensor.Shard(0):
+    if not _row_shard_on_1d_mesh(weight):
         raise ValueError(
             f"{name} is sharded by FSDP2 as {placement_text(weight)}; the loss reads a head sharded over data "
             "parallelism only as Shard(0) on a 1-D mesh (no HSDP, no tensor-parallel dimension): keep the LM head "
@@ -87,7 +93,7 @@ def _group_of(name: str, weight: Tensor, shard: FsdpShard) -> DataParallelHeads:
     vocab_range = chunk_range(weight.shape[0], len(ranks), coordinate)
     divisor = gradient_divide_factor(shard)
     return DataParallelHeads(
-        group, ranks, coordinate, vocab_range, weight.shape[0], float(len(ranks) if divisor is None else divisor)
+        name, group, ranks, coordinate, vocab_range, weight.shape[0], float(len(ranks) if divisor is None else divisor)
     )
 
 
@@ -101,21 +107,20 @@ def sharded_heads(student_weight: Tensor, teacher_weight: Tensor) -> DataParalle
     return None
 
 
-def _local_rows(name: str, tensor: Tensor, heads: DataParallelHeads, owner: str) -> Tensor:
+def _local_rows(name: str, tensor: Tensor, heads: DataParallelHeads) -> Tensor:
     """This rank's vocabulary rows of a head tensor: a DTensor's local shard on ``heads``' mesh,
     or a slice of a whole one. Anything else raises a ValueError (alike on every rank: the ranks
     hold the same model structure)."""
     start, stop = heads.vocab_range
     if is_dtensor(tensor):
-        mesh = tensor.device_mesh
-        same = mesh.ndim == 1 and tuple(tensor.placements) == (torch.distributed.tensor.Shard(0),)
-        if not same or tuple(dist.get_process_group_ranks(mesh.get_group())) != heads.ranks:
-            raise _mismatch(name, tensor, owner, heads)
+        same = _row_shard_on_1d_mesh(tensor)
+        if not same or tuple(dist.get_process_group_ranks(tensor.device_mesh.get_group())) != heads.ranks:
+            raise _mismatch(name, tensor, heads)
         local = tensor.to_local()
     else:
         local = tensor[start:stop]
     if tensor.shape[0] != heads.vocab_size or local.shape[0] != stop - start:
-        raise _mismatch(name, tensor, owner, heads)
+        raise _mismatch(name, tensor, heads)
     return local
 
 
@@ -189,12 +194,12 @@ class LocalHeads:
 
 
 def _student_rows(name: str, tensor: Tensor, heads: DataParallelHeads) -> Tensor:
-    local = _local_rows(name, tensor, heads, "student's or teacher's")
+    local = _local_rows(name, tensor, heads)
     if not is_dtensor(tensor):
         return local  # a slice of the gathered parameter: its owner's reduce-scatter averages the gradient
     if fsdp_shard_of(tensor) is None:
         # A DTensor no FSDP2 module owns: nothing says how its gradient is reduced.
-        raise _mismatch(name, tensor, "student's or teacher's", heads)
+        raise _mismatch(name, tensor, heads, " (not a parameter FSDP2 shards)")
     return _GradientScale.apply(local, 1.0 / heads.gradient_divisor)
 
 
@@ -203,14 +208,13 @@ def local_heads(
 ) -> LocalHeads:
     """This rank's rows of the heads; a tensor sharded any other way than ``heads`` says raises a
     ValueError, alike on every rank."""
-    owner = "student's or teacher's"
     return LocalHeads(
         weight=_student_rows("the student head's weight", weight, heads),
         bias=None if bias is None else _student_rows("the student head's bias", bias, heads),
-        teacher_weight=_local_rows("the teacher head's weight", teacher_weight, heads, owner).detach(),
+        teacher_weight=_local_rows("the teacher head's weight", teacher_weight, heads).detach(),
         teacher_bias=None
         if teacher_bias is None
-        else _local_rows("the teacher head's bias", teacher_bias, heads, owner).detach(),
+        else _local_rows("the teacher head's bias", teacher_bias, heads).detach(),
     )
 
 
