@@ -157,7 +157,8 @@ def redirected_loss(
 
     def compute(unwrapped: Student, batch: Batch) -> tuple[Tensor, ...]:
         hidden = unwrapped.body(batch.inputs)
-        hidden.retain_grad()
+        if hidden.requires_grad:
+            hidden.retain_grad()
         outputs = loss_fn(
             hidden, batch.teacher_hidden, unwrapped.lm_head.weight, teacher.weight, batch.mask,
             num_items_in_batch=count, student_lm_head_bias=unwrapped.lm_head.bias,

@@ -234,6 +234,12 @@ def fsdp_worker(rank: int, world_size: int) -> list[str]:
                     problems.append(f"{tag}: FSDP2 gathered or reduced a sharded head ({traffic})")
                 if any(p.grad is not None for p in wrapped_teacher.parameters()):
                     problems.append(f"{tag}: the teacher's head got a gradient")
+                with torch.no_grad():  # as in evaluation
+                    count = item_count(case, world_size)
+                    outputs = redirected_loss(
+                        model, wrapped_teacher, rank_batch(rank), case, count, chunked_divergence_loss
+                    )
+                problems += mismatch(f"{tag}: loss without gradients", outputs[0], expected[rank].outputs[0])
     return problems
 
 
