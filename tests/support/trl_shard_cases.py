@@ -101,13 +101,18 @@ def no_dtensor_gather() -> Iterator[None]:
 
 
 class Student(nn.Module):
-    """A body (standing for the decoder) and an LM head."""
+    """A body (standing for the decoder layers), a final norm and an LM head; ``hidden_states``
+    is what TRL reads from ``base_model``."""
 
     def __init__(self, vocab: int, biased: bool) -> None:
         super().__init__()
         torch.manual_seed(0)  # the same model on every rank
         self.body = nn.Linear(HIDDEN_IN, STUDENT_WIDTH)
+        self.norm = nn.LayerNorm(STUDENT_WIDTH)
         self.lm_head = nn.Linear(STUDENT_WIDTH, vocab, bias=biased)
+
+    def hidden_states(self, inputs: Tensor) -> Tensor:
+        return self.norm(self.body(inputs))
 
 
 def teacher_head(vocab: int, biased: bool) -> nn.Linear:
@@ -156,7 +161,7 @@ def redirected_loss(
     ``DistillationTrainer.compute_loss`` runs it): ``(loss, entropy_sum, n_valid, hidden)``."""
 
     def compute(unwrapped: Student, batch: Batch) -> tuple[Tensor, ...]:
-        hidden = unwrapped.body(batch.inputs)
+        hidden = unwrapped.hidden_states(batch.inputs)
         if hidden.requires_grad:
             hidden.retain_grad()
         outputs = loss_fn(

@@ -146,33 +146,37 @@ FSDP_CASES = [
 
 
 class Arrangement(NamedTuple):
-    """How the models are wrapped: the student's head its own ``fully_shard`` unit or in the
-    root's, the teacher's head FSDP-sharded or whole, the head unit's gradient divide factor."""
+    """How the models are wrapped: the student's head in the root's ``fully_shard`` unit, in one
+    unit with the final norm kept gathered after its forward (accelerate 1.15's wrap), or its own
+    unit; the teacher's head FSDP-sharded or whole; the head unit's gradient divide factor."""
 
-    head_unit: bool
+    head_unit: str  # "root", "tail" or "own"
     teacher_sharded: bool
     head_divisor: float | None = None
 
 
 ARRANGEMENTS = {
-    "head in the root's unit, teacher head whole": Arrangement(False, False),
-    "head its own unit, teacher head whole": Arrangement(True, False),
-    "head its own unit, teacher head sharded": Arrangement(True, True),
-    "head in the root's unit, teacher head sharded": Arrangement(False, True),
-    "head its own unit summing its gradient, teacher head whole": Arrangement(True, False, head_divisor=1.0),
+    "head in the root's unit, teacher head whole": Arrangement("root", False),
+    "head and final norm one unit kept gathered, teacher head whole": Arrangement("tail", False),
+    "head its own unit, teacher head whole": Arrangement("own", False),
+    "head its own unit, teacher head sharded": Arrangement("own", True),
+    "head in the root's unit, teacher head sharded": Arrangement("root", True),
+    "head its own unit summing its gradient, teacher head whole": Arrangement("own", False, head_divisor=1.0),
 }
 
 
 def wrapped(student: Student, teacher: nn.Linear, mesh: DeviceMesh, arrangement: str) -> tuple[Student, nn.Linear]:
-    """Copies of the models wrapped as ``arrangement`` says: the body a unit (as decoder layers
-    are), the head its own unit or the root's, the teacher's head sharded or whole."""
+    """Copies of the models wrapped as ``arrangement`` says (the body a unit, as decoder layers
+    are)."""
     wrap = ARRANGEMENTS[arrangement]
     model, teacher = copy.deepcopy(student), copy.deepcopy(teacher)
-    if wrap.head_unit:
+    fully_shard(model.body, mesh=mesh)
+    if wrap.head_unit == "tail":  # accelerate 1.15's fsdp2_prepare_model: gathered by the norm's forward
+        fully_shard([model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
+    if wrap.head_unit == "own":
         head = fully_shard(model.lm_head, mesh=mesh)
         if wrap.head_divisor is not None:
             head.set_gradient_divide_factor(wrap.head_divisor)
-    fully_shard(model.body, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if wrap.teacher_sharded:
         fully_shard(teacher, mesh=mesh)
@@ -227,7 +231,7 @@ def fsdp_worker(rank: int, world_size: int) -> list[str]:
                 problems += compare_rank(tag, got, expected, rank, wrap.head_divisor)
                 # The head's own unit never ran its forward: FSDP2 neither gathers it nor reduces its gradient.
                 untouched = [
-                    *([model.lm_head] if wrap.head_unit else []),
+                    *([model.lm_head] if wrap.head_unit == "own" else []),
                     *([wrapped_teacher] if wrap.teacher_sharded else []),
                 ]
                 if any(traffic.touches(module) for module in untouched) or not traffic.touches(model.body):
