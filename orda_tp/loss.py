@@ -215,9 +215,10 @@ def distillation_loss(
     building the (BT, V) logits (except with ``backend="reference"``).
 
     ``student_hidden`` (BT, H): the states that feed the LM head, batch and sequence flattened;
-    ``weight`` (V, H): the head's weight as ``nn.Linear`` stores it (no bias); ``labels`` (BT,)
-    ``torch.long``: each row's target, or ``ignore_index``; ``teacher``: ``TiedTeacher(hidden)``
-    (BT, H) read through ``weight``, ``SeparateTeacher(hidden, weight)`` (BT, H_t) and (V, H_t),
+    ``weight`` (V, H): the head's weight as ``nn.Linear`` stores it, ``bias`` (V,) its bias or None;
+    ``labels`` (BT,) ``torch.long``: each row's target, or ``ignore_index``; ``teacher``:
+    ``TiedTeacher(hidden)`` (BT, H) read through ``weight`` and ``bias``, ``SeparateTeacher(hidden,
+    weight, bias=None)`` (BT, H_t), (V, H_t) and (V,),
     ``TeacherHead(hidden, head_module)``, or ``PrecomputedTeacher(logits=...)`` (BT, V) /
     ``(teacher_hidden=..., teacher_weight=...)`` as a separate teacher's / ``(topk_ids=...,
     topk_logprobs=...)`` (BT, k). Every tensor on one device; hidden states, weights and logits
@@ -229,10 +230,11 @@ def distillation_loss(
     "none" (0 on ignored rows).
 
     ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)
-    + z_loss_weight·LSE(s)²`` with ``s = student_hidden·weightᵀ`` (``CE(s)`` label-smoothed by
-    ``label_smoothing``), ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``; ``logit_softcap=c``
-    (``teacher_logit_softcap`` for a teacher read through a head) makes that side's logits
-    ``c·tanh(z/c)`` before every term, the gradient going through the cap (Gemma 2). Every argument
+    + z_loss_weight·LSE(s)²`` with ``s = cap(logit_scale·(student_hidden·weightᵀ + bias))``
+    (``CE(s)`` label-smoothed by ``label_smoothing``), ``t`` alike from the teacher's head, bias and
+    ``teacher_logit_scale``, ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``; ``logit_softcap=c``
+    (``teacher_logit_softcap`` for a teacher read through a head) makes ``cap(z) = c·tanh(z/c)``
+    (Gemma 2; else the identity), the gradient going through the scale and the cap. Every argument
     and error: docs/reference.md; the 15 divergences: docs/variants.md.
 
     ``gradient_materialization_scale`` (None: ``grad_scaler.get_scale()``) is the scale at which
