@@ -256,5 +256,6 @@ def local_error(values: ValueChecks, layout: VocabLayout, host_checks: bool) -> 
     for _, tensor in [*values.inputs, *teacher.trained_tensors()] if values.inputs else []:
         index = first_non_finite(tensor)
         if index is not None:
-            return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1])
+            # A bias (1-D) is located by its row alone: column 0.
+            return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1] if len(index) > 1 else 0)
     return None

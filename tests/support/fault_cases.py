@@ -581,6 +581,14 @@ FUSED_FAULTS = [
         "student_hidden",
         base=_kw(config=KernelConfig(check_finite_inputs=True)),
     ),
+    Fault(
+        "NaN in the bias (check_finite_inputs)",
+        "fused",
+        "tied",
+        _bias(lambda rows: torch.zeros(rows).index_fill_(0, torch.tensor([2]), math.nan)),
+        "bias",
+        base=_kw(config=KernelConfig(check_finite_inputs=True)),
+    ),
     # teachers
     Fault(
         "TiedTeacher.mode against the weights",
