@@ -149,6 +149,18 @@ def test_unit_scales_and_no_bias_are_the_call_without_them() -> None:
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_the_module_takes_the_bias_per_call() -> None:
+    """``DistillationLoss(**keywords)(..., bias=b)`` is ``distillation_loss(..., bias=b, **keywords)``."""
+    problem = make_biased(14)
+    teacher, _ = teacher_of(problem, "separate", VOCAB)
+    kw = {**keywords("separate", "reverse", "none"), "backend": "torch", "config": SMALL_CHUNKS}
+    args = (problem.hidden, problem.weight, problem.labels, teacher)
+    module = orda_tp.DistillationLoss(**kw)(*args, bias=problem.bias)
+    function = orda_tp.distillation_loss(*args, bias=problem.bias, **kw)
+    for a, b in zip(module, function):
+        assert torch.equal(a, b)
+
+
 def test_a_scale_is_a_factor_of_the_hidden_states_and_bias_without_a_cap() -> None:
     """Without a soft-cap, ``logit_scale=a`` is the call on ``a·h`` and ``a·b`` (the same logits)."""
     problem = make_biased(13)
