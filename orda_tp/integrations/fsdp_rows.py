@@ -260,16 +260,13 @@ def rows_gathered_loss(
     rows = max(_exchange_rows(labels.shape[0] if problem is None else 0, problem, heads))
     ignore_index = keywords.get("ignore_index", -100)
     all_labels, denominators = _gathered_labels(labels, rows, denominator, heads, ignore_index)
-    # TODO(core-scale-bias): bias= always, once the core takes it.
-    teacher_bias = {} if local.teacher_bias is None else {"bias": local.teacher_bias}
-    student_bias = {} if local.bias is None else {"bias": local.bias}
-    teacher = SeparateTeacher(_padded(teacher_hidden.detach(), rows), local.teacher_weight, **teacher_bias)
+    teacher = SeparateTeacher(_padded(teacher_hidden.detach(), rows), local.teacher_weight, bias=local.teacher_bias)
     output = distillation_loss(
         _padded(student_hidden, rows),
         local.weight,
         all_labels,
         teacher,
-        **student_bias,
+        bias=local.bias,
         tp_group=heads.group,
         sequence_parallel=True,
         vocab_range=heads.vocab_range,
