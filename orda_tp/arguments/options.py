@@ -162,6 +162,7 @@ class LossOptions:
     vocab_range: tuple[int, int] | None = None
     vocab_size: int | None = None
     sequence_parallel: bool | None = None
+    student_entropy: bool = False
     divergence: Divergence = field(init=False, repr=False, compare=False)
     params: DivergenceParams = field(init=False, repr=False, compare=False)
     kernel_config: ExecutionConfig = field(init=False, repr=False, compare=False)
@@ -186,6 +187,8 @@ class LossOptions:
             if value is not None and keyword not in named.keywords:
                 values[keyword] = None  # not read by the variant: warned about, and dropped
         values["kl_divergence"] = named.name
+        if not isinstance(values["student_entropy"], bool):  # a truthy "no" must not read as True
+            raise TypeError(f"student_entropy must be a bool, got {values['student_entropy']!r}")
         values["ignore_index"] = check_ignore_index(values["ignore_index"])
         values["reduction"] = check_choice("reduction", values["reduction"], REDUCTIONS)
         values["backend"] = check_choice("backend", values["backend"], BACKENDS)

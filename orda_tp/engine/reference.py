@@ -153,7 +153,7 @@ def reference_loss(
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
 ) -> tuple[Tensor, ...]:
-    """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` on full logits, with
+    """``(loss, student_ce, teacher_ce, kl, *the other student terms, student_entropy)`` on full logits, with
     autograd gradients: the student's terms from their oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`).
     Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each row's
     values are multiplied by its ``token_weights``."""
@@ -169,6 +169,7 @@ def reference_loss(
     student = _capped(student_hidden.to(dtype) @ weight.to(dtype).T, plan.student_softcap)
     zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
     teacher_ce = kl = zeros
+    entropy = _student_entropy(student, plan.student_temperature) if plan.student_entropy else zeros
     terms = {term.name: zeros for term in STUDENT_TERMS}
     for term in plan.student_terms:
         terms[term.name] = term.oracle(student, safe_labels, plan.term_scalars)
@@ -187,7 +188,7 @@ def reference_loss(
             teacher_ce = _where_zero(absent, ce)
         if plan.computes_kl:
             kl = _reference_kl(plan, student, teacher, safe_labels, absent)
-    components = {**terms, "teacher_ce": teacher_ce, "kl": kl}
+    components = {**terms, "teacher_ce": teacher_ce, "kl": kl, "student_entropy": entropy}
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
     nan = torch.full_like(zeros, float("nan"))
     components = {name: torch.where(valid, torch.where(in_range, v, nan), zeros) for name, v in components.items()}
@@ -200,6 +201,13 @@ def reference_loss(
         if plan.reduction == "mean":
             outputs = [total / call.denominator for total in outputs]
     return tuple(outputs)
+
+
+def _student_entropy(student: Tensor, temperature: float) -> Tensor:
+    """``H(p) = −Σ p log p`` per row, ``p = softmax(student/T_s)`` (``0·log 0 = 0``), detached: a report."""
+    logp = torch.log_softmax(student.detach() / temperature, -1)
+    p = logp.exp()
+    return -_where_zero(p == 0, p * logp).sum(-1)
 
 
 def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tensor, absent: Tensor) -> Tensor:
