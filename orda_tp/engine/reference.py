@@ -153,8 +153,9 @@ def reference_loss(
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
 ) -> tuple[Tensor, ...]:
-    """``(loss, student_ce, teacher_ce, kl, *the other student terms, student_entropy)`` on full logits, with
-    autograd gradients: the student's terms from their oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`).
+    """``(loss, student_ce, teacher_ce, kl, *the other student terms, student_entropy)`` on full
+    logits, with autograd gradients: the student's terms from their oracles
+    (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`), the entropy a detached report.
     Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each row's
     values are multiplied by its ``token_weights``."""
     plan, labels, valid, teacher_blocks = call.plan, call.labels, call.valid, call.teacher_blocks

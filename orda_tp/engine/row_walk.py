@@ -1,8 +1,8 @@
 """The row walk of the fused and the logits-level losses: rows in chunks, columns in blocks, never
-a (rows, V) tensor. Per chunk: its logits blocks, round 1 and the partition step, round 2 (KL and
-student entropy) and the finish step (KL only), and with a :class:`GradTarget` the grad step and the logit gradients
-(docs/architecture.md, "The record/merge protocol"). It knows neither the variant, nor the number
-of ranks, nor what the gradients feed.
+a (rows, V) tensor. Per chunk: its logits blocks, round 1 and the partition step, round 2 (KL term
+and student entropy) and the finish step (KL only), and with a :class:`GradTarget` the grad step
+and the logit gradients (docs/architecture.md, "The record/merge protocol"). It knows neither the
+variant, nor the number of ranks, nor what the gradients feed.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ ChunkTarget = tuple[GradTarget, int, int]  # a gradient target and the batch row
 def chunk_row_stats(
     call: Call[LossPlan], blocks: Sequence[LogitsBlock], labels: Tensor, like: Tensor, target: ChunkTarget | None = None
 ) -> RowStats:
-    """Round 1 (and, with a KL term or the entropy, round 2) of a chunk from its column blocks (no blocks: this
-    device holds only vocabulary padding), and with ``target`` the chunk's logit gradients.
+    """Round 1 (and, with a KL term or the entropy, round 2) of a chunk from its column blocks (no
+    blocks: this device holds only vocabulary padding), and with ``target`` the chunk's logit gradients.
     ``labels``: the chunk's (rows,) labels; ``like``: any tensor of the statistics dtype and device."""
     plan, math, exchange = call.plan, call.math, call.exchange
     assert math is not None
@@ -158,14 +158,16 @@ def _kl_round(
     plan, math = call.plan, call.math
     assert math is not None
     lse_u = partition["lse_u"]
-    # Without a KL term the blocks hold no teacher: lse_u stands in for the LSE(v) no term reads.
-    lse_v = partition.get("lse_v", lse_u)
+    # Without a KL term no term reads the teacher (nor LSE(v): lse_u stands in), even where the blocks hold it.
+    lse_v, with_teacher = partition.get("lse_v", lse_u), plan.computes_kl
     vocab_start = call.layout.vocab_start
     sums = local_sums
     if sums is None:
         partial_sums = [
-            math.kl_sums(plan, block.student, block.teacher, labels, vocab_start + block.start, lse_u, lse_v)
-            for block in blocks
+            math.kl_sums(
+                plan, b.student, b.teacher if with_teacher else None, labels, vocab_start + b.start, lse_u, lse_v
+            )
+            for b in blocks
         ]
         sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], len(plan.round_two_terms))
         for partial in partial_sums[1:]:  # block after block, in column order: the same bits every run
