@@ -149,6 +149,8 @@ class LossOptions:
     z_loss_weight: float = 0.0
     logit_softcap: float | None = None
     teacher_logit_softcap: float | None = None
+    logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
     ignore_index: int = -100
     reduction: str = "mean"
     profile: str = "balanced"
@@ -272,6 +274,8 @@ _NUMBERS = {
     "z_loss_weight": False,
     "logit_softcap": True,
     "teacher_logit_softcap": True,
+    "logit_scale": True,
+    "teacher_logit_scale": True,
 }
 _OPTIONAL = ("teacher_ce_weight", "kl_teacher_temperature", "logit_softcap", "teacher_logit_softcap")
 PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_parallel")

@@ -86,6 +86,12 @@ def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight
     """What a cache cannot give: a soft-cap of logits it holds (they are taken as capped); and,
     for a teacher without mass on most columns (a renormalized top-k cache), the variants that are
     +inf there and the teacher CE, +inf on every row."""
+    if options.teacher_logit_scale != 1.0 and not teacher.reads_head:
+        raise ValueError(
+            f"teacher_logit_scale={options.teacher_logit_scale!r} scales logits a teacher head forms, but this "
+            f"{teacher.kind} cache holds logits already formed; scale them when you build the cache and leave "
+            "teacher_logit_scale=1.0"
+        )
     capped = options.teacher_logit_softcap
     if capped is not None and teacher.made_at_softcap is not None and capped != teacher.made_at_softcap:
         raise ValueError(
@@ -167,6 +173,8 @@ class LossPlan:
     # Soft-caps c of each side's logits (c·tanh(z/c)), None for none; never a cache's (taken as capped).
     student_softcap: float | None = None
     teacher_softcap: float | None = None
+    student_scale: float = 1.0  # each side's logit scale, before its cap: cap(scale·(h·Wᵀ + b))
+    teacher_scale: float = 1.0
     # The student's logits are a head's products (finite for finite inputs), not given logits that may hold −inf.
     student_logits_finite: bool = True
     # Derived once from the fields above (read at every chunk, so not recomputed there).
@@ -276,6 +284,9 @@ class LossPlan:
     def build(options: LossOptions, teacher: TeacherSource, vocab_size: int) -> LossPlan:
         """The plan of a :func:`orda_tp.distillation_loss` call (docs/variants.md, "Teacher routing")."""
         divergence = options.divergence
+        if teacher.kind == "tied" and options.teacher_logit_scale != options.logit_scale:  # one head, one scale
+            scales = f"teacher_logit_scale={options.teacher_logit_scale!r} and logit_scale={options.logit_scale!r}"
+            raise ValueError(f"a TiedTeacher reads the student's head, whose logits have one scale; got {scales}")
         if divergence.cotrains_teacher and not teacher.trainable:
             raise ValueError(
                 f"kl_divergence={divergence.name!r} trains the teacher and needs a TiedTeacher or SeparateTeacher; "
@@ -328,6 +339,8 @@ class LossPlan:
             student_softcap=options.logit_softcap,
             # A cache holds capped values already (a top-k cache may declare its cap, the loss's alike).
             teacher_softcap=options.teacher_logit_softcap if teacher.reads_head else None,
+            student_scale=options.logit_scale,
+            teacher_scale=options.teacher_logit_scale,
         )
 
     @staticmethod

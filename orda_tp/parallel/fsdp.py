@@ -1,6 +1,6 @@
 """Parameters that FSDP2 (``fully_shard``) holds sharded over data parallelism: refused as
 vocabulary shards (:func:`check_not_fsdp_sharded`), or gathered for one call for a frozen teacher's
-head (:func:`unsharded_head_weight`); docs/architecture.md, "Inside training stacks".
+head (:func:`unsharded_head`); docs/architecture.md, "Inside training stacks".
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover
     _module_state_mapping = weakref.WeakKeyDictionary()
 
-__all__ = ["FsdpShard", "check_not_fsdp_sharded", "fsdp_shard_of", "head_weight", "unsharded_head_weight"]
+__all__ = ["FsdpShard", "check_not_fsdp_sharded", "fsdp_shard_of", "head_parameters", "unsharded_head"]
 
 
 @dataclass(frozen=True)
@@ -91,23 +91,26 @@ def check_not_fsdp_sharded(name: str, tensor: object) -> None:
     )
 
 
-def head_weight(head: nn.Module) -> Tensor:
-    """``head.weight``, a tensor (:class:`orda_tp.TeacherHead` checks it at construction)."""
-    weight = head.weight
+def head_parameters(head: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """``(head.weight, head.bias)``, the bias None where the head has no tensor bias
+    (:class:`orda_tp.TeacherHead` checks both at construction)."""
+    weight, bias = head.weight, getattr(head, "bias", None)
     assert isinstance(weight, Tensor)
-    return weight
+    return weight, bias if isinstance(bias, Tensor) else None
 
 
 @contextmanager
-def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block: bool) -> Iterator[Tensor]:
-    """``head.weight`` as FSDP's forward of its owner would read it: as it is, or where FSDP2 holds
-    it sharded, gathered for the block (a copy where it is ``read_after_block``: a backward that
-    recomputes logits). A sharded weight that ``receives_grad`` raises a ValueError: a gathered
-    weight sends no gradient back to FSDP's shards."""
-    weight = head_weight(head)
+def unsharded_head(
+    head: nn.Module, receives_grad: bool, read_after_block: bool
+) -> Iterator[tuple[Tensor, Tensor | None]]:
+    """``(head.weight, head.bias)`` as FSDP's forward of its owner would read them: as they are, or
+    where FSDP2 holds them sharded, gathered for the block (copies where they are
+    ``read_after_block``: a backward that recomputes logits). A sharded head that ``receives_grad``
+    raises a ValueError: a gathered parameter sends no gradient back to FSDP's shards."""
+    weight, bias = head_parameters(head)
     shard = fsdp_shard_of(weight)
     if shard is None:
-        yield weight
+        yield weight, bias
         return
     if receives_grad:
         raise ValueError(
@@ -119,8 +122,12 @@ def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block
     owner = shard.module
     owner.unshard()
     try:
-        gathered = head_weight(head).detach()  # the unsharded parameter, until reshard()
-        # A copy outlives reshard(), which frees the gathered storage that a later backward would read.
-        yield gathered.clone() if read_after_block else gathered
+        # The unsharded parameters, until reshard(); a copy outlives reshard(), which frees the
+        # gathered storage that a later backward would read.
+        weight, bias = head_parameters(head)
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+        if read_after_block:
+            weight, bias = weight.clone(), None if bias is None else bias.clone()
+        yield weight, bias
     finally:
         owner.reshard()  # released whatever happens in the block, as FSDP's forward would
