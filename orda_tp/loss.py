@@ -36,14 +36,16 @@ TeacherArgument = TeacherSource | TeacherHead
 class DistillationLossOutput(NamedTuple):
     """``loss`` (differentiable) and its unweighted components (detached): 0-d tensors for
     "mean"/"sum", (BT,) per row for "none" (0 on ignored rows). ``kl`` includes ``T_s²``, ``z_loss``
-    is the rows' ``LSE(s)²``; a term of weight 0 is not computed and reads 0. The first four fields
-    are orda-kernel's."""
+    is the rows' ``LSE(s)²``; a term of weight 0 is not computed and reads 0. ``student_entropy``
+    is ``H(p) = −Σ p log p`` at ``T_s`` (``student_entropy=True``; else 0), in no loss term. The
+    first four fields are orda-kernel's."""
 
     loss: Tensor
     student_ce: Tensor
     teacher_ce: Tensor
     kl: Tensor
     z_loss: Tensor
+    student_entropy: Tensor
 
 
 def _teacher_type_error(teacher: object) -> TypeError:
@@ -210,6 +212,7 @@ def distillation_loss(
     vocab_range: tuple[int, int] | None = None,
     vocab_size: int | None = None,
     sequence_parallel: bool | None = None,
+    student_entropy: bool = False,
 ) -> DistillationLossOutput:
     """Student CE, teacher CE and a KL term from hidden states and LM-head weights, without
     building the (BT, V) logits (except with ``backend="reference"``).
@@ -224,10 +227,12 @@ def distillation_loss(
     topk_logprobs=...)`` (BT, k). Every tensor on one device; hidden states, weights and logits
     fp16, bf16, fp32 or fp64, not necessarily of one dtype.
 
-    Returns a :class:`DistillationLossOutput` ``(loss, student_ce, teacher_ce, kl, z_loss)``:
-    ``loss`` differentiable, the unweighted components detached; 0-d tensors for ``reduction=``
-    "mean" (over the rows not ignored, or ``num_valid_tokens``) and "sum", (BT,) per row for
-    "none" (0 on ignored rows).
+    Returns a :class:`DistillationLossOutput` ``(loss, student_ce, teacher_ce, kl, z_loss,
+    student_entropy)``: ``loss`` differentiable, the unweighted components detached; 0-d tensors
+    for ``reduction=`` "mean" (over the rows not ignored, or ``num_valid_tokens``) and "sum", (BT,)
+    per row for "none" (0 on ignored rows). ``student_entropy=True`` reports the student's entropy
+    ``H(p) = −Σ p log p`` (the KL's ``p``, with or without a KL term; TRL's "entropy"), reduced as
+    the components are and never differentiated; else it reads 0.
 
     ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)
     + z_loss_weight·LSE(s)²`` with ``s = cap(logit_scale·(student_hidden·weightᵀ + bias))``
@@ -278,6 +283,7 @@ def distillation_loss(
             vocab_range=vocab_range,
             vocab_size=vocab_size,
             sequence_parallel=sequence_parallel,
+            student_entropy=student_entropy,
         )
     return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias)
 

@@ -133,6 +133,32 @@ def test_the_same_result_as_the_reference_on_the_gpu() -> None:
         assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()
 
 
+@pytest.mark.parametrize("kl_weight", [1.0, 0.0])
+def test_student_entropy_on_the_gpu_matches_fp64_and_does_not_synchronize(kl_weight: float) -> None:
+    """``student_entropy=True`` on bf16 inputs (forward KL: round 2 in the gradient kernel; no KL:
+    the sums kernel without a teacher): the fp64 entropy of the same values, the loss the call's
+    without it, no host synchronization."""
+    t = make_inputs(torch.bfloat16)
+    teacher = TiedTeacher(t["teacher_hidden"])
+    keywords = {"kl_weight": kl_weight, "kl_temperature": 2.0, "reduction": "sum"}
+    out = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], teacher, student_entropy=True, **keywords)
+    plain = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], teacher, **keywords)
+    logp = torch.log_softmax((t["hidden"].double() @ t["weight"].double().T) / 2.0, dim=-1)
+    rows = -torch.where(logp.exp() == 0, 0.0, logp.exp() * logp).sum(-1)
+    expected = torch.where(t["labels"] != -100, rows, 0.0).sum()
+    assert abs(out.student_entropy.item() - expected.item()) <= 1e-5 * expected.item()
+    # The same sums of the same values (the compiled kernels differ by the entropy's column alone).
+    assert abs(out.loss.item() - plain.loss.item()) <= 1e-6 * abs(plain.loss.item())
+
+    def step() -> None:
+        again = orda_tp.distillation_loss(
+            t["hidden"], t["weight"], t["labels"], teacher, student_entropy=True, **keywords
+        )
+        torch.autograd.grad(again.loss, [t["hidden"], t["weight"]])
+
+    run_without_sync(step)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_mixed_dtypes_fp32_hidden_states_with_a_bf16_head(backend: str) -> None:
     t = make_inputs(torch.bfloat16)

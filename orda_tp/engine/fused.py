@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..arguments.plan import LossPlan
-from ..divergences.terms import COMPONENTS, STUDENT_TERMS
+from ..divergences.terms import COMPONENTS
 from .call import Call, RecordExchange
 from .gradient_gemms import (
     GradientBuffers,
@@ -142,10 +142,17 @@ def _outputs(call: Call[LossPlan], walked: list[RowStats], like: Tensor) -> tupl
     ignored rows read 0; "sum"/"mean" add the rows (÷ N for "mean")."""
     plan, valid = call.plan, call.valid
 
-    per_chunk = [{**stats.student_terms, "teacher_ce": stats.teacher_ce, "kl": stats.kl} for stats in walked]
+    per_chunk = [
+        {
+            **stats.student_terms,
+            "teacher_ce": stats.teacher_ce,
+            "kl": stats.kl,
+            "student_entropy": stats.student_entropy,
+        }
+        for stats in walked
+    ]
     components = {
-        name: torch.cat([chunk[name] for chunk in per_chunk]) if walked else like.new_zeros(0)
-        for name in (*(term.name for term in STUDENT_TERMS), "teacher_ce", "kl")
+        name: torch.cat([chunk[name] for chunk in per_chunk]) if walked else like.new_zeros(0) for name in COMPONENTS
     }
     weighted = (weight * components[name] for name, weight in plan.component_weights.items())
     per_row = sum(weighted, like.new_zeros(()))

@@ -162,11 +162,11 @@ def reference_loss(
     bias: Tensor | None = None,
     teacher_bias: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
-    """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` on full logits
-    ``cap(scale·(h·Wᵀ + b))`` per side, with autograd gradients: the student's terms from their
-    oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`). Only the first ``vocab_size``
-    columns are read (the rest is vocabulary padding); each row's values are multiplied by its
-    ``token_weights``."""
+    """``(loss, student_ce, teacher_ce, kl, *the other student terms, student_entropy)`` on full
+    logits ``cap(scale·(h·Wᵀ + b))`` per side, with autograd gradients: the student's terms from
+    their oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`), the entropy a detached
+    report. Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each
+    row's values are multiplied by its ``token_weights``."""
     plan, labels, valid = call.plan, call.labels, call.valid
     dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits, bias, teacher_bias)
     vocab_size = call.layout.vocab_size
@@ -180,6 +180,7 @@ def reference_loss(
     student = _capped(_head_logits(student_hidden, weight, bias, plan.student_scale, dtype), plan.student_softcap)
     zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
     teacher_ce = kl = zeros
+    entropy = _student_entropy(student, plan.student_temperature) if plan.student_entropy else zeros
     terms = {term.name: zeros for term in STUDENT_TERMS}
     for term in plan.student_terms:
         terms[term.name] = term.oracle(student, safe_labels, plan.term_scalars)
@@ -198,7 +199,7 @@ def reference_loss(
             teacher_ce = _where_zero(absent, ce)
         if plan.computes_kl:
             kl = _reference_kl(plan, student, teacher, safe_labels, absent)
-    components = {**terms, "teacher_ce": teacher_ce, "kl": kl}
+    components = {**terms, "teacher_ce": teacher_ce, "kl": kl, "student_entropy": entropy}
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
     nan = torch.full_like(zeros, float("nan"))
     components = {name: torch.where(valid, torch.where(in_range, v, nan), zeros) for name, v in components.items()}
@@ -211,6 +212,13 @@ def reference_loss(
         if plan.reduction == "mean":
             outputs = [total / call.denominator for total in outputs]
     return tuple(outputs)
+
+
+def _student_entropy(student: Tensor, temperature: float) -> Tensor:
+    """``H(p) = −Σ p log p`` per row, ``p = softmax(student/T_s)`` (``0·log 0 = 0``), detached: a report."""
+    logp = torch.log_softmax(student.detach() / temperature, -1)
+    p = logp.exp()
+    return -_where_zero(p == 0, p * logp).sum(-1)
 
 
 def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tensor, absent: Tensor) -> Tensor:
