@@ -18,6 +18,7 @@ with its torch tiles).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import re
@@ -115,7 +116,10 @@ def test_equals_trl_loss(beta: float, temperature: float, settings: str, items: 
     assert found["n_valid"].dtype == expected["n_valid"].dtype == torch.int64
     assert not found["entropy_sum"].requires_grad
     for name, value in expected.items():
-        torch.testing.assert_close(found[name], value, rtol=1e-5, atol=1e-7, msg=lambda text, n=name: f"{n}: {text}")
+        # fp32 rounding, relative to the tensor's largest entry (a gradient's tiny entries cancel).
+        scale = value.abs().max().item() if value.is_floating_point() else 0.0
+        message = lambda text, n=name: f"{n}: {text}"  # noqa: E731
+        torch.testing.assert_close(found[name], value, rtol=1e-5, atol=1e-5 * scale, msg=message)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -183,6 +187,7 @@ def test_trainer_end_to_end_equals_trl(
     calls = []
     orda_loss = orda_trl.chunked_divergence_loss
 
+    @functools.wraps(orda_loss)  # the swap checks the signature it stands in with
     def counted(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
         calls.append(kwargs["beta"] if "beta" in kwargs else args[5])
         return orda_loss(*args, **kwargs)
