@@ -1,5 +1,5 @@
 """``import orda_tp`` needs torch alone: the optional extras (safetensors for the top-k cache files,
-megatron-core for its integration, triton for the kernels) are imported where they are named, and
+megatron-core and trl for their integrations, triton for the kernels) are imported where they are named, and
 then a missing one raises with its install line; so do the examples that need transformers or
 megatron-core."""
 
@@ -38,6 +38,18 @@ def test_the_megatron_integration_names_its_extra_where_megatron_core_is_missing
         run = _without("megatron", f"import {module}")
         assert run.returncode != 0
         assert "orda_tp.integrations.megatron needs megatron-core: pip install 'orda_tp[megatron]'" in run.stderr
+
+
+def test_the_trl_loss_needs_no_trl_and_its_trainer_names_the_extra() -> None:
+    run = _without("trl", "from orda_tp.integrations.trl import chunked_divergence_loss; print('imported')")
+    assert run.returncode == 0 and "imported" in run.stdout, run.stderr
+    line = "the TRL trainer of orda_tp.integrations.trl needs trl: pip install 'orda_tp[trl]'"
+    for code in (
+        "from orda_tp.integrations.trl import OrdaDistillationTrainer",
+        "import orda_tp.integrations.trl as t\nwith t.orda_divergence_loss(): pass",
+    ):
+        run = _without("trl", code)
+        assert run.returncode != 0 and line in run.stderr, run.stderr
 
 
 def test_printing_a_kernel_names_its_extra_where_triton_is_missing() -> None:

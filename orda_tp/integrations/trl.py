@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from orda_tp.loss import distillation_loss
 from orda_tp.teachers import SeparateTeacher
@@ -86,10 +87,14 @@ def chunked_divergence_loss(
     """
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
-    # Every position gets a label: the student CE, the one term that reads it, has weight 0.
-    labels = torch.where(valid, 0, IGNORE_INDEX)
     student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])
     teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])
+    if student.is_cuda and not isinstance(student_lm_head_weight, DTensor):
+        # As TRL does on a GPU: the masked-out positions are dropped before the GEMMs (one host sync).
+        rows = valid.nonzero().squeeze(1)
+        student, teacher, valid = student.index_select(0, rows), teacher.index_select(0, rows), valid[rows]
+    # Every position gets a label: the student CE, the one term that reads it, has weight 0.
+    labels = torch.where(valid, 0, IGNORE_INDEX)
     compute_dtype = _autocast_dtype(student.device)
     if compute_dtype is not None:  # TRL's GEMMs run in autocast's dtype; orda_tp's in its inputs'
         student, teacher = student.to(compute_dtype), teacher.to(compute_dtype)
