@@ -5,11 +5,13 @@ The workers are in tests/support/trl_shard_workers.py.
 - Vocabulary-parallel heads (``Shard(0)`` weights and biases on a tp mesh, uneven over 2 and 3
   ranks): the loss, entropy sum, count and every gradient are TRL's, for β ∈ {0, 0.5, 1},
   T ∈ {1, 2}, logit scales, soft-caps and biases; no head is gathered.
-- FSDP2: the head in the root's unit (the one-device path), or its own unit (the rows-gathered
-  path: FSDP2 never gathers it, nor reduces its gradient), the teacher's head whole or FSDP-sharded,
-  ranks with different lengths, a rank without completion tokens, an empty vocabulary shard: each
-  rank's loss, entropy sum, count and hidden-state gradient are its own batch's, and the gradients
-  on the shards FSDP2's mean over the ranks (a sum where the head's unit divides by 1).
+- FSDP2: the head in the root's unit or in one unit with the final norm (accelerate 1.15's wrap:
+  the one-device path), or its own unit (the rows-gathered path: FSDP2 never gathers it, nor
+  reduces its gradient), the teacher's head whole or FSDP-sharded, ranks with different lengths, a
+  rank without completion tokens, an empty vocabulary shard, ranks' different upstream gradients:
+  each rank's loss, entropy sum, count and hidden-state gradient are its own batch's, and the
+  gradients on the shards FSDP2's mean over the ranks (a sum where the head's unit divides by 1);
+  also without gradients.
 - TRL's own function on the FSDP-sharded head gathers it and leaves each shard its own rank's
   gradient rows (what the adapter does differently).
 - Heads sharded in ways that do not fit, and one rank's rows that do not fit, raise on every rank.

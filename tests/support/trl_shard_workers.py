@@ -7,7 +7,8 @@ in one process (fp32 inputs: within ``RTOL``/``ATOL``).
   are TRL's, and no head is gathered.
 - :func:`fsdp_worker`: FSDP2 (``fully_shard``) students trained data-parallel on batches of
   different lengths, the loss computed inside the student's forward by TRL's forward redirection,
-  the head in the root's unit or its own, the teacher's head whole or FSDP-sharded: each rank's loss,
+  the head in the root's unit, in one unit with the final norm (accelerate 1.15's wrap) or its own
+  unit, the teacher's head whole or FSDP-sharded: each rank's loss,
   entropy sum and count are its own batch's, its hidden states' gradient its own loss's, and the
   gradients FSDP2 leaves on the shards the mean of the ranks' (TRL's ``num_items_in_batch``: the
   global count ÷ ranks; or each rank's own count). A head's own unit is never gathered.
@@ -82,7 +83,8 @@ def tp_inputs(seed: int, case: Case) -> dict[str, Any]:
         "student_hidden_states": randn(BATCH, 7, STUDENT_WIDTH).requires_grad_(),
         "teacher_hidden_states": randn(BATCH, 7, TEACHER_WIDTH),
         "student_lm_head_weight": randn(TP_VOCAB, STUDENT_WIDTH, scale=0.4).requires_grad_(),
-        "teacher_lm_head_weight": randn(TP_VOCAB, TEACHER_WIDTH, scale=0.4),
+        # Trainable, to show that it gets no gradient (TRL's neither).
+        "teacher_lm_head_weight": randn(TP_VOCAB, TEACHER_WIDTH, scale=0.4).requires_grad_(),
         "completion_mask": (torch.rand(BATCH, 7, generator=generator) < 0.7).long(),
         "student_lm_head_bias": randn(TP_VOCAB, scale=0.2).requires_grad_() if student_bias else None,
         "teacher_lm_head_bias": randn(TP_VOCAB, scale=0.2) if teacher_bias else None,
