@@ -23,6 +23,11 @@ The contract, with ``L_r = Σ_{i ∈ rows of r} ℓ_i / d_r`` (``d_r`` rank ``r`
   this rank's rows and 0 elsewhere, which that unit's averaging reduce-scatter turns into the same
   mean;
 - the teacher's tensors get no gradient.
+
+Each rank's own values come from the loss's per-row results (``reduction="none"``), whose backward
+recomputes the logits: one pass of logits GEMMs more than a one-device call of the same rows.
+1-D meshes only: an HSDP or ``(dp, tp)`` sharded head raises, as does a head sharded otherwise than
+the other.
 """
 
 from __future__ import annotations
