@@ -12,6 +12,7 @@ with its torch tiles).
   entropies and the student's parameters after the steps agree within fp32 rounding, for β = 0, 0.5
   and 1 with biased heads, a configured logit scale and a final soft-cap; the example's own
   ``--compare`` run prints the same agreement.
+- Under autocast both run their GEMMs in its dtype (bf16) and agree within its rounding.
 - The swap is undone after its block, and a TRL whose loss takes other arguments is refused.
 """
 
@@ -129,6 +130,20 @@ def test_all_masked_batch_is_zero_like_trl(beta: float) -> None:
     found = outputs_and_grads(orda_trl.chunked_divergence_loss, inputs, beta=beta)
     for name, value in expected.items():
         torch.testing.assert_close(found[name], value, rtol=0, atol=0)
+
+
+def test_under_autocast_the_gemms_run_in_its_dtype_as_trl() -> None:
+    inputs = make_inputs(seed=7, settings="scaled, capped, biased")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = outputs_and_grads(TRL_LOSS, inputs, beta=0.5)
+        found = outputs_and_grads(orda_trl.chunked_divergence_loss, inputs, beta=0.5)
+    exact = outputs_and_grads(orda_trl.chunked_divergence_loss, inputs, beta=0.5)
+    for name, value in expected.items():
+        assert found[name].dtype == value.dtype, name  # gradients in the fp32 leaves' dtype
+        if value.is_floating_point():
+            # Both within bf16's rounding of each other, and ours off the fp32 result (it ran in bf16).
+            assert (found[name] - value).norm() / value.norm() < 5e-3, name
+            assert (found[name] - exact[name]).norm() / exact[name].norm() > 1e-6, name
 
 
 def test_teacher_gets_no_gradient() -> None:
