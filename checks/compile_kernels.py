@@ -102,8 +102,8 @@ def subnormal_exponentials(ptx: str) -> int:
 
 def calls() -> dict[str, Callable[[], object]]:
     """Representative calls: a tied KD with every student term and soft-caps, a separate teacher
-    with a co-training variant, a top-k cache, the logits-level KDLoss, a teacher's top-k
-    extraction, and backward's in-place scaling."""
+    with a co-training variant, a top-k cache, the student's entropy (with a KL term and alone), the
+    logits-level KDLoss, a teacher's top-k extraction, and backward's in-place scaling."""
     generator = torch.Generator().manual_seed(0)
     rows, hidden, vocab = 48, 32, 3000
     student = (torch.randn(rows, hidden, generator=generator) / 2).requires_grad_()
@@ -127,6 +127,11 @@ def calls() -> dict[str, Callable[[], object]]:
         cache = orda_tp.PrecomputedTeacher(topk_ids=top.indices, topk_logprobs=top.values)
         return orda_tp.distillation_loss(student, weight, labels, cache, kl_divergence="skew_js", **common)
 
+    def student_entropy() -> object:  # its column summed by the gradient pass (forward), and alone (no teacher)
+        teacher = orda_tp.TiedTeacher(teacher_hidden)
+        orda_tp.distillation_loss(student, weight, labels, teacher, student_entropy=True, **common)
+        return orda_tp.distillation_loss(student, weight, labels, teacher, backend="triton", student_entropy=True)
+
     def kd_loss() -> object:  # 2**15 columns: the wide blocks, whose bf16 tiles are HALF_PRECISION_TILES'
         wide = torch.randn(rows, 1 << 15, generator=generator)
         logits = wide.to(torch.bfloat16).requires_grad_()
@@ -146,7 +151,8 @@ def calls() -> dict[str, Callable[[], object]]:
         return None
 
     return {"tied KD + terms + caps": tied_terms, "separate mutual": separate_mutual, "top-64 skew_js": topk_skew,
-            "KDLoss": kd_loss, "teacher top-64": teacher_topk, "backward's scale": scale}  # fmt: skip
+            "student entropy": student_entropy, "KDLoss": kd_loss, "teacher top-64": teacher_topk,
+            "backward's scale": scale}  # fmt: skip
 
 
 def main() -> int:

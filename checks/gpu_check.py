@@ -654,7 +654,9 @@ def tp_case(
             lambda: loss_and_grads(local, mode, weights, backend=backend, tp_group=dist.group.WORLD, **kwargs)
         )
     # Collectives every rank reaches: the outputs of every rank, bitwise.
-    packed = _pack(sharded[0] if sharded is not None else None, 5 * shape.rows, device)
+    packed = _pack(
+        sharded[0] if sharded is not None else None, len(DistillationLossOutput._fields) * shape.rows, device
+    )
     gathered = [torch.empty_like(packed) for _ in range(runtime.world)]
     dist.all_gather(gathered, packed)
     if not expect_error and not all(torch.equal(g, gathered[0]) for g in gathered):

@@ -23,7 +23,7 @@ from .engine.gradient_gemms import GemmPolicy
 from .engine.logits import HeadTensors, statistics_dtype
 from .engine.reference import reference_loss
 from .kernels import is_available
-from .parallel.fsdp import head_weight, unsharded_head_weight
+from .parallel.fsdp import head_parameters, unsharded_head
 from .parallel.layout import HeadShard, LocalShard
 from .parallel.local_shards import LocalInputs, call_group, shard_inputs
 from .teachers import SeparateTeacher, TeacherHead, TeacherSource
@@ -36,14 +36,16 @@ TeacherArgument = TeacherSource | TeacherHead
 class DistillationLossOutput(NamedTuple):
     """``loss`` (differentiable) and its unweighted components (detached): 0-d tensors for
     "mean"/"sum", (BT,) per row for "none" (0 on ignored rows). ``kl`` includes ``T_s²``, ``z_loss``
-    is the rows' ``LSE(s)²``; a term of weight 0 is not computed and reads 0. The first four fields
-    are orda-kernel's."""
+    is the rows' ``LSE(s)²``; a term of weight 0 is not computed and reads 0. ``student_entropy``
+    is ``H(p) = −Σ p log p`` at ``T_s`` (``student_entropy=True``; else 0), in no loss term. The
+    first four fields are orda-kernel's."""
 
     loss: Tensor
     student_ce: Tensor
     teacher_ce: Tensor
     kl: Tensor
     z_loss: Tensor
+    student_entropy: Tensor
 
 
 def _teacher_type_error(teacher: object) -> TypeError:
@@ -55,13 +57,14 @@ def _teacher_type_error(teacher: object) -> TypeError:
 
 @contextmanager
 def _readable_teacher(teacher: TeacherHead, reduction: str) -> Iterator[TeacherSource]:
-    """A :class:`TeacherHead` as the :class:`SeparateTeacher` of its weight, gathered where FSDP2 shards it."""
+    """A :class:`TeacherHead` as the :class:`SeparateTeacher` of its weight and bias, gathered where
+    FSDP2 shards them."""
     grad_on = torch.is_grad_enabled()
-    receives_grad = grad_on and head_weight(teacher.head).requires_grad
+    receives_grad = grad_on and any(p.requires_grad for p in head_parameters(teacher.head) if p is not None)
     # A "none" reduction defers the gradient: its backward recomputes the logits from the gathered weight.
     read_after_call = grad_on and reduction == "none"
-    with unsharded_head_weight(teacher.head, receives_grad, read_after_call) as weight:
-        yield SeparateTeacher(teacher.hidden, weight)
+    with unsharded_head(teacher.head, receives_grad, read_after_call) as (weight, bias):
+        yield SeparateTeacher(teacher.hidden, weight, bias)
 
 
 def _one_device_inputs(
@@ -72,6 +75,7 @@ def _one_device_inputs(
     teacher: TeacherSource,
     num_valid_tokens: object,
     token_weights: object,
+    bias: Tensor | None = None,
 ) -> tuple[LocalInputs, LocalShard]:
     """The checked tensors of a one-device call and its whole head (``shard_inputs``'s counterpart)."""
     # Both describe one rank's share of a tensor-parallel call: without a group they mean nothing.
@@ -79,7 +83,7 @@ def _one_device_inputs(
         raise ValueError("vocab_range describes a shard of a tensor-parallel head and needs tp_group")
     if options.sequence_parallel:
         raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
-    check_inputs(student_hidden, weight, labels, teacher, vocab_size=options.vocab_size)
+    check_inputs(student_hidden, weight, labels, teacher, vocab_size=options.vocab_size, bias=bias)
     device = student_hidden.device
     denominator = check_denominator("num_valid_tokens", num_valid_tokens, options.reduction, device, "student_hidden")
     row_weights = None
@@ -91,6 +95,7 @@ def _one_device_inputs(
         weight=weight,
         labels=labels,
         teacher=teacher,
+        bias=bias,
         denominator=denominator,
         row_weights=row_weights,
     )
@@ -108,23 +113,24 @@ def _run(
     teacher: object,
     num_valid_tokens: object,
     token_weights: object = None,
+    bias: Tensor | None = None,
 ) -> DistillationLossOutput:
     """The loss of one call: its tensors checked, its layout agreed, its plan, the prepared call
     (:func:`orda_tp.engine.call.prepare_call`) and the selected backend."""
     # A teacher head module: read as the SeparateTeacher of its weight, gathered if FSDP2 shards it.
     if isinstance(teacher, TeacherHead):
         with _readable_teacher(teacher, options.reduction) as source:
-            return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights)
+            return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights, bias)
     # Tensor parallelism: a group is given, or some tensor is a DTensor (whose mesh names the group).
     held = [tensor for _, tensor in teacher.named_tensors()] if isinstance(teacher, TeacherSource) else []
-    given = [student_hidden, weight, labels, *held]
+    given = [student_hidden, weight, labels, bias, *held]
     sharded = options.tp_group is not None or any(isinstance(tensor, DTensor) for tensor in given)
     group = call_group(weight, options.tp_group) if sharded else None
     checks = shard_inputs if sharded else _one_device_inputs
     with raised_on_every_rank(lambda: group):
         if not isinstance(teacher, TeacherSource):
             raise _teacher_type_error(teacher)
-        local, shard = checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
+        local, shard = checks(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias)
     # On a group the handshake: every check after it decides alike on every rank.
     layout = agree(
         group,
@@ -136,9 +142,14 @@ def _run(
     )
     plan = LossPlan.build(options, local.teacher, layout.vocab_size)
     # The teacher's hidden states, head or logits as tensors; blocks it forms itself (a top-k cache) apart.
-    *teacher_tensors, teacher_blocks = local.teacher.logits_inputs(layout.vocab_start, layout.vocab_size)
-    inputs = HeadTensors(local.student_hidden, local.weight, *teacher_tensors)
+    teacher_hidden, teacher_weight, teacher_logits, teacher_blocks, teacher_bias = local.teacher.logits_inputs(
+        layout.vocab_start, layout.vocab_size
+    )
+    inputs = HeadTensors(
+        local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits, local.bias, teacher_bias
+    )
     finite = [("student_hidden", local.student_hidden), ("weight", local.weight)]
+    finite += [] if local.bias is None else [("bias", local.bias)]
     # The teacher as given holds the recorded version counters; this rank's shards hold the values read.
     values = ValueChecks(
         teacher, local.teacher, plan.needs_teacher_logits, finite if plan.config.check_finite_inputs else []
@@ -154,7 +165,7 @@ def _run(
         # The plan decides alike on every rank, so the first record exchange has one width everywhere.
         values=values if plan.checks_values else None,
         row_weights=local.row_weights,
-        gemms=GemmPolicy(options.gradient_scale),
+        gemms=GemmPolicy(options.gradient_scale, (plan.student_scale, plan.teacher_scale)),
         teacher_blocks=teacher_blocks,
     )
     # Statistics in fp32/fp64 whatever autocast would pick for the GEMMs; no block math: the fp64 reference.
@@ -185,6 +196,8 @@ def distillation_loss(
     z_loss_weight: float = 0.0,
     logit_softcap: float | None = None,
     teacher_logit_softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
     ignore_index: int = -100,
     reduction: str = "mean",
     profile: str = "balanced",
@@ -192,35 +205,41 @@ def distillation_loss(
     config: ExecutionConfig | None = None,
     gradient_materialization_scale: float | Tensor | None = None,
     grad_scaler: GradScalerLike | None = None,
+    bias: Tensor | None = None,
     num_valid_tokens: float | Tensor | None = None,
     token_weights: Tensor | None = None,
     tp_group: torch.distributed.ProcessGroup | None = None,
     vocab_range: tuple[int, int] | None = None,
     vocab_size: int | None = None,
     sequence_parallel: bool | None = None,
+    student_entropy: bool = False,
 ) -> DistillationLossOutput:
     """Student CE, teacher CE and a KL term from hidden states and LM-head weights, without
     building the (BT, V) logits (except with ``backend="reference"``).
 
     ``student_hidden`` (BT, H): the states that feed the LM head, batch and sequence flattened;
-    ``weight`` (V, H): the head's weight as ``nn.Linear`` stores it (no bias); ``labels`` (BT,)
-    ``torch.long``: each row's target, or ``ignore_index``; ``teacher``: ``TiedTeacher(hidden)``
-    (BT, H) read through ``weight``, ``SeparateTeacher(hidden, weight)`` (BT, H_t) and (V, H_t),
+    ``weight`` (V, H): the head's weight as ``nn.Linear`` stores it, ``bias`` (V,) its bias or None;
+    ``labels`` (BT,) ``torch.long``: each row's target, or ``ignore_index``; ``teacher``:
+    ``TiedTeacher(hidden)`` (BT, H) read through ``weight`` and ``bias``, ``SeparateTeacher(hidden,
+    weight, bias=None)`` (BT, H_t), (V, H_t) and (V,),
     ``TeacherHead(hidden, head_module)``, or ``PrecomputedTeacher(logits=...)`` (BT, V) /
     ``(teacher_hidden=..., teacher_weight=...)`` as a separate teacher's / ``(topk_ids=...,
     topk_logprobs=...)`` (BT, k). Every tensor on one device; hidden states, weights and logits
     fp16, bf16, fp32 or fp64, not necessarily of one dtype.
 
-    Returns a :class:`DistillationLossOutput` ``(loss, student_ce, teacher_ce, kl, z_loss)``:
-    ``loss`` differentiable, the unweighted components detached; 0-d tensors for ``reduction=``
-    "mean" (over the rows not ignored, or ``num_valid_tokens``) and "sum", (BT,) per row for
-    "none" (0 on ignored rows).
+    Returns a :class:`DistillationLossOutput` ``(loss, student_ce, teacher_ce, kl, z_loss,
+    student_entropy)``: ``loss`` differentiable, the unweighted components detached; 0-d tensors
+    for ``reduction=`` "mean" (over the rows not ignored, or ``num_valid_tokens``) and "sum", (BT,)
+    per row for "none" (0 on ignored rows). ``student_entropy=True`` reports the student's entropy
+    ``H(p) = −Σ p log p`` (the KL's ``p``, with or without a KL term; TRL's "entropy"), reduced as
+    the components are and never differentiated; else it reads 0.
 
     ``loss = student_ce_weight·CE(s) + teacher_ce_weight·CE(t) + kl_weight·T_s²·D(p, q)
-    + z_loss_weight·LSE(s)²`` with ``s = student_hidden·weightᵀ`` (``CE(s)`` label-smoothed by
-    ``label_smoothing``), ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``; ``logit_softcap=c``
-    (``teacher_logit_softcap`` for a teacher read through a head) makes that side's logits
-    ``c·tanh(z/c)`` before every term, the gradient going through the cap (Gemma 2). Every argument
+    + z_loss_weight·LSE(s)²`` with ``s = cap(logit_scale·(student_hidden·weightᵀ + bias))``
+    (``CE(s)`` label-smoothed by ``label_smoothing``), ``t`` alike from the teacher's head, bias and
+    ``teacher_logit_scale``, ``p = softmax(s/T_s)``, ``q = softmax(t/T_t)``; ``logit_softcap=c``
+    (``teacher_logit_softcap`` for a teacher read through a head) makes ``cap(z) = c·tanh(z/c)``
+    (Gemma 2; else the identity), the gradient going through the scale and the cap. Every argument
     and error: docs/reference.md; the 15 divergences: docs/variants.md.
 
     ``gradient_materialization_scale`` (None: ``grad_scaler.get_scale()``) is the scale at which
@@ -252,6 +271,8 @@ def distillation_loss(
             z_loss_weight=z_loss_weight,
             logit_softcap=logit_softcap,
             teacher_logit_softcap=teacher_logit_softcap,
+            logit_scale=logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
             ignore_index=ignore_index,
             reduction=reduction,
             profile=profile,
@@ -262,8 +283,9 @@ def distillation_loss(
             vocab_range=vocab_range,
             vocab_size=vocab_size,
             sequence_parallel=sequence_parallel,
+            student_entropy=student_entropy,
         )
-    return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
+    return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias)
 
 
 class DistillationLoss(nn.Module):
@@ -288,12 +310,14 @@ class DistillationLoss(nn.Module):
         *,
         num_valid_tokens: float | Tensor | None = None,
         token_weights: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> DistillationLossOutput:
         """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
-        ``grad_scaler`` given here (orda-kernel's) replace the constructor's for this call."""
+        ``grad_scaler`` given here (orda-kernel's) replace the constructor's for this call;
+        ``bias``: the student head's, as :func:`distillation_loss` takes it."""
         with raised_on_every_rank(lambda: call_group(weight, self.options.tp_group)):
             options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
-        return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights)
+        return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -233,5 +233,6 @@ def test_distillation_loss_keywords_are_the_options_fields() -> None:
     signature = inspect.signature(distillation_loss).parameters.values()
     keywords = {p.name: p.default for p in signature if p.kind is inspect.Parameter.KEYWORD_ONLY}
     del keywords["num_valid_tokens"], keywords["token_weights"]  # properties of the batch, not of the loss
+    del keywords["bias"]  # a tensor of the head, beside its weight
     fields = {f.name: f.default for f in dataclasses.fields(LossOptions) if f.init}
     assert keywords == fields

@@ -138,6 +138,14 @@ def _keyword_cases() -> list[Any]:
             TypeError,
             contains("grad_scaler must be a torch.amp.GradScaler instance or None", f"got {received}"),
         )
+    # student_entropy: a real bool (a truthy string such as "no" must not read as True).
+    for value in ["yes", "no", 1, 0, 1.0, None, torch.tensor(True)]:
+        add(
+            f"student_entropy={value!r}",
+            {"student_entropy": value},
+            TypeError,
+            contains("student_entropy must be a bool", f"got {value!r}"),
+        )
     return cases
 
 
@@ -155,6 +163,8 @@ def _good_keywords() -> list[Any]:
         pytest.param({"gradient_materialization_scale": 2.0**16}, id="materialization-scale"),
         pytest.param({"grad_scaler": torch.amp.GradScaler("cpu")}, id="grad-scaler"),
         pytest.param({"ignore_index": -1}, id="ignore_index=-1"),
+        pytest.param({"student_entropy": True}, id="student_entropy"),
+        pytest.param({"student_entropy": True, "kl_weight": 0.0, "student_ce_weight": 0.0}, id="student_entropy-alone"),
         pytest.param({"ignore_index": np.int64(-1)}, id="ignore_index=numpy-int64"),
         pytest.param({"gradient_materialization_scale": torch.tensor(2.0**16)}, id="materialization-scale-tensor"),
         pytest.param({"gradient_materialization_scale": torch.ones(1, 1)}, id="materialization-scale-1x1"),

@@ -1,5 +1,6 @@
 """The errors of the KL variants (docs/reference.md §8, docs/variants.md §4): ``kl_divergence``, the
 parameters each variant reads (``kl_alpha``, ``kl_beta``, ``EntropyGate``) and their ranges, the
+alias ``generalized_jsd``'s ``kl_beta`` in [0, 1] (β below 1 − β's resolution refused), the
 co-training variants' equal temperatures, ``entropy_adaptive`` on one column. How the cases are
 checked: tests/support/error_cases.py.
 """
@@ -39,7 +40,9 @@ def _keyword_cases() -> list[Any]:
             f"kl_divergence={value!r}",
             {"kl_divergence": value},
             ValueError,
-            contains("kl_divergence must be one of [", "'forward'", "'triangular'", f"got {value!r}"),
+            contains(
+                "kl_divergence must be one of [", "'forward'", "'triangular', 'generalized_jsd']", f"got {value!r}"
+            ),
         )
     # Co-training variants need T_t == T_s.
     for variant in ("mutual", "cojeffreys"):
@@ -83,6 +86,8 @@ SPEC_RANGES: list[tuple[str, str, str, list[float], list[float]]] = [
     ],
     *[("dkd", k, "(0.0, 16.0]", [0, 0.0, -1.0, 16.001, 32], [16, 16.0, 1e-3, 1]) for k in ("kl_alpha", "kl_beta")],
     *[("abkd", k, "[0.05, 2.0]", [0, 0.0, 0.049, 2.001, 4], [0.05, 2, 2.0, 1]) for k in ("kl_alpha", "kl_beta")],
+    # The alias (not a registered variant): TRL's β, both edges included.
+    ("generalized_jsd", "kl_beta", "[0.0, 1.0]", [-1e-9, -0.1, 1 + 1e-9, 1.1, 2], [0, 0.0, 1e-6, 0.5, 1, 1.0]),
 ]
 
 
@@ -107,6 +112,15 @@ def _variant_cases() -> list[Any]:
                     id=f"{variant}-{keyword}={value!r}",
                 )
             )
+    for value in [1e-17, 5e-17, 2.0**-54]:  # 1 − β rounds to 1: no skew_js student weight in (0, 1)
+        cases.append(
+            pytest.param(
+                {"kl_divergence": "generalized_jsd", "kl_beta": value},
+                ValueError,
+                contains(f"kl_beta={value!r} is too small for kl_divergence='generalized_jsd'", "pass kl_beta=0"),
+                id=f"generalized_jsd-tiny-{value!r}",
+            )
+        )
     for variant in ("renyi", "renyi_reverse"):
         for value in [1, 1.0, 0.995, 1.005, 0.991, 1.0099]:
             cases.append(

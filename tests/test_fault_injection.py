@@ -27,6 +27,7 @@ CHECK_MODULES = (
     "arguments/plan.py",
     "lm_head.py",
     "divergences/base.py",
+    "divergences/aliases.py",
     "divergences/power.py",
     "divergences/kl_family.py",
     "teachers/source.py",

@@ -133,6 +133,74 @@ def test_the_same_result_as_the_reference_on_the_gpu() -> None:
         assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()
 
 
+@pytest.mark.parametrize("kl_weight", [1.0, 0.0])
+def test_student_entropy_on_the_gpu_matches_fp64_and_does_not_synchronize(kl_weight: float) -> None:
+    """``student_entropy=True`` on bf16 inputs (forward KL: round 2 in the gradient kernel; no KL:
+    the sums kernel without a teacher): the fp64 entropy of the same values, the loss the call's
+    without it, no host synchronization."""
+    t = make_inputs(torch.bfloat16)
+    teacher = TiedTeacher(t["teacher_hidden"])
+    keywords = {"kl_weight": kl_weight, "kl_temperature": 2.0, "reduction": "sum"}
+    out = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], teacher, student_entropy=True, **keywords)
+    plain = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], teacher, **keywords)
+    logp = torch.log_softmax((t["hidden"].double() @ t["weight"].double().T) / 2.0, dim=-1)
+    rows = -torch.where(logp.exp() == 0, 0.0, logp.exp() * logp).sum(-1)
+    expected = torch.where(t["labels"] != -100, rows, 0.0).sum()
+    assert abs(out.student_entropy.item() - expected.item()) <= 1e-5 * expected.item()
+    # The same sums of the same values (the compiled kernels differ by the entropy's column alone).
+    assert abs(out.loss.item() - plain.loss.item()) <= 1e-6 * abs(plain.loss.item())
+
+    def step() -> None:
+        again = orda_tp.distillation_loss(
+            t["hidden"], t["weight"], t["labels"], teacher, student_entropy=True, **keywords
+        )
+        torch.autograd.grad(again.loss, [t["hidden"], t["weight"]])
+
+    run_without_sync(step)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("variant", ["forward", "generalized_jsd"])
+def test_logit_scales_and_biases_in_bf16_match_fp64(backend: str, variant: str) -> None:
+    """Scales and biases on both sides of a separate teacher, capped, bf16: the CUDA-only gradient
+    GEMMs with the scale as their alpha, and the fp32 bias gradients, against the fp64 reference."""
+    t = make_inputs(torch.bfloat16)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    bias = (0.5 * torch.randn(VOCAB, device="cuda", generator=generator)).to(torch.bfloat16).requires_grad_()
+    teacher_bias = (0.5 * torch.randn(VOCAB, device="cuda", generator=generator)).to(torch.bfloat16)
+    teacher_weight = t["teacher_weight"]
+    keywords = {
+        "kl_weight": 1.0,
+        "kl_temperature": 2.0,
+        "kl_divergence": variant,
+        "logit_scale": 0.7,
+        "teacher_logit_scale": 1.3,
+        "logit_softcap": 30.0,
+        "student_entropy": True,
+    }
+    tensors = [t["hidden"], t["weight"], bias]
+    out = orda_tp.distillation_loss(
+        *tensors[:2],
+        t["labels"],
+        SeparateTeacher(t["teacher_hidden"], teacher_weight, bias=teacher_bias),
+        bias=bias,
+        backend=backend,
+        **keywords,
+    )
+    grads = torch.autograd.grad(out.loss, tensors)
+    exact = [tensor.detach().double().requires_grad_() for tensor in tensors]
+    teacher = SeparateTeacher(t["teacher_hidden"].double(), teacher_weight.double(), bias=teacher_bias.double())
+    reference = orda_tp.distillation_loss(
+        *exact[:2], t["labels"], teacher, bias=exact[2], backend="reference", **keywords
+    )
+    expected = torch.autograd.grad(reference.loss, exact)
+    assert abs(out.loss.item() - reference.loss.item()) <= 1e-4 * abs(reference.loss.item())
+    assert abs(out.student_entropy.item() - reference.student_entropy.item()) <= 1e-4 * reference.student_entropy.item()
+    for grad, exact_grad, tensor in zip(grads, expected, tensors):
+        assert grad.dtype == tensor.dtype
+        assert (grad.double() - exact_grad).norm() <= 1e-2 * exact_grad.norm()
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_mixed_dtypes_fp32_hidden_states_with_a_bf16_head(backend: str) -> None:
     t = make_inputs(torch.bfloat16)

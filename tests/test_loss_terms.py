@@ -125,15 +125,16 @@ def test_upstream_scale_reaches_the_terms() -> None:
 
 
 def test_output_holds_the_z_loss_after_orda_kernels_four() -> None:
-    """``(loss, student_ce, teacher_ce, kl, z_loss)``: orda-kernel's four, then ``z_loss``, 0
-    when its weight is 0."""
+    """``(loss, student_ce, teacher_ce, kl, z_loss, student_entropy)``: orda-kernel's four, then
+    ``z_loss``, 0 when its weight is 0, and ``student_entropy``, 0 unless asked for."""
     problem = make_problem(rows=8, vocab=VOCAB, seed=2)
     teacher = orda_tp.TiedTeacher(problem.teacher_hidden.detach())
     hidden, weight, labels = problem.student_hidden, problem.weight, problem.labels
     out = orda_tp.distillation_loss(hidden, weight, labels, teacher, teacher_ce_weight=0.0)
-    loss, student_ce, teacher_ce, kl, z_loss = out
-    assert out._fields == ("loss", "student_ce", "teacher_ce", "kl", "z_loss")
+    loss, student_ce, teacher_ce, kl, z_loss, student_entropy = out
+    assert out._fields == ("loss", "student_ce", "teacher_ce", "kl", "z_loss", "student_entropy")
     assert z_loss.item() == 0.0 and not z_loss.requires_grad
+    assert student_entropy.item() == 0.0 and not student_entropy.requires_grad
     assert torch.equal(loss, out.loss) and torch.equal(student_ce, out.student_ce)
     module = orda_tp.DistillationLoss(z_loss_weight=0.1, teacher_ce_weight=0.0, backend="torch")
     with_z = module(problem.student_hidden, problem.weight, problem.labels, teacher)

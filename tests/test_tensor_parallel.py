@@ -82,7 +82,8 @@ def test_module_form() -> None:
 
 
 def test_calls_with_few_or_no_statistics() -> None:
-    """Every row ignored; CE only; KL only; num_valid_tokens as a number and as a tensor."""
+    """Every row ignored; CE only, with the student entropy or the entropy alone; KL only;
+    num_valid_tokens as a number and as a tensor."""
     run_and_check(3, tp_workers.edge_worker)
 
 

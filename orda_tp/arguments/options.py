@@ -14,7 +14,7 @@ from typing import Literal, Protocol, TypeGuard
 import torch.distributed as dist
 from torch import Tensor
 
-from ..divergences import DIVERGENCES, KL_VARIANTS, VARIANT_KEYWORDS, Divergence, DivergenceParams, EntropyGate
+from ..divergences import NAMED_VARIANTS, VARIANT_KEYWORDS, Divergence, DivergenceParams, EntropyGate
 from .config import PROFILES, ExecutionConfig
 from .orda_kernel import apply_loss_overrides, own_config
 from .validation import (
@@ -45,10 +45,10 @@ REDUCTIONS = ("mean", "sum", "none")
 PROFILE_NAMES = tuple(sorted(PROFILES))
 
 
-def _reads(divergence: Divergence) -> str:
-    if not divergence.parameters:
+def _reads(keywords: tuple[str, ...]) -> str:
+    if not keywords:
         return f"none of {', '.join(VARIANT_KEYWORDS)}"
-    return "only " + " and ".join(divergence.keywords)
+    return "only " + " and ".join(keywords)
 
 
 def resolve_divergence(
@@ -56,16 +56,16 @@ def resolve_divergence(
 ) -> tuple[Divergence, DivergenceParams]:
     """The registered variant and its parameters (defaults filled, ranges checked) from ``given``,
     the call's variant keywords by name (:data:`~orda_tp.divergences.VARIANT_KEYWORDS`; None: not
-    given).
+    given); an alias (:data:`~orda_tp.divergences.ALIASES`) gives the variant it stands for.
 
     A parameter the variant does not read is neither checked nor used: with ``unused="warn"``
     (``distillation_loss``) it gives one :class:`IgnoredArgumentWarning`, with ``unused="raise"``
     (the logits-level losses) a ValueError.
     """
-    divergence = DIVERGENCES.get(kl_divergence) if isinstance(kl_divergence, str) else None
+    divergence = NAMED_VARIANTS.get(kl_divergence) if isinstance(kl_divergence, str) else None
     if divergence is None:
-        raise ValueError(f"kl_divergence must be one of {list(KL_VARIANTS)}, got {kl_divergence!r}")
-    if not divergence.parameters and all(value is None for value in given.values()):
+        raise ValueError(f"kl_divergence must be one of {list(NAMED_VARIANTS)}, got {kl_divergence!r}")
+    if isinstance(divergence, Divergence) and not divergence.parameters and all(v is None for v in given.values()):
         return divergence, DivergenceParams()  # the common case: nothing to resolve
     reads = divergence.keywords
     for keyword, value in given.items():
@@ -77,12 +77,14 @@ def resolve_divergence(
                 f"(it reads {list(reads) or 'no parameters'}); leave {keyword}=None"
             )
         warnings.warn(
-            f"{keyword}={value!r} is ignored: kl_divergence={divergence.name!r} reads {_reads(divergence)}; "
+            f"{keyword}={value!r} is ignored: kl_divergence={divergence.name!r} reads {_reads(divergence.keywords)}; "
             f"leave {keyword}=None to silence this warning",
             IgnoredArgumentWarning,
             stacklevel=caller_stacklevel(),
         )
-    return divergence, divergence.resolve(given)
+    if isinstance(divergence, Divergence):
+        return divergence, divergence.resolve(given)
+    return divergence.resolve(given)  # an alias: the variant it stands for, and its parameters
 
 
 class GradScalerLike(Protocol):
@@ -149,6 +151,8 @@ class LossOptions:
     z_loss_weight: float = 0.0
     logit_softcap: float | None = None
     teacher_logit_softcap: float | None = None
+    logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
     ignore_index: int = -100
     reduction: str = "mean"
     profile: str = "balanced"
@@ -160,6 +164,7 @@ class LossOptions:
     vocab_range: tuple[int, int] | None = None
     vocab_size: int | None = None
     sequence_parallel: bool | None = None
+    student_entropy: bool = False
     divergence: Divergence = field(init=False, repr=False, compare=False)
     params: DivergenceParams = field(init=False, repr=False, compare=False)
     kernel_config: ExecutionConfig = field(init=False, repr=False, compare=False)
@@ -179,10 +184,13 @@ class LossOptions:
             values["gradient_materialization_scale"], values["grad_scaler"] = check_precision(
                 values["gradient_materialization_scale"], values["grad_scaler"]
             )
+        named = NAMED_VARIANTS[values["kl_divergence"]]  # an alias keeps its name and its kl_beta
         for keyword, value in given.items():
-            if value is not None and keyword not in divergence.keywords:
+            if value is not None and keyword not in named.keywords:
                 values[keyword] = None  # not read by the variant: warned about, and dropped
-        values["kl_divergence"] = divergence.name
+        values["kl_divergence"] = named.name
+        if not isinstance(values["student_entropy"], bool):  # a truthy "no" must not read as True
+            raise TypeError(f"student_entropy must be a bool, got {values['student_entropy']!r}")
         values["ignore_index"] = check_ignore_index(values["ignore_index"])
         values["reduction"] = check_choice("reduction", values["reduction"], REDUCTIONS)
         values["backend"] = check_choice("backend", values["backend"], BACKENDS)
@@ -272,6 +280,8 @@ _NUMBERS = {
     "z_loss_weight": False,
     "logit_softcap": True,
     "teacher_logit_softcap": True,
+    "logit_scale": True,
+    "teacher_logit_scale": True,
 }
 _OPTIONAL = ("teacher_ce_weight", "kl_teacher_temperature", "logit_softcap", "teacher_logit_softcap")
 PARALLEL_KEYWORDS = ("tp_group", "vocab_range", "vocab_size", "sequence_parallel")

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..divergences import Divergence, DivergenceParams, VariantFormulas, formulas_of
+from ..divergences.entropy import round_two_terms
 from ..divergences.expr import Expr, equal, greater, logical_and, where
 from ..divergences.terms import RAW_STUDENT, RAW_TEACHER, STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 from ..teachers import TeacherSource
@@ -86,6 +87,12 @@ def _check_cache(options: LossOptions, teacher: TeacherSource, teacher_ce_weight
     """What a cache cannot give: a soft-cap of logits it holds (they are taken as capped); and,
     for a teacher without mass on most columns (a renormalized top-k cache), the variants that are
     +inf there and the teacher CE, +inf on every row."""
+    if options.teacher_logit_scale != 1.0 and not teacher.reads_head:
+        raise ValueError(
+            f"teacher_logit_scale={options.teacher_logit_scale!r} scales logits a teacher head forms, but this "
+            f"{teacher.kind} cache holds logits already formed; scale them when you build the cache and leave "
+            "teacher_logit_scale=1.0"
+        )
     capped = options.teacher_logit_softcap
     if capped is not None and teacher.made_at_softcap is not None and capped != teacher.made_at_softcap:
         raise ValueError(
@@ -118,8 +125,8 @@ class StepKey:
     num_families: int
     student_terms: tuple[StudentTerm, ...]  # orda_tp.divergences.terms
     num_column_sums: int  # the column sums of round 1's record
-    # Indices into LossPlan.families, None where the call has none: the student's family at T = 1 (read by
-    # its row terms), the teacher's CE family, the KL's two families, and the first teacher family.
+    # Indices into LossPlan.families, None where the call has none: the student's family at T = 1 (its row
+    # terms'), the teacher's CE family, the KL's two (the student's also the entropy's), the first teacher family.
     terms_family: int | None
     ce_teacher: int | None
     kl_student: int | None
@@ -167,10 +174,13 @@ class LossPlan:
     # Soft-caps c of each side's logits (c·tanh(z/c)), None for none; never a cache's (taken as capped).
     student_softcap: float | None = None
     teacher_softcap: float | None = None
+    student_scale: float = 1.0  # each side's logit scale, before its cap: cap(scale·(h·Wᵀ + b))
+    teacher_scale: float = 1.0
     # The student's logits are a head's products (finite for finite inputs), not given logits that may hold −inf.
     student_logits_finite: bool = True
+    student_entropy: bool = False  # report H(p) at T_s (round 2's last column term), with or without a KL
     # Derived once from the fields above (read at every chunk, so not recomputed there).
-    # Round 2 and the KL's gradients run only with kl_weight > 0 and a variant.
+    # The KL's round 2 and gradients run only with kl_weight > 0 and a variant (round 2 also for the entropy).
     computes_kl: bool = field(init=False)
     # Only the KL and the teacher CE read the teacher's logits: without them none are formed, no cache value read.
     needs_teacher_logits: bool = field(init=False)
@@ -203,6 +213,8 @@ class LossPlan:
     step_key: StepKey = field(init=False)
     # The variant's trees for these parameters (cached per variant and parameters); None without a KL term.
     formulas: VariantFormulas | None = field(init=False)
+    # The column terms round 2 sums (divergences.entropy): the variant's, then the entropy's; none: no round 2.
+    round_two_terms: tuple[Expr, ...] = field(init=False)
     # Round 2 summed by the gradient pass itself (one pass over the logits fewer) where the gradients read no
     # round-2 constant and keep is known after round 1: D is +inf only on a row with a counted UNSUPPORTED
     # column (a trainable teacher's head has no −inf column, or the variant is finite without teacher support).
@@ -226,7 +238,7 @@ class LossPlan:
         student_terms = bool(self.student_terms)
         wanted = [ce_families[0]] if student_terms else []
         wanted += [ce_families[1]] if self.teacher_ce_weight > 0 else []
-        wanted += list(kl_families) if computes_kl else []
+        wanted += list(kl_families) if computes_kl else [kl_families[0]] if self.student_entropy else []
         families = tuple(dict.fromkeys(wanted))
         formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
         in_gradient_pass = bool(formulas and not formulas.row_names) and (
@@ -241,7 +253,7 @@ class LossPlan:
             num_column_sums=len(column_sums),
             terms_family=families.index(ce_families[0]) if student_terms else None,
             ce_teacher=families.index(ce_families[1]) if self.teacher_ce_weight > 0 else None,
-            kl_student=families.index(kl_families[0]) if computes_kl else None,
+            kl_student=families.index(kl_families[0]) if computes_kl or self.student_entropy else None,
             kl_teacher=families.index(kl_families[1]) if computes_kl else None,
             teacher_family=next((i for i, family in enumerate(families) if family.side == "teacher"), None),
             unsupported_sum=len(column_sums) - 1 if counts_unsupported else None,
@@ -259,14 +271,14 @@ class LossPlan:
             "student_receives_grad": student_terms or computes_kl,
             "component_weights": {
                 **{term.name: weight for term, weight in zip(self.student_terms, self.term_weights)},
-                "teacher_ce": self.teacher_ce_weight,
-                "kl": self.kl_weight,
+                **{"teacher_ce": self.teacher_ce_weight, "kl": self.kl_weight},
             },
             "kl_grad_weights": (kl_student, kl_student * self.student_temperature / self.teacher_temperature),
             "column_sums": column_sums,
             "families": families,
             "step_key": step_key,
             "formulas": formulas,
+            "round_two_terms": round_two_terms(formulas.column_terms if formulas else (), self.student_entropy),
             "kl_sums_in_gradient_pass": in_gradient_pass,
         }
         for name, value in derived.items():
@@ -276,6 +288,9 @@ class LossPlan:
     def build(options: LossOptions, teacher: TeacherSource, vocab_size: int) -> LossPlan:
         """The plan of a :func:`orda_tp.distillation_loss` call (docs/variants.md, "Teacher routing")."""
         divergence = options.divergence
+        if teacher.kind == "tied" and options.teacher_logit_scale != options.logit_scale:  # one head, one scale
+            scales = f"teacher_logit_scale={options.teacher_logit_scale!r} and logit_scale={options.logit_scale!r}"
+            raise ValueError(f"a TiedTeacher reads the student's head, whose logits have one scale; got {scales}")
         if divergence.cotrains_teacher and not teacher.trainable:
             raise ValueError(
                 f"kl_divergence={divergence.name!r} trains the teacher and needs a TiedTeacher or SeparateTeacher; "
@@ -328,6 +343,9 @@ class LossPlan:
             student_softcap=options.logit_softcap,
             # A cache holds capped values already (a top-k cache may declare its cap, the loss's alike).
             teacher_softcap=options.teacher_logit_softcap if teacher.reads_head else None,
+            student_scale=options.logit_scale,
+            teacher_scale=options.teacher_logit_scale,
+            student_entropy=options.student_entropy,
         )
 
     @staticmethod

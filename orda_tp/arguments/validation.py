@@ -163,11 +163,13 @@ def check_inputs(
     sharded: bool = False,
     row_shards: int = 1,
     vocab_size: int | None = None,
+    bias: object = None,
 ) -> None:
     """Types, shapes and devices of the tensors of a call (no host synchronization). ``sharded``: the
     heads are vocabulary shards, whose column counts the layout handshake compares across ranks.
     ``row_shards``: under sequence parallelism the hidden states hold ``labels.shape[0] / row_shards``
-    rows. ``vocab_size`` (one device): the real vocabulary, at most the head's rows."""
+    rows. ``vocab_size`` (one device): the real vocabulary, at most the head's rows. ``bias``: the
+    head's bias (None: none), one entry per row of ``weight``."""
     hidden = check_floating("student_hidden", student_hidden, dims=2)
     head = check_floating("weight", weight, dims=2)
     rows, width = hidden.shape
@@ -185,6 +187,9 @@ def check_inputs(
     for expected in teacher.expected_shapes(rows, width, label_rows, None if sharded else head.shape[0]):
         check_shape(expected.name, expected.tensor, expected.shape, expected.meaning)
     named = [(f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()]
+    if bias is not None:
+        named.append(("bias", check_floating("bias", bias, dims=1)))
+        check_shape("bias", named[-1][1], (head.shape[0],), "one entry per row of weight")
     check_same_device("student_hidden", hidden.device, [("weight", head), ("labels", labels), *named])
     if vocab_size is not None and vocab_size > head.shape[0]:
         raise ValueError(f"vocab_size must be <= the head's {head.shape[0]} rows, got {vocab_size}")

@@ -10,9 +10,10 @@ from .base import (
     VariantFormulas,
     formulas_of,
 )
-from .registry import DIVERGENCES, KL_VARIANTS, VARIANT_KEYWORDS, get_divergence
+from .registry import ALIASES, DIVERGENCES, KL_VARIANTS, NAMED_VARIANTS, VARIANT_KEYWORDS, get_divergence
 
 __all__ = [
+    "ALIASES",
     "DIVERGENCES",
     "Divergence",
     "DivergenceParams",
@@ -20,6 +21,7 @@ __all__ = [
     "Finalized",
     "KL_VARIANTS",
     "LOG_VOCAB",
+    "NAMED_VARIANTS",
     "RowTargets",
     "VARIANT_KEYWORDS",
     "VariantFormulas",

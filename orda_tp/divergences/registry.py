@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .aliases import GeneralizedJSD
 from .base import Divergence
 from .contrast import DecoupledKD, Triangular
 from .kl_family import CoJeffreys, EntropyAdaptive, Forward, Jeffreys, Mutual, Reverse
@@ -31,6 +32,15 @@ DIVERGENCES: dict[str, Divergence] = {
 
 # The registry's order, in which error messages list the variants.
 KL_VARIANTS: tuple[str, ...] = tuple(DIVERGENCES)
+
+#: Names of kl_divergence that stand for a registered variant with mapped parameters (docs/variants.md).
+ALIASES: dict[str, GeneralizedJSD] = {
+    alias.name: alias
+    for alias in (GeneralizedJSD(DIVERGENCES["forward"], DIVERGENCES["reverse"], DIVERGENCES["skew_js"]),)
+}
+
+#: What kl_divergence may name, in the order error messages list them: the variants, then the aliases.
+NAMED_VARIANTS: dict[str, Divergence | GeneralizedJSD] = {**DIVERGENCES, **ALIASES}
 
 #: The loss keywords the variants read, each once, in the order of the variants that first read them.
 VARIANT_KEYWORDS: tuple[str, ...] = tuple(

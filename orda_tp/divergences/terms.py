@@ -145,8 +145,9 @@ class ZLoss(StudentTerm):
 
 #: The registered terms, in the order of the output components.
 STUDENT_TERMS: tuple[type[StudentTerm], ...] = (CrossEntropy, ZLoss)
-#: A loss's components after ``loss``, in output order: the CEs and the KL, then the other terms.
-COMPONENTS = ("student_ce", "teacher_ce", "kl", *(term.name for term in STUDENT_TERMS[1:]))
+#: A loss's components after ``loss``, in output order: the CEs and the KL, then the other terms, then
+#: the student's entropy (a report of no weight: orda_tp.divergences.entropy).
+COMPONENTS = ("student_ce", "teacher_ce", "kl", *(term.name for term in STUDENT_TERMS[1:]), "student_entropy")
 
 
 @cache

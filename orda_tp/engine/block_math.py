@@ -68,14 +68,15 @@ class BlockMath(Protocol):
         self,
         plan: LossPlan,
         student: Tensor,
-        teacher: TeacherBlock,
+        teacher: TeacherBlock | None,
         labels: Tensor,
         col_start: int,
         lse_u: Tensor,
         lse_v: Tensor,
     ) -> Tensor:
-        """(rows, num_sums) round-2 sums over the block's columns of the variant's column terms of
-        ``log p = s/T_s − LSE(u)``, ``log q = t/T_t − LSE(v)``, ``p`` and ``q``."""
+        """(rows, len(plan.round_two_terms)) round-2 sums over the block's columns of the plan's
+        column terms (the variant's, then the student entropy's) of ``log p = s/T_s − LSE(u)``,
+        ``log q = t/T_t − LSE(v)``, ``p`` and ``q`` (``teacher`` None: no KL term, only the entropy's)."""
         ...
 
     def rows(
@@ -106,8 +107,8 @@ class BlockMath(Protocol):
         (``w_kl_s, w_kl_t = plan.kl_grad_weights``; ``∂D/∂u``, ``∂D/∂v`` the variant's), exactly 0
         on rows whose ``scale`` is 0; a soft-capped side (``s = cap·tanh(z/cap)``) multiplies its
         gradient by ``∂s/∂z = 1 − (s/cap)²``. With
-        ``sums_out`` (``plan.kl_sums_in_gradient_pass``) also add the block's (rows, num_sums)
-        round-2 sums into it, as :meth:`kl_sums` gives them."""
+        ``sums_out`` (``plan.kl_sums_in_gradient_pass``) also add the block's round-2 sums into it,
+        as :meth:`kl_sums` gives them."""
         ...
 
 

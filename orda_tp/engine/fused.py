@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..arguments.plan import LossPlan
-from ..divergences.terms import COMPONENTS, STUDENT_TERMS
+from ..divergences.terms import COMPONENTS
 from .call import Call, RecordExchange
 from .gradient_gemms import (
     GradientBuffers,
@@ -99,7 +99,8 @@ def _walk_groups(
     # The logits source caps the blocks unless the block math does as it reads them.
     assert call.math is not None
     caps = (None, None) if call.math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
-    source = logits_source(head, plan.needs_teacher_logits, plan.tied_head, call.teacher_blocks, caps)
+    scales = (plan.student_scale, plan.teacher_scale)
+    source = logits_source(head, plan.needs_teacher_logits, plan.tied_head, call.teacher_blocks, caps, scales)
     upstream_scale = upstream
     if buffers is not None:
         assert upstream is not None
@@ -141,10 +142,17 @@ def _outputs(call: Call[LossPlan], walked: list[RowStats], like: Tensor) -> tupl
     ignored rows read 0; "sum"/"mean" add the rows (÷ N for "mean")."""
     plan, valid = call.plan, call.valid
 
-    per_chunk = [{**stats.student_terms, "teacher_ce": stats.teacher_ce, "kl": stats.kl} for stats in walked]
+    per_chunk = [
+        {
+            **stats.student_terms,
+            "teacher_ce": stats.teacher_ce,
+            "kl": stats.kl,
+            "student_entropy": stats.student_entropy,
+        }
+        for stats in walked
+    ]
     components = {
-        name: torch.cat([chunk[name] for chunk in per_chunk]) if walked else like.new_zeros(0)
-        for name in (*(term.name for term in STUDENT_TERMS), "teacher_ce", "kl")
+        name: torch.cat([chunk[name] for chunk in per_chunk]) if walked else like.new_zeros(0) for name in COMPONENTS
     }
     weighted = (weight * components[name] for name, weight in plan.component_weights.items())
     per_row = sum(weighted, like.new_zeros(()))
@@ -169,7 +177,7 @@ class _ChunkedContext(FunctionCtx):
     saved_stats: list[RowStats] | None
     gathered_hidden: GatheredHidden | None
     # Annotated here: torch declares saved_tensors on its C base class alone, as a one-element tuple.
-    saved_tensors: tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]
+    saved_tensors: tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None]
 
 
 class _ChunkedDistillation(torch.autograd.Function):
@@ -183,8 +191,10 @@ class _ChunkedDistillation(torch.autograd.Function):
         teacher_hidden: Tensor | None,
         teacher_weight: Tensor | None,
         teacher_logits: Tensor | None,
+        bias: Tensor | None,
+        teacher_bias: Tensor | None,
     ) -> tuple[Tensor, ...]:
-        inputs = HeadTensors(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
+        inputs = HeadTensors(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits, bias, teacher_bias)
         head = inputs if call.exchange is None else _full_rows(call.exchange, inputs)
         statistics = statistics_dtype(*inputs)
         eager = any(needs) and call.plan.reduction != "none"
@@ -217,7 +227,8 @@ class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: _ChunkedContext, grad_loss: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        """Gradients of (student_hidden, weight, teacher_hidden, teacher_weight), in their dtypes."""
+        """Gradients of (student_hidden, weight, teacher_hidden, teacher_weight, bias, teacher_bias), in
+        their dtypes."""
         inputs = HeadTensors(*ctx.saved_tensors)
         call, exchange = ctx.call, ctx.call.exchange
         # Handed over once: a repeated backward (retain_graph=True) recomputes them like the deferred path.
@@ -247,10 +258,11 @@ class _ChunkedDistillation(torch.autograd.Function):
                 # Scaled after the sum over the ranks: every rank backpropagates the same (replicated) loss.
                 scale_by_upstream([grad for grad in buffers if grad is not None], grad_loss)
         # Only an input that is given has a gradient, cast once from its buffer's dtype (fp32 on a shard).
+        tensors = inputs[:4] + inputs[5:]  # the teacher's logits (a cache) have none
         grads = [
-            None if grad is None or tensor is None else grad.to(tensor.dtype) for grad, tensor in zip(buffers, inputs)
+            None if grad is None or tensor is None else grad.to(tensor.dtype) for grad, tensor in zip(buffers, tensors)
         ]
-        return (None, None, *grads, None)
+        return (None, None, *grads[:4], None, *grads[4:])
 
 
 def chunked_loss(
@@ -260,21 +272,25 @@ def chunked_loss(
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
+    bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """``(loss, *COMPONENTS)`` reduced as the plan says; only ``loss`` is differentiable. An input
     receives a gradient when grad mode is on, it requires grad and the plan routes a gradient to it
-    (a tied teacher's head gradient goes to the student's weight)."""
+    (a tied teacher's head gradient goes to the student's weight and bias)."""
     plan, grad_on = call.plan, torch.is_grad_enabled()
     to_student, to_teacher = plan.student_receives_grad, plan.teacher_receives_grad
-    requires = [
-        grad_on and t is not None and t.requires_grad for t in (student_hidden, weight, teacher_hidden, teacher_weight)
-    ]
+    heads = (student_hidden, weight, teacher_hidden, teacher_weight, bias, teacher_bias)
+    requires = [grad_on and t is not None and t.requires_grad for t in heads]
+    to_head = to_student or (plan.tied_head and to_teacher)
     needs = GradNeeds(
         student_hidden=requires[0] and to_student,
-        weight=requires[1] and (to_student or (plan.tied_head and to_teacher)),
+        weight=requires[1] and to_head,
         teacher_hidden=requires[2] and to_teacher,
         teacher_weight=requires[3] and to_teacher,
+        bias=requires[4] and to_head,
+        teacher_bias=requires[5] and to_teacher,
     )
     return _ChunkedDistillation.apply(
-        call, needs, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits
+        call, needs, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits, bias, teacher_bias
     )

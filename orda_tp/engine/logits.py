@@ -125,17 +125,30 @@ class StoredLogits:
         return stored_logits_block(self.logits, begin, end, start, stop, dtype, as_stored)
 
 
+def biased_and_scaled(logits: Tensor, bias: Tensor | None, scale: float, start: int, stop: int) -> Tensor:
+    """``(logits + bias[start:stop])·scale`` in place (a GEMM's fresh output): the bias added in the
+    statistics dtype, then the scale, TRL's rounding order; ``logits`` when there is neither."""
+    if bias is not None:
+        logits.add_(bias.detach()[start:stop].to(logits.dtype))
+    return logits if scale == 1.0 else logits.mul_(scale)
+
+
 @dataclass(frozen=True)
 class HeadLogits:
-    """Logits ``hidden · weightᵀ`` formed block by block: ``hidden`` (rows, D), ``weight`` (local
-    columns, D); soft-capped by ``cap`` when given."""
+    """Logits ``cap(scale·(hidden · weightᵀ + bias))`` formed block by block: ``hidden`` (rows, D),
+    ``weight`` (local columns, D), ``bias`` (local columns,) or None; soft-capped by ``cap`` when
+    given (``scale`` and ``cap``: the side's logit scale and soft-cap)."""
 
     hidden: Tensor
     weight: Tensor
     cap: float | None = None
+    bias: Tensor | None = None
+    scale: float = 1.0
 
     def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
         logits = logits_mm(self.hidden.detach()[begin:end], self.weight.detach()[start:stop], dtype)
+        if self.bias is not None or self.scale != 1.0:
+            logits = biased_and_scaled(logits, self.bias, self.scale, start, stop)
         return logits if self.cap is None else softcapped(logits, self.cap)
 
 
@@ -163,14 +176,17 @@ class PairedLogits:
 
 @dataclass(frozen=True)
 class TiedLogits:
-    """Student and teacher rows through one head ``weight``: per chunk the rows are stacked once,
-    and per block one GEMM ``[h_s; h_t] · weight_blockᵀ`` gives both sides' logits."""
+    """Student and teacher rows through one head ``weight`` (and ``bias``, one ``scale``): per chunk
+    the rows are stacked once, and per block one GEMM ``[h_s; h_t] · weight_blockᵀ`` gives both
+    sides' logits."""
 
     student_hidden: Tensor
     teacher_hidden: Tensor
     weight: Tensor
     student_cap: float | None = None
     teacher_cap: float | None = None
+    bias: Tensor | None = None
+    scale: float = 1.0
 
     def blocks(
         self, begin: int, end: int, columns: Sequence[ColumnRange], dtype: torch.dtype, as_stored: bool
@@ -181,6 +197,8 @@ class TiedLogits:
         blocks = []
         for start, stop in columns:
             both = logits_mm(stacked, self.weight.detach()[start:stop], dtype)
+            if self.bias is not None or self.scale != 1.0:  # both sides at once
+                both = biased_and_scaled(both, self.bias, self.scale, start, stop)
             student, teacher = both[:rows], both[rows:]
             if self.student_cap is not None or self.teacher_cap is not None:
                 student, teacher = softcapped(student, self.student_cap), softcapped(teacher, self.teacher_cap)
@@ -191,13 +209,16 @@ class TiedLogits:
 class HeadTensors(NamedTuple):
     """The fused path's differentiable tensors: ``weight`` (V_local, H) is the student head; the
     teacher reads ``teacher_weight`` when set, ``weight`` when tied (neither ``teacher_weight`` nor
-    ``teacher_logits``), or ``teacher_logits`` (a cache, (BT, V_local))."""
+    ``teacher_logits``), or ``teacher_logits`` (a cache, (BT, V_local)). ``bias`` and
+    ``teacher_bias`` (V_local,): the heads' biases, or None (a tied teacher reads ``bias``)."""
 
     student_hidden: Tensor
     weight: Tensor
     teacher_hidden: Tensor | None
     teacher_weight: Tensor | None
     teacher_logits: Tensor | None
+    bias: Tensor | None = None
+    teacher_bias: Tensor | None = None
 
 
 def logits_source(
@@ -206,21 +227,25 @@ def logits_source(
     tied: bool,
     teacher_blocks: TeacherBlocks | None = None,
     caps: tuple[float | None, float | None] = (None, None),
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> LogitsSource:
-    """The student's logits ``h_s·Wᵀ`` and, ``with_teacher``, the teacher's: through the same GEMM
-    as the student's where the head is ``tied`` (``LossPlan.tied_head``), the blocks it forms
-    itself (``teacher_blocks``, a top-k cache), from the cache, or ``h_t·W_tᵀ``; a head's logits
-    soft-capped by ``caps`` (student, teacher)."""
+    """The student's logits ``h_s·Wᵀ + b`` and, ``with_teacher``, the teacher's: through the same
+    GEMM as the student's where the head is ``tied`` (``LossPlan.tied_head``), the blocks it forms
+    itself (``teacher_blocks``, a top-k cache), from the cache, or ``h_t·W_tᵀ + b_t``; a head's
+    logits scaled by ``scales`` and soft-capped by ``caps`` (student, teacher)."""
     student_cap, teacher_cap = caps
-    student = HeadLogits(head.student_hidden, head.weight, student_cap)
+    student = HeadLogits(head.student_hidden, head.weight, student_cap, head.bias, scales[0])
     if not with_teacher:
         return PairedLogits(student, None)
-    if tied:
+    if tied:  # the plan holds a tied head's two scales equal
         assert head.teacher_hidden is not None
-        return TiedLogits(head.student_hidden, head.teacher_hidden, head.weight, student_cap, teacher_cap)
+        return TiedLogits(
+            head.student_hidden, head.teacher_hidden, head.weight, student_cap, teacher_cap, head.bias, scales[0]
+        )
     if teacher_blocks is not None:
         return PairedLogits(student, teacher_blocks)
     if head.teacher_logits is not None:
         return PairedLogits(student, StoredLogits(head.teacher_logits))
     assert head.teacher_hidden is not None and head.teacher_weight is not None
-    return PairedLogits(student, HeadLogits(head.teacher_hidden, head.teacher_weight, teacher_cap))
+    teacher = HeadLogits(head.teacher_hidden, head.teacher_weight, teacher_cap, head.teacher_bias, scales[1])
+    return PairedLogits(student, teacher)

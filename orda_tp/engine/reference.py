@@ -13,7 +13,6 @@ from torch import Tensor
 from ..arguments.plan import LossPlan
 from ..divergences import LOG_VOCAB, DivergenceParams, EntropyGate
 from ..divergences.terms import COMPONENTS, STUDENT_TERMS
-from ..teachers.source import TeacherBlocks
 from .call import Call
 from .logits import statistics_dtype
 
@@ -114,25 +113,33 @@ def _entropy_adaptive(forward: Tensor, reverse: Tensor, q: Tensor, logq: Tensor,
     return _where_zero(gamma == 0, gamma * forward) + _where_zero(gamma == 1, (1 - gamma) * reverse)
 
 
+def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, scale: float, dtype: torch.dtype) -> Tensor:
+    """``scale·(hidden·weightᵀ + bias)`` in ``dtype`` (autograd differentiates it)."""
+    logits = hidden.to(dtype) @ weight.to(dtype).T
+    logits = logits if bias is None else logits + bias.to(dtype)
+    return logits if scale == 1.0 else logits * scale
+
+
 def _teacher_logits(
-    rows: int,
+    call: Call[LossPlan],
     dtype: torch.dtype,
-    weight: Tensor,
+    student_head: tuple[Tensor, Tensor | None],
     teacher_hidden: Tensor | None,
-    teacher_weight: Tensor | None,
+    teacher_head: tuple[Tensor | None, Tensor | None],
     teacher_logits: Tensor | None,
-    teacher_blocks: TeacherBlocks | None,
 ) -> Tensor:
-    """The teacher's full logits over the head's (real) columns."""
-    if teacher_blocks is not None:
-        formed = teacher_blocks.block(0, rows, 0, weight.shape[0], dtype, False)
+    """The teacher's full logits over the head's (real) columns, before its cap; ``student_head``
+    and ``teacher_head``: each head's ``(weight, bias)`` (a tied teacher's is the student's)."""
+    if call.teacher_blocks is not None:
+        formed = call.teacher_blocks.block(0, call.labels.shape[0], 0, student_head[0].shape[0], dtype, False)
         assert isinstance(formed, Tensor)  # formed in ``dtype``, not as stored
         return formed
     if teacher_logits is not None:
-        return teacher_logits.to(dtype)  # a cache is taken as already capped
+        return teacher_logits.to(dtype)  # a cache is taken as already capped and scaled
     assert teacher_hidden is not None
-    head = weight if teacher_weight is None else teacher_weight
-    return teacher_hidden.to(dtype) @ head.to(dtype).T
+    weight, bias = student_head if teacher_head[0] is None else teacher_head
+    assert weight is not None
+    return _head_logits(teacher_hidden, weight, bias, call.plan.teacher_scale, dtype)
 
 
 def _capped(logits: Tensor, cap: float | None) -> Tensor:
@@ -152,29 +159,34 @@ def reference_loss(
     teacher_hidden: Tensor | None,
     teacher_weight: Tensor | None,
     teacher_logits: Tensor | None,
+    bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
-    """``(loss, student_ce, teacher_ce, kl, *the other student terms)`` on full logits, with
-    autograd gradients: the student's terms from their oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`).
-    Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each row's
-    values are multiplied by its ``token_weights``."""
-    plan, labels, valid, teacher_blocks = call.plan, call.labels, call.valid, call.teacher_blocks
-    dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits)
+    """``(loss, student_ce, teacher_ce, kl, *the other student terms, student_entropy)`` on full
+    logits ``cap(scale·(h·Wᵀ + b))`` per side, with autograd gradients: the student's terms from
+    their oracles (:meth:`orda_tp.divergences.terms.StudentTerm.oracle`), the entropy a detached
+    report. Only the first ``vocab_size`` columns are read (the rest is vocabulary padding); each
+    row's values are multiplied by its ``token_weights``."""
+    plan, labels, valid = call.plan, call.labels, call.valid
+    dtype = statistics_dtype(student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits, bias, teacher_bias)
     vocab_size = call.layout.vocab_size
-    weight = weight[:vocab_size]
+    weight, bias = weight[:vocab_size], None if bias is None else bias[:vocab_size]
     teacher_weight = None if teacher_weight is None else teacher_weight[:vocab_size]
+    teacher_bias = None if teacher_bias is None else teacher_bias[:vocab_size]
     teacher_logits = None if teacher_logits is None else teacher_logits[:, :vocab_size]
     in_range = (labels >= 0) & (labels < weight.shape[0])
     # Ignored and out-of-range rows gather column 0, never an invalid index; below, they read 0 and NaN.
     safe_labels = torch.where(valid & in_range, labels, torch.zeros_like(labels))
-    student = _capped(student_hidden.to(dtype) @ weight.to(dtype).T, plan.student_softcap)
+    student = _capped(_head_logits(student_hidden, weight, bias, plan.student_scale, dtype), plan.student_softcap)
     zeros = torch.zeros(labels.shape[0], dtype=dtype, device=labels.device)
     teacher_ce = kl = zeros
+    entropy = _student_entropy(student, plan.student_temperature) if plan.student_entropy else zeros
     terms = {term.name: zeros for term in STUDENT_TERMS}
     for term in plan.student_terms:
         terms[term.name] = term.oracle(student, safe_labels, plan.term_scalars)
     if plan.needs_teacher_logits:
         teacher = _teacher_logits(
-            labels.shape[0], dtype, weight, teacher_hidden, teacher_weight, teacher_logits, teacher_blocks
+            call, dtype, (weight, bias), teacher_hidden, (teacher_weight, teacher_bias), teacher_logits
         )
         teacher = _capped(teacher, plan.teacher_softcap)  # None for a cache (the plan refuses it)
         if not plan.teacher_receives_grad:
@@ -187,7 +199,7 @@ def reference_loss(
             teacher_ce = _where_zero(absent, ce)
         if plan.computes_kl:
             kl = _reference_kl(plan, student, teacher, safe_labels, absent)
-    components = {**terms, "teacher_ce": teacher_ce, "kl": kl}
+    components = {**terms, "teacher_ce": teacher_ce, "kl": kl, "student_entropy": entropy}
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
     nan = torch.full_like(zeros, float("nan"))
     components = {name: torch.where(valid, torch.where(in_range, v, nan), zeros) for name, v in components.items()}
@@ -200,6 +212,13 @@ def reference_loss(
         if plan.reduction == "mean":
             outputs = [total / call.denominator for total in outputs]
     return tuple(outputs)
+
+
+def _student_entropy(student: Tensor, temperature: float) -> Tensor:
+    """``H(p) = −Σ p log p`` per row, ``p = softmax(student/T_s)`` (``0·log 0 = 0``), detached: a report."""
+    logp = torch.log_softmax(student.detach() / temperature, -1)
+    p = logp.exp()
+    return -_where_zero(p == 0, p * logp).sum(-1)
 
 
 def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tensor, absent: Tensor) -> Tensor:

@@ -63,9 +63,10 @@ def _term_values(terms: tuple[StudentTerm, ...], lse: Expr) -> dict[str, Expr]:
 def partition_step(key: StepKey) -> RowProgram:
     """Round 1's per-row values from the merged record's columns (:func:`.records.packed_columns`):
     ``lse0 … lse{F−1}`` (``LSE_f = m_f + log z_f``) first, ``owned``, ``absent``, each registered
-    student term's value, ``teacher_ce`` and, with a KL term, ``lse_u``, ``lse_v`` (0 on absent
-    rows), ``logp_y``, ``logq_y`` and ``present`` (the teacher not absent, and no ``UNSUPPORTED``
-    column where round 1 counts them), else ``kl``; each loss component NaN on unowned rows."""
+    student term's value, ``teacher_ce``, ``student_entropy`` (0: round 2 adds its sum), ``lse_u``
+    with a KL term or the entropy, and with a KL term ``lse_v`` (0 on absent rows), ``logp_y``,
+    ``logq_y`` and ``present`` (the teacher not absent, and no ``UNSUPPORTED`` column where round 1
+    counts them), else ``kl``; each loss component NaN on unowned rows."""
     count = key.num_families
     lse = []
     for f in range(count):
@@ -87,13 +88,14 @@ def partition_step(key: StepKey) -> RowProgram:
     if key.ce_teacher is not None:
         assert absent is not None
         outputs["teacher_ce"] = where(absent, 0.0, lse[key.ce_teacher] - row("t_y")) + nan_elsewhere
-    if key.kl_student is not None:
-        assert absent is not None and key.kl_teacher is not None
-        lse_u = lse[key.kl_student]
+    outputs["student_entropy"] = nan_elsewhere
+    if key.kl_student is not None:  # the KL's student family, or the entropy's
+        outputs["lse_u"] = lse[key.kl_student]
+    if key.kl_teacher is not None:
+        assert absent is not None
         # An absent teacher's LSE is −inf: 0 keeps its log q = −inf, not −inf − (−inf) = NaN.
-        lse_v = where(absent, 0.0, lse[key.kl_teacher])
-        outputs["lse_u"], outputs["lse_v"] = lse_u, lse_v
-        outputs["logp_y"] = row("s_y") / row("t_s") - lse_u
+        outputs["lse_v"] = lse_v = where(absent, 0.0, lse[key.kl_teacher])
+        outputs["logp_y"] = row("s_y") / row("t_s") - outputs["lse_u"]
         outputs["logq_y"] = row("t_y") / row("t_t") - lse_v
         present = where(absent, 0.0, 1.0)
         if key.unsupported_sum is not None:
@@ -148,7 +150,7 @@ def grad_step(key: StepKey) -> RowProgram:
             lse_t=where(absent, 0.0, row(f"lse{key.ce_teacher}")), c_ce_t=where(absent, 0.0, row("w_t") * scale)
         )
     # The KL's row statistics and the variant's constants, passed through as they are.
-    passed = ["lse_u", "lse_v", "keep", *key.variant_constants] if key.kl_student is not None else []
+    passed = ["lse_u", "lse_v", "keep", *key.variant_constants] if key.kl_teacher is not None else []
     passed = [name for name in dict.fromkeys(passed) if name not in formulas]
     formulas.update({name: row(name) for name in passed})
     outputs = {name: formulas[name] for name in GRAD_ROW_CONSTANTS if name in formulas}

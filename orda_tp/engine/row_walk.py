@@ -1,8 +1,8 @@
 """The row walk of the fused and the logits-level losses: rows in chunks, columns in blocks, never
-a (rows, V) tensor. Per chunk: its logits blocks, round 1 and the partition step, round 2 and the
-finish step (KL only), and with a :class:`GradTarget` the grad step and the logit gradients
-(docs/architecture.md, "The record/merge protocol"). It knows neither the variant, nor the number
-of ranks, nor what the gradients feed.
+a (rows, V) tensor. Per chunk: its logits blocks, round 1 and the partition step, round 2 (KL term
+and student entropy) and the finish step (KL only), and with a :class:`GradTarget` the grad step
+and the logit gradients (docs/architecture.md, "The record/merge protocol"). It knows neither the
+variant, nor the number of ranks, nor what the gradients feed.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ ChunkTarget = tuple[GradTarget, int, int]  # a gradient target and the batch row
 def chunk_row_stats(
     call: Call[LossPlan], blocks: Sequence[LogitsBlock], labels: Tensor, like: Tensor, target: ChunkTarget | None = None
 ) -> RowStats:
-    """Round 1 (and, with a KL term, round 2) of a chunk from its column blocks (no blocks: this
-    device holds only vocabulary padding), and with ``target`` the chunk's logit gradients.
+    """Round 1 (and, with a KL term or the entropy, round 2) of a chunk from its column blocks (no
+    blocks: this device holds only vocabulary padding), and with ``target`` the chunk's logit gradients.
     ``labels``: the chunk's (rows,) labels; ``like``: any tensor of the statistics dtype and device."""
     plan, math, exchange = call.plan, call.math, call.exchange
     assert math is not None
@@ -113,17 +113,18 @@ def chunk_row_stats(
     outputs = dict(zip(step.outputs, partition.unbind(1)))
     num_families = plan.step_key.num_families
     statistics = {**{f"lse{f}": partition[:, f] for f in range(num_families)}, **outputs}
-    kl, kl_stats, kl_sums = outputs.get("kl"), None, None
+    kl, kl_stats, kl_sums, entropy = outputs.get("kl"), None, None, outputs["student_entropy"]
     in_gradient_pass = target is not None and plan.kl_sums_in_gradient_pass
     if in_gradient_pass:
         # Round 2 summed by the gradient pass, one read of the logits fewer: the gradient reads
         # the KL's keep from round 1 (present), which is the finish step's where D cannot be +inf.
-        assert target is not None and plan.divergence is not None
+        assert target is not None
         # −0.0, the identity of addition: the first block's sums are added exactly as they come.
-        kl_sums = like.new_full((labels.shape[0], plan.divergence.num_sums), -0.0)
+        kl_sums = like.new_full((labels.shape[0], len(plan.round_two_terms)), -0.0)
         stage_grads(call, blocks, labels, {**statistics, "keep": outputs["present"]}, target, like, kl_sums)
-    if plan.computes_kl:
-        kl, kl_stats = _kl_round(call, blocks, labels, outputs, like, kl_sums)
+    if plan.round_two_terms:
+        kl, kl_stats, entropy = _kl_round(call, blocks, labels, outputs, like, kl_sums)
+    if kl_stats is not None:
         statistics.update(keep=kl_stats.keep, **kl_stats.consts)
     if target is not None and not in_gradient_pass:
         # After round 2, where there is one: the gradient reads the finish step's keep and the variant's constants.
@@ -136,6 +137,7 @@ def chunk_row_stats(
         student_terms={term.name: outputs[term.name] for term in STUDENT_TERMS},
         teacher_ce=outputs["teacher_ce"],
         kl=kl,
+        student_entropy=entropy,
         kl_stats=kl_stats,
     )
 
@@ -147,30 +149,39 @@ def _kl_round(
     partition: dict[str, Tensor],
     like: Tensor,
     local_sums: Tensor | None = None,
-) -> tuple[Tensor, KLRowStats]:
-    """Round 2 and the finish step, from the partition step's outputs ``partition``: the rows' KL
-    component ``T_s²·max(D, 0)`` and the KL term's statistics; ``local_sums``: this device's
-    round-2 sums, when the gradient pass summed them."""
+) -> tuple[Tensor, KLRowStats | None, Tensor]:
+    """Round 2 (the sums of ``plan.round_two_terms``) and, with a KL term, the finish step, from the
+    partition step's outputs ``partition``: the rows' KL component ``T_s²·max(D, 0)`` (the
+    partition's without a KL term), the KL term's statistics (None without one) and the student's
+    entropy (the partition's 0/NaN, plus the last sum where it is reported); ``local_sums``: this
+    device's round-2 sums, when the gradient pass summed them."""
     plan, math = call.plan, call.math
     assert math is not None
-    divergence = plan.divergence
-    assert divergence is not None
-    lse_u, lse_v = partition["lse_u"], partition["lse_v"]
+    lse_u = partition["lse_u"]
+    # Without a KL term no term reads the teacher (nor LSE(v): lse_u stands in), even where the blocks hold it.
+    lse_v, with_teacher = partition.get("lse_v", lse_u), plan.computes_kl
     vocab_start = call.layout.vocab_start
     sums = local_sums
     if sums is None:
         partial_sums = [
-            math.kl_sums(plan, block.student, block.teacher, labels, vocab_start + block.start, lse_u, lse_v)
-            for block in blocks
-            if block.teacher is not None
+            math.kl_sums(
+                plan, b.student, b.teacher if with_teacher else None, labels, vocab_start + b.start, lse_u, lse_v
+            )
+            for b in blocks
         ]
-        sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], divergence.num_sums)
+        sums = partial_sums[0] if partial_sums else like.new_zeros(labels.shape[0], len(plan.round_two_terms))
         for partial in partial_sums[1:]:  # block after block, in column order: the same bits every run
             sums = sums + partial
     if call.exchange is not None:
-        sums = call.exchange.sum_over_shards(sums)
+        sums = call.exchange.sum_over_shards(sums)  # every column, the entropy's too: sums over the vocabulary
+    # H(p) = Σ −p·log p: the last column where reported, added to the partition's 0 (NaN on unowned rows).
+    entropy = partition["student_entropy"] + sums[:, -1] if plan.student_entropy else partition["student_entropy"]
+    divergence = plan.divergence
+    if not plan.computes_kl or divergence is None:
+        return partition["kl"], None, entropy
     targets = RowTargets(logp_y=partition["logp_y"], logq_y=partition["logq_y"])
-    finalized = divergence.finalize(sums, targets, plan.params)
+    # The variant's own sums, the first num_sums columns: the entropy's, after them, is not its input.
+    finalized = divergence.finalize(sums[:, : divergence.num_sums], targets, plan.params)
     finish = finish_step()
     values = {"value": finalized.value, "absent": partition["absent"], "owned": partition["owned"]}
     finished = math.rows(finish, values, {"t_s_squared": plan.student_temperature**2}, like)
@@ -184,7 +195,7 @@ def _kl_round(
         keep=outputs["keep"],
         consts=finalized.consts,
     )
-    return outputs["kl"], kl_stats
+    return outputs["kl"], kl_stats, entropy
 
 
 def stage_grads(

@@ -37,8 +37,9 @@ class RowStats:
     ``owned``: exactly one column owns the row's label; ``absent``: the teacher's logits are all
     ``−inf`` (None without teacher logits); ``student_terms``: each registered student term's
     unweighted value by its name (0 for a term the call does not have); ``teacher_ce``, ``kl``
-    (with ``T_s²``): the teacher's loss components; each component NaN on rows whose label no
-    column owns; ``kl_stats``: None without a KL term.
+    (with ``T_s²``): the teacher's loss components; ``student_entropy``: ``H(p)`` at ``T_s`` (0
+    where not reported); each component NaN on rows whose label no column owns; ``kl_stats``: None
+    without a KL term.
     """
 
     log_partitions: Tensor
@@ -47,6 +48,7 @@ class RowStats:
     student_terms: Mapping[str, Tensor]
     teacher_ce: Tensor
     kl: Tensor
+    student_entropy: Tensor
     kl_stats: KLRowStats | None
 
     @property

@@ -81,13 +81,15 @@ def _evaluate(
 
 
 def _block_symbols(
-    plan: LossPlan, student: Tensor, teacher: Tensor, lse_u: Tensor, lse_v: Tensor, is_target: Tensor | None
+    plan: LossPlan, student: Tensor, teacher: Tensor | None, lse_u: Tensor, lse_v: Tensor, is_target: Tensor | None
 ) -> dict[str, Tensor | None]:
-    """The column symbols of a block: normalized ``log p``, ``log q``, ``p``, ``q``, and the label
-    mask ``is_target`` (None for a variant that does not read it)."""
+    """The column symbols of a block: normalized ``log p``, ``log q``, ``p``, ``q`` (``log q``,
+    ``q`` None without a teacher), and the label mask ``is_target`` (None for a variant that does
+    not read it)."""
     logp = student / plan.student_temperature - lse_u[:, None]
-    logq = teacher / plan.teacher_temperature - lse_v[:, None]
-    return {"logp": logp, "logq": logq, "p": torch.exp(logp), "q": torch.exp(logq), "is_target": is_target}
+    logq = None if teacher is None else teacher / plan.teacher_temperature - lse_v[:, None]
+    q = None if logq is None else torch.exp(logq)
+    return {"logp": logp, "logq": logq, "p": torch.exp(logp), "q": q, "is_target": is_target}
 
 
 def evaluate(
@@ -176,20 +178,19 @@ class TorchBlockMath:
         self,
         plan: LossPlan,
         student: Tensor,
-        teacher: TeacherBlock,
+        teacher: TeacherBlock | None,
         labels: Tensor,
         col_start: int,
         lse_u: Tensor,
         lse_v: Tensor,
     ) -> Tensor:
-        """(rows, num_sums) column sums of the variant's terms over the block."""
+        """(rows, len(plan.round_two_terms)) column sums of the plan's round-2 terms over the block."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
-        assert plan.divergence is not None and plan.formulas is not None
         is_target = None
-        if plan.divergence.needs_target:
+        if plan.computes_kl and plan.divergence is not None and plan.divergence.needs_target:
             is_target = torch.arange(student.shape[1], device=student.device)[None, :] == (labels - col_start)[:, None]
         symbols = _block_symbols(plan, student, teacher, lse_u, lse_v, is_target)
-        return torch.stack([value.sum(1) for value in evaluate(plan.formulas.column_terms, symbols, {})], dim=1)
+        return torch.stack([value.sum(1) for value in evaluate(plan.round_two_terms, symbols, {})], dim=1)
 
     def stage_logit_grads(
         self,
@@ -227,7 +228,7 @@ class TorchBlockMath:
             keep, consts = rows.keep[:, None] > 0, dict(rows.consts)
             target = is_target if divergence.needs_target else None
             symbols = _block_symbols(plan, student, teacher, rows.lse_u, rows.lse_v, target)
-            sum_terms = formulas.column_terms if sums_out is not None else ()
+            sum_terms = plan.round_two_terms if sums_out is not None else ()
             student_kl, *column_terms = evaluate([formulas.student_grad, *sum_terms], symbols, consts)
             # A where, not keep·∂D: on a row not kept ∂D may be inf or NaN, and 0·inf is NaN.
             student_grad += (w_kl_s * row_scale)[:, None] * torch.where(keep, student_kl, 0.0)

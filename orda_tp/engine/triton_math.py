@@ -168,14 +168,14 @@ class TritonBlockMath:
         return TopKRows(values, ids, log_sum)
 
     def kl_sums(
-        self, plan: LossPlan, student: Tensor, teacher: TeacherBlock, labels: Tensor, col_start: int, lse_u: Tensor,
-        lse_v: Tensor,
+        self, plan: LossPlan, student: Tensor, teacher: TeacherBlock | None, labels: Tensor, col_start: int,
+        lse_u: Tensor, lse_v: Tensor,
     ) -> Tensor:  # fmt: skip
         """The protocol's round-2 sums of a block; ``lse_u``, ``lse_v``: fp32 (rows,), any stride."""
-        divergence = plan.divergence
-        assert divergence is not None
         rows, cols = student.shape
-        terms = variant_terms.column_terms(divergence, plan.params)
+        # The plan's round_two_terms: the variant's (with a KL term), then the entropy's (reported).
+        divergence = plan.divergence if plan.computes_kl else None
+        terms = variant_terms.column_terms(divergence, plan.params, plan.student_entropy)
         chosen, launch, per_split = _tiles_and_grid("sums", student)
         out = torch.empty(launch[1], rows, terms.outputs, dtype=torch.float32, device=student.device)
         cap_values, capped = _caps((plan.student_softcap, plan.teacher_softcap))
@@ -186,7 +186,7 @@ class TritonBlockMath:
             (1.0 / plan.student_temperature, 1.0 / plan.teacher_temperature),
             COLUMN_TERMS=terms.function,
             NUM_SUMS=terms.outputs,
-            HAS_T=True,
+            HAS_T=teacher is not None,
             SPARSE=is_sparse,
             CAPPED=capped,
             BLOCK_R=chosen.block_r,
@@ -228,7 +228,8 @@ class TritonBlockMath:
         divergence = plan.divergence
         student_grad = variant_terms.kl_grad(divergence, plan.params, "student").function if student_kl else None
         teacher_grad = variant_terms.kl_grad(divergence, plan.params, "teacher").function if teacher_kl else None
-        terms = variant_terms.column_terms(divergence, plan.params) if sums_out is not None and divergence else None
+        with_sums = sums_out is not None and divergence is not None  # the gradient pass sums round 2 (a KL term)
+        terms = variant_terms.column_terms(divergence, plan.params, plan.student_entropy) if with_sums else None
         other, stride_t, sparse, is_sparse = _teacher_operand(teacher, student)
         # Without a teacher gradient, a stand-in pointer that the kernel never writes (no teacher term compiled).
         out_t = out.student if out.teacher is None else out.teacher

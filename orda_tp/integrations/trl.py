@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor
 from orda_tp.loss import distillation_loss
 from orda_tp.teachers import SeparateTeacher
 
+from .fsdp_rows import local_heads, rows_gathered_loss, sharded_heads
+
 # OrdaDistillationTrainer is public too, built by __getattr__ on first use.
 __all__ = ["chunked_divergence_loss", "orda_divergence_loss"]
 
@@ -77,7 +79,10 @@ def chunked_divergence_loss(
     at ``temperature`` summed over those positions (detached); their count (int64, 0-d). Gradients
     reach the student's hidden states, head weight and bias; the teacher's tensors get none.
 
-    Heads given as DTensors sharded on the vocabulary are used shard by shard (no gather). Under
+    Heads given as DTensors sharded on the vocabulary are used shard by shard (no gather). A head
+    that FSDP2 holds sharded over data parallelism (its own ``fully_shard`` unit, read in the
+    student's forward) is too: the ranks' rows are gathered instead, each rank's loss stays its own
+    batch's, and the shard's gradient is FSDP2's mean over the ranks (:mod:`.fsdp_rows`). Under
     autocast the GEMMs run in autocast's dtype, as TRL's do.
     """
     valid = completion_mask.reshape(-1) != 0
@@ -90,10 +95,24 @@ def chunked_divergence_loss(
         student, teacher, valid = student.index_select(0, rows), teacher.index_select(0, rows), valid[rows]
     # Every position gets a label: the student CE, the one term that reads it, has weight 0.
     labels = torch.where(valid, 0, IGNORE_INDEX)
-    student_weight, teacher_weight = student_lm_head_weight, teacher_lm_head_weight
     compute_dtype = _autocast_dtype(student.device)
     if compute_dtype is not None:  # TRL's GEMMs run in autocast's dtype; orda_tp's in its inputs'
         student, teacher = student.to(compute_dtype), teacher.to(compute_dtype)
+    keywords = _divergence_keywords(
+        beta, temperature, (student_logit_scale, teacher_logit_scale),
+        (student_final_logit_softcapping, teacher_final_logit_softcapping),
+    )  # fmt: skip
+    denominator = _denominator(n_valid, num_items_in_batch, student.device)
+    # Before any cast: FSDP2's sharded parameters are recognized as themselves.
+    heads = sharded_heads(student_lm_head_weight, teacher_lm_head_weight)
+    if heads is not None:  # a head sharded over data parallelism: each rank reads its rows, of every rank's batch
+        local = local_heads(
+            heads, student_lm_head_weight, student_lm_head_bias, teacher_lm_head_weight, teacher_lm_head_bias
+        ).with_weights_in(compute_dtype)
+        output = rows_gathered_loss(student, labels, teacher, heads, local, denominator, **keywords)
+        return output.loss, output.student_entropy, n_valid
+    student_weight, teacher_weight = student_lm_head_weight, teacher_lm_head_weight
+    if compute_dtype is not None:
         student_weight, teacher_weight = student_weight.to(compute_dtype), teacher_weight.to(compute_dtype)
     output = distillation_loss(
         student,
@@ -101,22 +120,32 @@ def chunked_divergence_loss(
         labels,
         SeparateTeacher(teacher, teacher_weight, bias=teacher_lm_head_bias),
         bias=student_lm_head_bias,
-        student_ce_weight=0.0,
-        teacher_ce_weight=0.0,
-        # orda_tp's KL term is T²·D; TRL's loss is D.
-        kl_weight=1.0 / temperature**2,
-        kl_temperature=temperature,
-        kl_divergence="generalized_jsd",
-        kl_beta=beta,
-        logit_scale=student_logit_scale,
-        teacher_logit_scale=teacher_logit_scale,
-        logit_softcap=student_final_logit_softcapping,
-        teacher_logit_softcap=teacher_final_logit_softcapping,
-        student_entropy=True,
         reduction="sum",
+        **keywords,
     )
-    loss = output.loss / _denominator(n_valid, num_items_in_batch, output.loss.device)
-    return loss, output.student_entropy, n_valid
+    return output.loss / denominator, output.student_entropy, n_valid
+
+
+def _divergence_keywords(
+    beta: float, temperature: float, scales: tuple[float, float], caps: tuple[float | None, float | None]
+) -> dict[str, Any]:
+    """:func:`orda_tp.distillation_loss`'s keywords for TRL's divergence (all but the reduction):
+    JSD(β) at ``temperature`` between the student's and the teacher's logits, each side scaled by
+    its ``scales`` entry and soft-capped by its ``caps`` entry, and the student's entropy."""
+    return {
+        "student_ce_weight": 0.0,
+        "teacher_ce_weight": 0.0,
+        # orda_tp's KL term is T²·D; TRL's loss is D.
+        "kl_weight": 1.0 / temperature**2,
+        "kl_temperature": temperature,
+        "kl_divergence": "generalized_jsd",
+        "kl_beta": beta,
+        "logit_scale": scales[0],
+        "teacher_logit_scale": scales[1],
+        "logit_softcap": caps[0],
+        "teacher_logit_softcap": caps[1],
+        "student_entropy": True,
+    }
 
 
 def _trl_module() -> ModuleType:

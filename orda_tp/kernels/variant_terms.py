@@ -2,7 +2,8 @@
 ``@triton.jit`` functions compiled from the expression trees (:mod:`.expr_compiler`), each passed
 to a kernel as a ``tl.constexpr`` argument and run from its text in memory (:mod:`.cache`):
 
-- ``<variant>_column_terms(logp, logq, p, q, is_target)``: the variant's column terms, a tuple;
+- ``<variant>_column_terms(logp, logq, p, q, is_target)``: the column terms of round 2, a tuple:
+  the variant's, then the student entropy's where it is reported (``<variant>_entropy_…``);
 - ``<variant>_student_grad(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS)``: ``∂D/∂u``, and
   ``<variant>_teacher_grad``: ``∂D/∂v``; a row constant read from ``rowc`` at its position in
   the names ``ROW_CONSTANTS``;
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from ..divergences import Divergence, DivergenceParams
+from ..divergences import Divergence, DivergenceParams, formulas_of
+from ..divergences.entropy import round_two_terms
 from ..divergences.expr import Expr
 from .cache import load_generated_module
 from .expr_compiler import FunctionSpec, function_source, wrapped
@@ -58,17 +60,26 @@ def _row_constant(name: str) -> str:
 
 
 @cache
-def column_terms(divergence: Divergence, params: DivergenceParams) -> GeneratedFunction:
-    """``<variant>_column_terms``: the terms whose column sums round 2 collects."""
-    terms = divergence.column_terms(params)
+def column_terms(
+    divergence: Divergence | None, params: DivergenceParams, student_entropy: bool = False
+) -> GeneratedFunction:
+    """``<variant>_column_terms``: the terms whose column sums round 2 collects, the trees of a
+    plan's ``round_two_terms``: the variant's (None: a call without a KL term), then the student
+    entropy's where it is reported."""
+    variant = () if divergence is None else formulas_of(divergence, params).column_terms
+    terms = round_two_terms(variant, student_entropy)
+    names = ([] if divergence is None else [divergence.name]) + (["entropy"] if student_entropy else [])
+    described = ([] if divergence is None else [_variant(divergence, params)]) + (
+        ["the student's entropy −p·log p"] if student_entropy else []
+    )
     spec = FunctionSpec(
-        name=f"{divergence.name}_column_terms",
+        name=f"{'_'.join(names)}_column_terms",
         parameters=COLUMNS,
-        doc=f"The column terms of {_variant(divergence, params)}: term k is added into the row's sum k.",
+        doc=f"The column terms of {', then '.join(described)}: term k is added into the row's sum k.",
         outputs=tuple((f"term{k}", term) for k, term in enumerate(terms)),
         read_row=_no_rows,
     )
-    return _load(spec, f"sums_terms_{divergence.name}")
+    return _load(spec, f"sums_terms_{'_'.join(names)}")
 
 
 @cache

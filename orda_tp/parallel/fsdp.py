@@ -1,6 +1,6 @@
 """Parameters that FSDP2 (``fully_shard``) holds sharded over data parallelism: refused as
 vocabulary shards (:func:`check_not_fsdp_sharded`), or gathered for one call for a frozen teacher's
-head (:func:`unsharded_head_weight`); docs/architecture.md, "Inside training stacks".
+head (:func:`unsharded_head`); docs/architecture.md, "Inside training stacks".
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -27,7 +28,14 @@ try:
 except ImportError:  # pragma: no cover
     _module_state_mapping = weakref.WeakKeyDictionary()
 
-__all__ = ["FsdpShard", "check_not_fsdp_sharded", "fsdp_shard_of", "head_weight", "unsharded_head_weight"]
+__all__ = [
+    "FsdpShard",
+    "check_not_fsdp_sharded",
+    "fsdp_shard_of",
+    "gradient_divide_factor",
+    "head_parameters",
+    "unsharded_head",
+]
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ def _fsdp_modules() -> Iterator[FSDPModule]:
             yield module
 
 
-def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
+def _param_groups(module: FSDPModule) -> list[Any]:
     # FSDP2 keeps no public record of what it shards: its private per-module state, read here alone in
     # orda_tp (tests/test_training_stacks.py fails if torch changes it).
     state = module._get_fsdp_state()
@@ -54,7 +62,11 @@ def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
     if groups is None:  # torch < 2.7: a single optional group
         group = getattr(state, "_fsdp_param_group", None)
         groups = [] if group is None else [group]
-    for group in groups:
+    return list(groups)
+
+
+def _sharded_parameters(module: FSDPModule) -> Iterator[Tensor]:
+    for group in _param_groups(module):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param
 
@@ -69,6 +81,15 @@ def fsdp_shard_of(tensor: object) -> FsdpShard | None:
         if any(parameter is tensor for parameter in _sharded_parameters(module)):
             return FsdpShard(module)
     return None
+
+
+def gradient_divide_factor(shard: FsdpShard) -> float | None:
+    """The factor by which FSDP2 divides the gradients it sums over the data-parallel ranks for
+    ``shard.module``'s parameters, where ``set_gradient_divide_factor`` set one; None: the
+    default, the data-parallel size (a mean)."""
+    factors = {getattr(group, "gradient_divide_factor", None) for group in _param_groups(shard.module)}
+    # set_gradient_divide_factor sets every group of a module alike.
+    return factors.pop() if len(factors) == 1 else None
 
 
 def check_not_fsdp_sharded(name: str, tensor: object) -> None:
@@ -91,23 +112,26 @@ def check_not_fsdp_sharded(name: str, tensor: object) -> None:
     )
 
 
-def head_weight(head: nn.Module) -> Tensor:
-    """``head.weight``, a tensor (:class:`orda_tp.TeacherHead` checks it at construction)."""
-    weight = head.weight
+def head_parameters(head: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """``(head.weight, head.bias)``, the bias None where the head has no tensor bias
+    (:class:`orda_tp.TeacherHead` checks both at construction)."""
+    weight, bias = head.weight, getattr(head, "bias", None)
     assert isinstance(weight, Tensor)
-    return weight
+    return weight, bias if isinstance(bias, Tensor) else None
 
 
 @contextmanager
-def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block: bool) -> Iterator[Tensor]:
-    """``head.weight`` as FSDP's forward of its owner would read it: as it is, or where FSDP2 holds
-    it sharded, gathered for the block (a copy where it is ``read_after_block``: a backward that
-    recomputes logits). A sharded weight that ``receives_grad`` raises a ValueError: a gathered
-    weight sends no gradient back to FSDP's shards."""
-    weight = head_weight(head)
+def unsharded_head(
+    head: nn.Module, receives_grad: bool, read_after_block: bool
+) -> Iterator[tuple[Tensor, Tensor | None]]:
+    """``(head.weight, head.bias)`` as FSDP's forward of its owner would read them: as they are, or
+    where FSDP2 holds them sharded, gathered for the block (copies where they are
+    ``read_after_block``: a backward that recomputes logits). A sharded head that ``receives_grad``
+    raises a ValueError: a gathered parameter sends no gradient back to FSDP's shards."""
+    weight, bias = head_parameters(head)
     shard = fsdp_shard_of(weight)
     if shard is None:
-        yield weight
+        yield weight, bias
         return
     if receives_grad:
         raise ValueError(
@@ -119,8 +143,12 @@ def unsharded_head_weight(head: nn.Module, receives_grad: bool, read_after_block
     owner = shard.module
     owner.unshard()
     try:
-        gathered = head_weight(head).detach()  # the unsharded parameter, until reshard()
-        # A copy outlives reshard(), which frees the gathered storage that a later backward would read.
-        yield gathered.clone() if read_after_block else gathered
+        # The unsharded parameters, until reshard(); a copy outlives reshard(), which frees the
+        # gathered storage that a later backward would read.
+        weight, bias = head_parameters(head)
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+        if read_after_block:
+            weight, bias = weight.clone(), None if bias is None else bias.clone()
+        yield weight, bias
     finally:
         owner.reshard()  # released whatever happens in the block, as FSDP's forward would

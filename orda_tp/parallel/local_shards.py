@@ -37,13 +37,15 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class LocalInputs:
-    """The call's tensors as this rank holds them, the tensor-parallel setting (``group`` None:
-    one device) and, once checked, the given denominator of "mean" and the (rows,) token weights."""
+    """The call's tensors as this rank holds them (``bias``: the student head's, or None), the
+    tensor-parallel setting (``group`` None: one device) and, once checked, the given denominator
+    of "mean" and the (rows,) token weights."""
 
     student_hidden: Tensor
     weight: Tensor
     labels: Tensor
     teacher: TeacherSource
+    bias: Tensor | None = None
     group: dist.ProcessGroup | None = None
     vocab_range: tuple[int, int] | None = None
     sequence_parallel: bool = False
@@ -98,11 +100,13 @@ def _localize(
     group: dist.ProcessGroup | None,
     vocab_range: tuple[int, int] | None,
     sequence_parallel: bool | None,
+    bias: Tensor | None = None,
 ) -> LocalInputs:
     """Local shards of DTensor inputs (plain tensors pass through) and the tp setting
-    (``group``: the checked ``tp_group``)."""
+    (``group``: the checked ``tp_group``); a DTensor ``bias`` is sharded like the weight's rows."""
     if not is_dtensor(weight):
-        others = [("student_hidden", student_hidden), ("labels", labels)] + [
+        given_bias = [] if bias is None else [("bias", bias)]
+        others = [("student_hidden", student_hidden), ("labels", labels), *given_bias] + [
             (f"teacher.{name}", tensor) for name, tensor in teacher.named_tensors()
         ]
         wrapped = [name for name, tensor in others if is_dtensor(tensor)]
@@ -117,6 +121,7 @@ def _localize(
             weight=weight,
             labels=labels,
             teacher=teacher,
+            bias=bias,
             group=group,
             vocab_range=vocab_range,
             sequence_parallel=bool(sequence_parallel),
@@ -142,11 +147,13 @@ def _localize(
     if is_dtensor(labels):
         local_labels, labels_sharded = local_shard(labels, axis, "labels", ())
         assert not labels_sharded  # no shard dims allowed on the tp axis: the labels are replicated there
+    reader = DTensorShards(axis, sharded)
     return LocalInputs(
         student_hidden=hidden,
         weight=weight.to_local(),
         labels=local_labels,
-        teacher=teacher.localized(DTensorShards(axis, sharded)),
+        teacher=teacher.localized(reader),
+        bias=None if bias is None else reader.head(bias, "bias"),
         group=axis.group,
         vocab_range=derived_range,
         sequence_parallel=sharded,
@@ -181,6 +188,7 @@ def shard_inputs(
     teacher: TeacherSource,
     num_valid_tokens: object,
     token_weights: object,
+    bias: Tensor | None = None,
 ) -> tuple[LocalInputs, LocalShard]:
     """This rank's checked tensors of a tensor-parallel call (a ``tp_group``, or DTensor inputs)
     and its share for the layout handshake. Every check that reads only this rank's own arguments
@@ -188,16 +196,20 @@ def shard_inputs(
     and devices, the teacher descriptor, ``num_valid_tokens``, ``token_weights``) and raises a
     ValueError or TypeError."""
     # Before any collective: every data-parallel rank holds the same FSDP structure, so all raise alike.
-    for name, tensor in [("weight", weight), *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
+    heads = [("weight", weight), *([] if bias is None else [("bias", bias)])]
+    for name, tensor in [*heads, *((f"teacher.{n}", t) for n, t in teacher.named_tensors())]:
         check_not_fsdp_sharded(name, tensor)
     if options.backend == "reference":
         raise ValueError("backend='reference' builds full logits on one device; with tp_group use 'torch' or 'auto'")
     local = _localize(
-        student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel
+        student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel, bias
     )
     assert local.group is not None  # a call without one raised (no DTensor weight on a 1-D mesh, no tp_group)
     row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1  # hidden rows: BT / tp each
-    check_inputs(local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards)
+    check_inputs(
+        local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards,
+        bias=local.bias,
+    )  # fmt: skip
     teacher.check_shardable()
     device = local.student_hidden.device
     denominator = check_denominator("num_valid_tokens", num_valid_tokens, options.reduction, device, "student_hidden")
@@ -244,5 +256,6 @@ def local_error(values: ValueChecks, layout: VocabLayout, host_checks: bool) -> 
     for _, tensor in [*values.inputs, *teacher.trained_tensors()] if values.inputs else []:
         index = first_non_finite(tensor)
         if index is not None:
-            return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1])
+            # A bias (1-D) is located by its row alone: column 0.
+            return LocalError(LocalErrorCode.INPUT_NOT_FINITE, index[0], index[1] if len(index) > 1 else 0)
     return None

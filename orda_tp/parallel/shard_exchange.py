@@ -33,10 +33,10 @@ _MESSAGES = {
     "or +inf at row {row}, global column {column}",
     LocalErrorCode.CACHE_MODIFIED: "PrecomputedTeacher was modified in place after it was built (seen on rank "
     "{rank}); build a new PrecomputedTeacher",
-    LocalErrorCode.INPUT_NOT_FINITE: "student_hidden, weight and the teacher's tensors must be finite; rank {rank} "
-    "holds NaN or inf (row {row}, column {column} of its shard)",
-    LocalErrorCode.CACHE_NOT_FINITE: "PrecomputedTeacher.teacher_hidden and teacher_weight must be finite; rank "
-    "{rank}'s shard holds NaN or inf",
+    LocalErrorCode.INPUT_NOT_FINITE: "student_hidden, weight, bias and the teacher's tensors must be finite; rank "
+    "{rank} holds NaN or inf (row {row}, column {column} of its shard)",
+    LocalErrorCode.CACHE_NOT_FINITE: "PrecomputedTeacher.teacher_hidden, teacher_weight and teacher_bias must be "
+    "finite; rank {rank}'s shard holds NaN or inf",
 }
 NO_ERROR = 0  # the header's code when a rank found nothing
 

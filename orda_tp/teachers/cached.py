@@ -17,6 +17,7 @@ from .source import (
     TeacherBlocks,
     TeacherSource,
     ValueCheck,
+    bias_shapes,
     check_tensor,
     columns,
 )
@@ -35,7 +36,8 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @dataclass(frozen=True)
 class PrecomputedTeacher(TeacherSource):
     """Cached teacher outputs, exactly one of: ``logits`` (BT, V); ``teacher_hidden`` (BT, D_t) with
-    ``teacher_weight`` (V, D_t), whose product is formed chunk by chunk; or a top-k cache,
+    ``teacher_weight`` (V, D_t) and optionally its ``teacher_bias`` (V,), whose logits
+    ``teacher_hidden · teacher_weightᵀ + teacher_bias`` are formed chunk by chunk; or a top-k cache,
     ``topk_ids`` (BT, k) int64 global vocabulary ids and ``topk_logprobs`` (BT, k) their
     log-probabilities, the rest of each row's mass spread evenly over the other real columns
     (``tail="uniform"``) or none (``tail="renormalize"``: the softmax of the cached values).
@@ -62,6 +64,7 @@ class PrecomputedTeacher(TeacherSource):
     topk_temperature: float | None = None
     topk_softcap: float | None = None
     retemper: bool = False
+    teacher_bias: torch.Tensor | None = None
     _versions: tuple[int | None, ...] = field(init=False, repr=False, compare=False)
     # Set by prepare_logits when it shifted the rows of plain (not DTensor) logits by their
     # maximum: right for whole rows, wrong for one vocabulary shard of them.
@@ -83,11 +86,13 @@ class PrecomputedTeacher(TeacherSource):
             )
         if has_hidden and (self.teacher_hidden is None or self.teacher_weight is None):
             raise ValueError("PrecomputedTeacher needs teacher_hidden and teacher_weight together, got only one")
+        if self.teacher_bias is not None and not has_hidden:
+            raise ValueError("PrecomputedTeacher.teacher_bias is teacher_weight's bias: pass it with teacher_hidden")
         if has_topk:
             self._check_topk()
         for name, tensor in self.named_tensors():
             if not name.startswith("topk_"):  # a top-k cache's tensors were checked by _check_topk
-                check_tensor(tensor, f"PrecomputedTeacher.{name}")
+                check_tensor(tensor, f"PrecomputedTeacher.{name}", dims=1 if name == "teacher_bias" else 2)
             if tensor.requires_grad:  # it would silently receive no gradient
                 raise ValueError(
                     f"PrecomputedTeacher.{name} must not require grad (no gradient reaches a cached "
@@ -176,7 +181,7 @@ class PrecomputedTeacher(TeacherSource):
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The cached tensors with their field names."""
-        names = ("logits", "teacher_hidden", "teacher_weight", "topk_ids", "topk_logprobs")
+        names = ("logits", "teacher_hidden", "teacher_weight", "teacher_bias", "topk_ids", "topk_logprobs")
         return [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
 
     trainable: ClassVar[bool] = False
@@ -184,9 +189,8 @@ class PrecomputedTeacher(TeacherSource):
     def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
         """The cached logits, hidden states and head (each :func:`_savable`), or a top-k cache's blocks."""
         hidden, weight, logits = self.teacher_hidden, self.teacher_weight, self.logits
-        return LogitsInputs(
-            _savable(hidden), _savable(weight), _savable(logits), self.block_source(vocab_start, vocab_size)
-        )
+        blocks, bias = self.block_source(vocab_start, vocab_size), _savable(self.teacher_bias)
+        return LogitsInputs(_savable(hidden), _savable(weight), _savable(logits), blocks, bias)
 
     def block_source(self, vocab_start: int, vocab_size: int) -> TeacherBlocks | None:
         """A top-k cache's blocks over the local columns from global column ``vocab_start`` of a real
@@ -227,6 +231,7 @@ class PrecomputedTeacher(TeacherSource):
                 (columns(self.teacher_weight, 0, vocab), depth),
                 "the student's vocab size",
             ),
+            *bias_shapes("teacher.teacher_bias", self.teacher_bias, self.teacher_weight, vocab),
         ]
 
     def localized(self, reader: ShardReader) -> PrecomputedTeacher:
@@ -239,6 +244,7 @@ class PrecomputedTeacher(TeacherSource):
             self,
             teacher_hidden=reader.hidden(self.teacher_hidden, "teacher.teacher_hidden"),
             teacher_weight=reader.head(self.teacher_weight, "teacher.teacher_weight"),
+            teacher_bias=None if self.teacher_bias is None else reader.head(self.teacher_bias, "teacher.teacher_bias"),
         )
 
     def vocab_columns(self) -> int | None:

@@ -21,18 +21,20 @@ __all__ = [
     "TeacherSource",
     "TiedTeacher",
     "ValueCheck",
+    "bias_shapes",
     "check_tensor",
     "columns",
 ]
 
 
-def check_tensor(value: object, name: str) -> torch.Tensor:
+def check_tensor(value: object, name: str, dims: int = 2) -> torch.Tensor:
+    """A floating-point tensor of ``dims`` dimensions (2: hidden states, a head; 1: a head's bias)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if not value.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
-    if value.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(value.shape)}")
+    if value.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(value.shape)}")
     return value
 
 
@@ -91,6 +93,7 @@ class LogitsInputs(NamedTuple):
     weight: Tensor | None  # that head: the teacher's own, or None for the student's
     logits: Tensor | None  # stored logits
     blocks: TeacherBlocks | None  # blocks the teacher forms itself (a top-k cache)
+    bias: Tensor | None = None  # its own head's bias (a tied teacher reads the student's)
 
 
 class ValueCheck(NamedTuple):
@@ -231,12 +234,21 @@ class TiedTeacher(TeacherSource):
         return TiedTeacher(reader.hidden(self.hidden, "teacher.hidden"), self.mode)
 
 
+def bias_shapes(name: str, bias: Tensor | None, weight: Tensor, vocab: int | None) -> list[ExpectedShape]:
+    """The expected shape of a head's ``bias`` (none when it has none): its weight's rows."""
+    if bias is None:
+        return []
+    return [ExpectedShape(name, bias, (columns(weight, 0, vocab),), "one entry per row of the head's weight")]
+
+
 @dataclass(frozen=True)
 class SeparateTeacher(TeacherSource):
-    """Teacher with its own hidden states ``hidden`` (BT, D_t) and head ``weight`` (V, D_t)."""
+    """Teacher with its own hidden states ``hidden`` (BT, D_t), head ``weight`` (V, D_t) and optional
+    head ``bias`` (V,): its logits are ``hidden · weightᵀ + bias``."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
+    bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_tensor(self.hidden, "SeparateTeacher.hidden")
@@ -246,14 +258,16 @@ class SeparateTeacher(TeacherSource):
                 "SeparateTeacher.hidden and SeparateTeacher.weight must share their last dimension, got "
                 f"hidden {tuple(self.hidden.shape)} and weight {tuple(self.weight.shape)}"
             )
+        if self.bias is not None:
+            check_tensor(self.bias, "SeparateTeacher.bias", dims=1)
 
     kind = "separate"
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [("hidden", self.hidden), ("weight", self.weight)]
+        return [("hidden", self.hidden), ("weight", self.weight), *([] if self.bias is None else [("bias", self.bias)])]
 
     def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
-        return LogitsInputs(self.hidden, self.weight, None, None)
+        return LogitsInputs(self.hidden, self.weight, None, None, self.bias)
 
     def expected_shapes(self, rows: int, width: int, label_rows: int, vocab: int | None) -> list[ExpectedShape]:
         depth = self.hidden.shape[1]
@@ -262,10 +276,14 @@ class SeparateTeacher(TeacherSource):
             ExpectedShape(
                 "teacher.weight", self.weight, (columns(self.weight, 0, vocab), depth), "the student's vocab size"
             ),
+            *bias_shapes("teacher.bias", self.bias, self.weight, vocab),
         ]
 
     def localized(self, reader: ShardReader) -> SeparateTeacher:
-        return SeparateTeacher(reader.hidden(self.hidden, "teacher.hidden"), reader.head(self.weight, "teacher.weight"))
+        bias = None if self.bias is None else reader.head(self.bias, "teacher.bias")
+        return SeparateTeacher(
+            reader.hidden(self.hidden, "teacher.hidden"), reader.head(self.weight, "teacher.weight"), bias
+        )
 
     def vocab_columns(self) -> int | None:
         return self.weight.shape[0]
@@ -274,11 +292,12 @@ class SeparateTeacher(TeacherSource):
 @dataclass(frozen=True)
 class TeacherHead:
     """A separate teacher read through its own LM-head module: hidden states ``hidden`` (BT, D_t)
-    and ``head``, a module whose ``weight`` is (V, D_t) (``nn.Linear(D_t, V, bias=False)``, an
-    :class:`orda_tp.DistillationHead`, possibly under ``fully_shard`` or tensor-parallel). The loss
-    is that of ``SeparateTeacher(hidden, head.weight)``, the weight read as the head's forward
-    would: where FSDP2 holds it sharded it is gathered for the call and released afterwards, and
-    then must not require grad (a gathered weight sends no gradient back to FSDP's shards)."""
+    and ``head``, a module whose ``weight`` is (V, D_t) and whose ``bias``, where it is a tensor,
+    is (V,) (``nn.Linear(D_t, V)``, an :class:`orda_tp.DistillationHead`, possibly under
+    ``fully_shard`` or tensor-parallel). The loss is that of ``SeparateTeacher(hidden, head.weight,
+    head.bias)``, both read as the head's forward would: where FSDP2 holds them sharded they are
+    gathered for the call and released afterwards, and then must not require grad (a gathered
+    parameter sends no gradient back to FSDP's shards)."""
 
     hidden: torch.Tensor
     head: nn.Module
@@ -293,3 +312,6 @@ class TeacherHead:
                 f"TeacherHead.head must have a 2-D weight (vocab × hidden), got {type(self.head).__name__} "
                 f"with weight {None if weight is None else tuple(weight.shape)}"
             )
+        bias = getattr(self.head, "bias", None)
+        if isinstance(bias, torch.Tensor):  # nn.Linear(bias=False) holds None: no bias
+            check_tensor(bias, "TeacherHead.head.bias", dims=1)

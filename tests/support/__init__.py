@@ -21,6 +21,10 @@
   (test_logits_losses.py).
 - megatron_workers: real megatron-core GPTModels with orda_tp's head on 2 gloo ranks
   (test_megatron.py).
+- scale_bias: biased heads, the teacher of every kind, and the fp64 oracle of logit scales and
+  biases written from the definitions (test_scale_bias.py).
+- scale_bias_workers: scales and biases on vocabulary shards and a biased TeacherHead under FSDP2,
+  their gloo workers (test_scale_bias.py).
 - stack_workers: the loss inside FSDP2 and DTensor tensor-parallel models (test_training_stacks.py).
 - term_workers: the loss terms (label smoothing, z-loss, token weights, softcaps) on vocabulary shards
   (test_loss_terms.py).

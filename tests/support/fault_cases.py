@@ -359,6 +359,11 @@ def _transposed_weight(call: Call) -> Call:
     return replace(call, weight=call.weight.detach().T.contiguous().requires_grad_())
 
 
+def _bias(make: Callable[[int], Tensor]) -> Edit:
+    """A ``bias=`` made from the number of this rank's head rows."""
+    return lambda call: call.with_forward(bias=make(call.weight.shape[0]))
+
+
 def _meta(name: str) -> Edit:
     return lambda call: replace(call, **{name: getattr(call, name).detach().to("meta")})
 
@@ -466,6 +471,8 @@ FUSED_FAULTS = [
     Fault("unknown profile", "fused", "tied", _kw(profile="turbo"), "profile"),
     Fault("config not a KernelConfig", "fused", "tied", _kw(config={"vocab_block": 8}), "config"),
     Fault("label_smoothing of 1", "fused", "tied", _kw(label_smoothing=1.0), "label_smoothing"),
+    Fault("logit_scale of 0", "fused", "tied", _kw(logit_scale=0.0), "logit_scale"),
+    Fault("infinite teacher_logit_scale", "fused", "tied", _kw(teacher_logit_scale=math.inf), "teacher_logit_scale"),
     Fault(
         "mutual with another teacher temperature",
         "fused",
@@ -478,6 +485,24 @@ FUSED_FAULTS = [
     Fault("sequence_parallel not a bool", "fused", "tied", _kw(sequence_parallel="yes"), "sequence_parallel"),
     Fault("alpha out of range", "fused", "tied", _kw(kl_divergence="alpha_divergence", kl_alpha=1.5), "kl_alpha"),
     Fault("beta not a number", "fused", "tied", _kw(kl_divergence="skew_forward", kl_beta="half"), "kl_beta"),
+    Fault("TRL's beta above 1", "fused", "tied", _kw(kl_divergence="generalized_jsd", kl_beta=1.5), "kl_beta"),
+    Fault(
+        "TRL's beta below 1 − β's resolution",
+        "fused",
+        "tied",
+        _kw(kl_divergence="generalized_jsd", kl_beta=1e-17),
+        "kl_beta",
+    ),
+    Fault("student_entropy not a bool", "fused", "tied", _kw(student_entropy="yes"), "student_entropy"),
+    Fault(
+        "student_entropy on some rank",
+        "fused",
+        "tied",
+        _kw(student_entropy=True),
+        "student_entropy",
+        one_device=False,
+        fails_on_all=False,
+    ),
     Fault("renyi order of 1", "fused", "tied", _kw(kl_divergence="renyi", kl_alpha=1.0), "kl_alpha"),
     Fault(
         "entropy gate not an EntropyGate",
@@ -547,6 +572,22 @@ FUSED_FAULTS = [
         "token_weights",
     ),
     Fault("teacher not a descriptor", "fused", "tied", _set(teacher_object=torch.zeros(1)), "teacher"),
+    Fault("bias of another length", "fused", "tied", _bias(lambda rows: torch.zeros(rows + 1)), "bias"),
+    Fault("2-D bias", "fused", "tied", _bias(lambda rows: torch.zeros(rows, 1)), "bias"),
+    Fault("integer bias", "fused", "tied", _bias(lambda rows: torch.zeros(rows, dtype=torch.long)), "bias"),
+    Fault("bias on another device", "fused", "tied", _bias(lambda rows: torch.zeros(rows, device="meta")), "bias"),
+    Fault(
+        "the whole bias beside a head shard", "fused", "tied", _fw(bias=torch.zeros(VOCAB)), "bias", one_device=False
+    ),
+    Fault(
+        "separate teacher bias one entry short",
+        "fused",
+        "separate",
+        lambda c: replace(
+            c, teacher_object=SeparateTeacher(c.teacher_hidden, c.teacher_weight, c.teacher_weight[1:, 0])
+        ),
+        "teacher.bias",
+    ),
     # values
     Fault("label beyond the vocabulary", "fused", "tied", _labels(_label_at(VOCAB + 3)), "labels"),
     Fault("negative label", "fused", "tied", _labels(_label_at(-7)), "labels"),
@@ -556,6 +597,14 @@ FUSED_FAULTS = [
         "tied",
         _nan_at("hidden"),
         "student_hidden",
+        base=_kw(config=KernelConfig(check_finite_inputs=True)),
+    ),
+    Fault(
+        "NaN in the bias (check_finite_inputs)",
+        "fused",
+        "tied",
+        _bias(lambda rows: torch.zeros(rows).index_fill_(0, torch.tensor([2]), math.nan)),
+        "bias",
         base=_kw(config=KernelConfig(check_finite_inputs=True)),
     ),
     # teachers
@@ -613,6 +662,10 @@ FUSED_FAULTS = [
     Fault(
         "teacher soft-cap on cached logits", "fused", "logits", _kw(teacher_logit_softcap=5.0), "teacher_logit_softcap"
     ),
+    Fault(
+        "teacher logit scale on cached logits", "fused", "logits", _kw(teacher_logit_scale=2.0), "teacher_logit_scale"
+    ),
+    Fault("tied teacher with a scale of its own", "fused", "tied", _kw(teacher_logit_scale=2.0), "teacher_logit_scale"),
     Fault(
         "renormalized top-k with reverse KL",
         "fused",
@@ -736,6 +789,29 @@ FUSED_FAULTS = [
         "tied",
         _then(_dtensor(), _teacher_dtensor([Shard(0)])),
         "teacher",
+        one_device=False,
+    ),
+    Fault(
+        "DTensor bias beside a plain head",
+        "fused",
+        "tied",
+        lambda c: c.with_forward(
+            bias=DTensor.from_local(c.weight[:, 0].detach(), _mesh(), [Shard(0)], run_check=False)
+        ),
+        "bias",
+        one_device=False,
+    ),
+    Fault(
+        "Replicate bias beside a Shard(0) head",
+        "fused",
+        "tied",
+        _then(
+            _dtensor(),
+            lambda c: c.with_forward(
+                bias=DTensor.from_local(c.weight.to_local()[:, 0].detach(), c.mesh, [Replicate()], run_check=False)
+            ),
+        ),
+        "bias",
         one_device=False,
     ),
 ]

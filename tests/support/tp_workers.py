@@ -68,8 +68,10 @@ SAMPLE_VARIANTS = ("forward", "reverse", "mutual", "cojeffreys", "entropy_adapti
 
 
 def call_kwargs(variant: str, mode: str, reduction: str) -> dict[str, object]:
-    """The equivalence tests' keywords on the torch backend with small row chunks."""
-    return {**cases.call_kwargs(variant, mode, reduction), "backend": "torch", "config": TP_CHUNKS}
+    """The equivalence tests' keywords on the torch backend with small row chunks; the student's
+    entropy reported for "sum" and "none" (its round-2 column summed over the shards), not for "mean"."""
+    kwargs = {**cases.call_kwargs(variant, mode, reduction), "backend": "torch", "config": TP_CHUNKS}
+    return {**kwargs, "student_entropy": reduction != "mean"}
 
 
 def full_problem(
@@ -224,9 +226,9 @@ def _pack(out: orda_tp.DistillationLossOutput, capacity: int) -> Tensor:
 def rank_disagreement(
     label: str, out: orda_tp.DistillationLossOutput, rows: int, group: dist.ProcessGroup
 ) -> list[str]:
-    """A problem unless this rank's loss and components (at most 5 × ``rows`` values) are bitwise
-    equal to rank 0's. One fixed-size all-gather, so a wrong shape cannot desynchronize ranks."""
-    packed = _pack(out, 5 * rows)
+    """A problem unless this rank's loss and components (at most one (rows,) tensor per field) are
+    bitwise equal to rank 0's. One fixed-size all-gather, so a wrong shape cannot desynchronize ranks."""
+    packed = _pack(out, len(orda_tp.DistillationLossOutput._fields) * rows)
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, packed, group=group)
     different = [r for r, values in enumerate(gathered) if not torch.equal(values, gathered[0])]
@@ -466,11 +468,14 @@ def module_worker(rank: int, world: int) -> list[str]:
 
 
 def edge_worker(rank: int, world: int) -> list[str]:
-    """Calls with few or no statistics: every row ignored, CE only (kl_weight=0), KL only
-    (student_ce_weight=0), and ``num_valid_tokens`` as a number and as a tensor."""
+    """Calls with few or no statistics: every row ignored, CE only (kl_weight=0), with the entropy
+    or the entropy alone (round 2 without a KL term), KL only (student_ce_weight=0), and
+    ``num_valid_tokens`` as a number and as a tensor."""
     columns = chunk_ranges(VOCAB, world)[rank]
     variations: dict[str, dict[str, object]] = {
         "ce only": {"kl_weight": 0.0},
+        "ce and entropy": {"kl_weight": 0.0, "student_entropy": True},
+        "entropy only": {"kl_weight": 0.0, "student_ce_weight": 0.0, "teacher_ce_weight": 0.0, "student_entropy": True},
         "kl only": {"student_ce_weight": 0.0, "teacher_ce_weight": 0.0},
         "num_valid_tokens=40.0": {"num_valid_tokens": 40.0},
         "num_valid_tokens=tensor(33.)": {"num_valid_tokens": torch.tensor(33.0, dtype=torch.float64)},
