@@ -19,7 +19,7 @@ Rows, for each β of ``--betas`` (0, 0.5, 1):
 - ``orda_tp direct``: ``orda_tp.distillation_loss`` with the keywords the adapter passes it
   (``SeparateTeacher``, student CE weight 0, ``kl_divergence="generalized_jsd"``, ``kl_beta=β``, the
   student's entropy, ``reduction="sum"``, divided by ``num_items_in_batch``) on all B·K rows, the
-  masked-out ones labelled -100: no reshape, and no dropping of the masked-out rows;
+  masked-out ones labelled -100: no reshape, and on a GPU no dropping of the masked-out rows;
 and once, ``GEMM-only (cuBLAS)``: the unavoidable GEMMs of either loss back to back on the masked-in
 rows, as ``benchmarks/bench.py`` defines them (each side's logits GEMM with an fp32 result, then the
 student's dh and dW).
@@ -64,7 +64,7 @@ from benchmarks.grad_precision import grad_errors  # noqa: E402
 from benchmarks.harness import IGNORE_INDEX, Reporter, Runtime, fmt, guarded, recover_device, run_script  # noqa: E402
 from benchmarks.onpolicy import TrlLoss, trainer_call, trainer_num_items  # noqa: E402
 from orda_tp import SeparateTeacher, distillation_loss  # noqa: E402
-from orda_tp.integrations.trl import chunked_divergence_loss  # noqa: E402
+from orda_tp.integrations.trl import _divergence_keywords, chunked_divergence_loss  # noqa: E402
 
 TRL, ADAPTER, DIRECT, GEMM_ONLY = "TRL", "orda_tp adapter", "orda_tp direct", "GEMM-only (cuBLAS)"
 #: The largest relative errors against TRL that the check accepts: (loss and entropy sum, gradients).
@@ -152,21 +152,12 @@ def as_trainer_call(loss: TrlLoss) -> Call:
 
 
 def direct_call(x: LossInputs, beta: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``distillation_loss`` with the adapter's keywords at T = 1 for heads without bias, scale or cap."""
+    """``distillation_loss`` with the keywords the adapter passes it (T = 1, heads without bias, scale
+    or cap: student CE weight 0, ``kl_divergence="generalized_jsd"``, ``kl_beta=β``, the entropy)."""
     labels = torch.where(x.valid, 0, IGNORE_INDEX)
-    output = distillation_loss(
-        x.student_hidden,
-        x.student_weight,
-        labels,
-        SeparateTeacher(x.teacher_hidden, x.teacher_weight),
-        student_ce_weight=0.0,
-        kl_weight=1.0,
-        kl_temperature=1.0,
-        kl_divergence="generalized_jsd",
-        kl_beta=beta,
-        student_entropy=True,
-        reduction="sum",
-    )
+    keywords = _divergence_keywords(beta, 1.0, (1.0, 1.0), (None, None))
+    teacher = SeparateTeacher(x.teacher_hidden, x.teacher_weight)
+    output = distillation_loss(x.student_hidden, x.student_weight, labels, teacher, reduction="sum", **keywords)
     return output.loss / x.num_items_in_batch, output.student_entropy, x.valid.sum()
 
 
