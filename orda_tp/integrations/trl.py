@@ -90,9 +90,11 @@ def chunked_divergence_loss(
     student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])
     teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])
     if student.is_cuda and not isinstance(student_lm_head_weight, DTensor):
-        # As TRL does on a GPU: the masked-out positions are dropped before the GEMMs (one host sync).
+        # As TRL does on a GPU: the masked-out positions are dropped before the GEMMs (one host sync);
+        # a batch with none masked, or all, is used as it is (no copy; no empty call).
         rows = valid.nonzero().squeeze(1)
-        student, teacher, valid = student.index_select(0, rows), teacher.index_select(0, rows), valid[rows]
+        if 0 < rows.numel() < valid.numel():
+            student, teacher, valid = student.index_select(0, rows), teacher.index_select(0, rows), valid[rows]
     # Every position gets a label: the student CE, the one term that reads it, has weight 0.
     labels = torch.where(valid, 0, IGNORE_INDEX)
     compute_dtype = _autocast_dtype(student.device)
