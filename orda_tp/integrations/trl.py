@@ -89,8 +89,9 @@ def chunked_divergence_loss(
     n_valid = valid.sum()
     student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])
     teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])
-    if student.is_cuda and not isinstance(student_lm_head_weight, DTensor):
-        # As TRL does on a GPU: the masked-out positions are dropped before the GEMMs (one host sync);
+    if not isinstance(student_lm_head_weight, DTensor):
+        # As TRL does on a GPU (here on every device, so that the CPU tests run it): the masked-out
+        # positions are dropped before the GEMMs (one host sync);
         # a batch with none masked, or all, is used as it is (no copy; no empty call).
         rows = valid.nonzero().squeeze(1)
         if 0 < rows.numel() < valid.numel():
