@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import re
@@ -21,7 +20,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import pytest
@@ -33,6 +31,7 @@ from transformers import LlamaForCausalLM, TrainerCallback, default_data_collato
 import orda_tp
 
 from .support.distributed import run_distributed
+from .support.examples import load_example
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PATH = REPO_ROOT / "examples" / "hf_trainer_distill.py"
@@ -42,19 +41,7 @@ FLOAT = r"([0-9.eE+-]+)"
 UNEVEN_LENGTHS = (16, 14, 9, 5)
 
 
-def load_example() -> ModuleType:
-    """examples/hf_trainer_distill.py as the module ``hf_trainer_distill`` (examples/ is no package)."""
-    name = "hf_trainer_distill"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE_PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-example = load_example()
+example = load_example("hf_trainer_distill.py")
 
 
 @pytest.fixture(autouse=True)

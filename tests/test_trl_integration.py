@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import itertools
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -39,6 +37,8 @@ import trl.trainer.distillation_trainer as trl_distillation  # noqa: E402
 from trl import DistillationTrainer  # noqa: E402
 
 from orda_tp.integrations import trl as orda_trl  # noqa: E402
+
+from .support.examples import load_example  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PATH = REPO_ROOT / "examples" / "trl_distill.py"
@@ -181,24 +181,12 @@ def test_a_trl_loss_with_other_arguments_is_refused(monkeypatch: pytest.MonkeyPa
 # --- TRL's DistillationTrainer end to end ---------------------------------------------------------
 
 
-def load_example() -> ModuleType:
-    """examples/trl_distill.py as the module ``trl_distill`` (examples/ is no package)."""
-    name = "trl_distill"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE_PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 1.0)])
 def test_trainer_end_to_end_equals_trl(
     beta: float, temperature: float, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    example = load_example()
+    example = load_example("trl_distill.py")
     args = argparse.Namespace(beta=beta, temperature=temperature, steps=2)
     expected_log, expected_params = example.train(DistillationTrainer, args, str(tmp_path))
     calls = []
