@@ -28,7 +28,7 @@ from .flash_kd import flash_ce_kd_loss
 from .kd_loss import KDLoss
 from .lm_head import DistillationHead, HeadOutput
 from .loss import DistillationLoss, DistillationLossOutput, distillation_loss, is_available
-from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
+from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TeacherMixture, TiedTeacher
 from .topk_cache.extraction import TeacherTopK, teacher_topk, teacher_topk_of_logits
 from .vocab_parallel import VocabParallel
 
@@ -60,6 +60,7 @@ __all__ = [
     "PrecomputedTeacher",
     "SeparateTeacher",
     "TeacherHead",
+    "TeacherMixture",
     "TeacherTopK",
     "TiedTeacher",
     "VocabParallel",

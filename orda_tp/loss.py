@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .arguments.config import ExecutionConfig
+from .arguments.mixture_plan import mixture_plan
 from .arguments.options import GradScalerLike, LossOptions, check_loss_keywords
 from .arguments.plan import LossPlan
 from .arguments.validation import ValueChecks, check_denominator, check_inputs, check_token_weights, runs_host_checks
@@ -21,12 +22,13 @@ from .engine.call import agree, call_text, prepare_call, raised_on_every_rank
 from .engine.fused import chunked_loss
 from .engine.gradient_gemms import GemmPolicy
 from .engine.logits import HeadTensors, statistics_dtype
+from .engine.mixture_blocks import mixture_blocks
 from .engine.reference import reference_loss
 from .kernels import is_available
 from .parallel.fsdp import head_parameters, unsharded_head
 from .parallel.layout import HeadShard, LocalShard
 from .parallel.local_shards import LocalInputs, call_group, shard_inputs
-from .teachers import SeparateTeacher, TeacherHead, TeacherSource
+from .teachers import SeparateTeacher, TeacherHead, TeacherMixture, TeacherSource
 
 __all__ = ["DistillationLoss", "DistillationLossOutput", "distillation_loss", "is_available"]
 
@@ -50,7 +52,8 @@ class DistillationLossOutput(NamedTuple):
 
 def _teacher_type_error(teacher: object) -> TypeError:
     return TypeError(
-        "teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher (or a TeacherHead), "
+        "teacher must be a TiedTeacher, SeparateTeacher or PrecomputedTeacher (or a TeacherHead, or a "
+        "TeacherMixture of them), "
         f"got {type(teacher).__name__}"
     )
 
@@ -84,6 +87,8 @@ def _one_device_inputs(
     if options.sequence_parallel:
         raise ValueError("sequence_parallel=True needs tp_group (or a DTensor student_hidden)")
     check_inputs(student_hidden, weight, labels, teacher, vocab_size=options.vocab_size, bias=bias)
+    if isinstance(teacher, TeacherMixture):  # its weights' values read once, its form decided
+        teacher = teacher.prepared(labels.shape[0])
     device = student_hidden.device
     denominator = check_denominator("num_valid_tokens", num_valid_tokens, options.reduction, device, "student_hidden")
     row_weights = None
@@ -140,7 +145,8 @@ def _run(
             options.settings_text, teacher.settings_text(), token_weights, ("num_valid_tokens", num_valid_tokens)
         ),
     )
-    plan = LossPlan.build(options, local.teacher, layout.vocab_size)
+    build = mixture_plan if isinstance(local.teacher, TeacherMixture) else LossPlan.build
+    plan = build(options, local.teacher, layout.vocab_size)
     # The teacher's hidden states, head or logits as tensors; blocks it forms itself (a top-k cache) apart.
     teacher_hidden, teacher_weight, teacher_logits, teacher_blocks, teacher_bias = local.teacher.logits_inputs(
         layout.vocab_start, layout.vocab_size
@@ -148,6 +154,8 @@ def _run(
     inputs = HeadTensors(
         local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits, local.bias, teacher_bias
     )
+    if plan.mixture is not None:  # several teachers read as one: the mixture forms the blocks
+        teacher_blocks = mixture_blocks(plan.mixture, local.teacher, inputs, layout.vocab_start, layout.vocab_size)
     finite = [("student_hidden", local.student_hidden), ("weight", local.weight)]
     finite += [] if local.bias is None else [("bias", local.bias)]
     # The teacher as given holds the recorded version counters; this rank's shards hold the values read.
@@ -167,6 +175,7 @@ def _run(
         row_weights=local.row_weights,
         gemms=GemmPolicy(options.gradient_scale, (plan.student_scale, plan.teacher_scale)),
         teacher_blocks=teacher_blocks,
+        refused=None if plan.mixture is None else "a TeacherMixture is not built for the Triton kernels yet",
     )
     # Statistics in fp32/fp64 whatever autocast would pick for the GEMMs; no block math: the fp64 reference.
     with torch.autocast(local.student_hidden.device.type, enabled=False):

@@ -12,6 +12,7 @@ from ..divergences.expr import Expr, equal, greater, logical_and, where
 from ..divergences.terms import RAW_STUDENT, RAW_TEACHER, STUDENT_TERMS, CrossEntropy, StudentTerm, column_sums_of
 from ..teachers import TeacherSource
 from .config import ExecutionConfig
+from .mixture import MixturePlan
 from .options import LogitsOptions, LossOptions
 
 __all__ = ["UNSUPPORTED", "LogitFamily", "LossPlan", "StepKey", "check_sparse_teacher"]
@@ -165,7 +166,7 @@ class LossPlan:
     vocab_size: int  # the global real vocabulary
     reduction: str
     ignore_index: int
-    teacher_kind: str  # "tied", "separate", "precomputed_logits", "precomputed_hidden" or "precomputed_topk"
+    teacher_kind: str  # "tied", "separate", "precomputed_logits", "precomputed_hidden", "precomputed_topk", "mixture"
     # docs/variants.md, "Teacher routing": "cotrained" when a co-training variant (mutual, cojeffreys) has
     # kl_weight > 0; else "trained" when teacher_ce_weight > 0; else "frozen".
     teacher_role: str
@@ -179,6 +180,7 @@ class LossPlan:
     # The student's logits are a head's products (finite for finite inputs), not given logits that may hold −inf.
     student_logits_finite: bool = True
     student_entropy: bool = False  # report H(p) at T_s (round 2's last column term), with or without a KL
+    mixture: MixturePlan | None = None  # a TeacherMixture's teachers (arguments.mixture_plan), None for one teacher
     # Derived once from the fields above (read at every chunk, so not recomputed there).
     # The KL's round 2 and gradients run only with kl_weight > 0 and a variant (round 2 also for the entropy).
     computes_kl: bool = field(init=False)

@@ -15,6 +15,7 @@ from ..divergences import LOG_VOCAB, DivergenceParams, EntropyGate
 from ..divergences.terms import COMPONENTS, STUDENT_TERMS
 from .call import Call
 from .logits import statistics_dtype
+from .mixture_blocks import MixtureBlocks
 
 __all__ = ["reference_loss", "reference_divergence"]
 
@@ -197,7 +198,11 @@ def reference_loss(
         if plan.teacher_ce_weight > 0:
             ce = torch.logsumexp(teacher, -1) - teacher.gather(1, safe_labels[:, None]).squeeze(1)
             teacher_ce = _where_zero(absent, ce)
-        if plan.computes_kl:
+        views = plan.mixture is not None and plan.mixture.form == "views"
+        if plan.computes_kl and views:  # a mixture's Σ_i w_i·D(q_i‖p): each teacher's own divergence
+            assert isinstance(call.teacher_blocks, MixtureBlocks)
+            kl = _reference_views_kl(plan, student, call.teacher_blocks, safe_labels)
+        elif plan.computes_kl:
             kl = _reference_kl(plan, student, teacher, safe_labels, absent)
     components = {**terms, "teacher_ce": teacher_ce, "kl": kl, "student_entropy": entropy}
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.
@@ -240,3 +245,18 @@ def _reference_kl(plan: LossPlan, student: Tensor, teacher: Tensor, labels: Tens
     value = divergence(torch.where(rows, student.detach(), student), torch.where(rows, kl_teacher.detach(), kl_teacher))
     value = _where_zero(absent, _value_clamped_at_zero(value))
     return plan.student_temperature**2 * value
+
+
+def _reference_views_kl(plan: LossPlan, student: Tensor, blocks: MixtureBlocks, labels: Tensor) -> Tensor:
+    """``T_s²·Σ_i w_i·max(D(q_i‖p), 0)`` per row over the teachers with ``w_i > 0``; a teacher absent
+    on a row (no weight, or all −inf there) adds 0 and no gradient."""
+    rows, columns = student.shape
+    weights = blocks.weights(0, rows, student.dtype)
+    kl = torch.zeros(rows, dtype=student.dtype, device=student.device)
+    for index, logits in enumerate(blocks.member_logits(0, rows, 0, columns, student.dtype)):
+        absent = (logits == float("-inf")).all(-1)
+        teacher = torch.where(absent[:, None], torch.zeros_like(logits), logits)
+        term = _reference_kl(plan, student, teacher, labels, absent)
+        # A teacher of weight 0 on a row adds 0 (never 0·inf).
+        kl = kl + _where_zero(absent | (weights[:, index] == 0), weights[:, index] * term)
+    return kl

@@ -1,8 +1,10 @@
 """Teacher descriptors, one class per kind of teacher (:class:`TiedTeacher`, :class:`SeparateTeacher`,
-:class:`PrecomputedTeacher`, :class:`TeacherHead`). Each is a :class:`TeacherSource`, whose methods
-answer all the loss asks of a teacher, so the rest of the library never asks which kind it holds."""
+:class:`PrecomputedTeacher`, :class:`TeacherHead`, :class:`TeacherMixture`). Each is a
+:class:`TeacherSource`, whose methods answer all the loss asks of a teacher, so the rest of the
+library never asks which kind it holds."""
 
 from .cached import PrecomputedTeacher
+from .mixture import TeacherMixture
 from .source import (
     TEACHER_MODES,
     ExpectedShape,
@@ -25,6 +27,7 @@ __all__ = [
     "ShardReader",
     "Teacher",
     "TeacherHead",
+    "TeacherMixture",
     "TeacherSource",
     "TiedTeacher",
     "ValueCheck",

@@ -1,0 +1,161 @@
+"""A :class:`orda_tp.TeacherMixture`'s logits as one teacher's blocks (:class:`MixtureBlocks`), and
+each teacher's own (the reference's): ``v_i = cap_i(scale_i·(h_i·W_iᵀ + b_i))/T_i`` (a cache's
+values ``/T_i``), each teacher's GEMM only over the rows that weigh on it.
+
+The "linear" form's block is ``Σ_i w_ri·v_i`` over the teachers with ``w_ri > 0`` (``−inf`` on a
+row without one: no teacher, KL 0); read at temperature 1 it is the product of experts, or the row's
+one routed teacher. The "mixed" block ``log Σ_i w̃_ri·q_i`` needs every column of a row, so only the
+reference forms it (the chunked backends refuse that form for now)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..arguments.mixture import MemberPlan, MixturePlan
+from ..teachers import TeacherSource
+from ..teachers.mixture import MixtureRouting, TeacherMixture
+from ..teachers.source import TeacherBlocks
+from .logits import HeadLogits, HeadTensors, StoredLogits
+
+__all__ = ["MixtureBlocks", "mixture_blocks"]
+
+Rows = slice | Tensor  # a chunk's rows a teacher reads: a run, or chunk-local indices (on the device)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One teacher's logits source, its plan and the rows (CPU, sorted) where it has weight."""
+
+    source: TeacherBlocks  # a head's product, stored logits, or a top-k cache's blocks
+    plan: MemberPlan
+    rows: Tensor | None  # None: every row
+
+    def chunk_rows(self, begin: int, end: int) -> Rows | None:
+        """Its rows within ``[begin, end)``, chunk-local: a slice where they are one run; None: none."""
+        if self.rows is None:
+            return slice(0, end - begin)
+        lo, hi = (int(i) for i in torch.searchsorted(self.rows, torch.tensor([begin, end])))
+        if lo == hi:
+            return None
+        first, last = int(self.rows[lo]), int(self.rows[hi - 1])
+        if last - first + 1 == hi - lo:  # one run: read in place, no gather
+            return slice(first - begin, last + 1 - begin)
+        return self.rows[lo:hi] - begin
+
+    def logits(self, begin: int, rows: Rows, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``v`` on ``rows`` of the chunk starting at ``begin``, local columns ``[start, stop)``."""
+        source = self.source
+        if isinstance(rows, slice):
+            block = source.block(begin + rows.start, begin + rows.stop, start, stop, dtype, False)
+        elif isinstance(source, HeadLogits):  # a GEMM over the gathered rows only
+            gathered = HeadLogits(source.hidden.detach()[rows.to(source.hidden.device) + begin], *_head_rest(source))
+            block = gathered.block(0, rows.numel(), start, stop, dtype, False)
+        elif isinstance(source, StoredLogits):  # only these rows' block is copied
+            logits = source.logits.detach()
+            block = logits[:, start:stop][rows.to(logits.device) + begin].to(dtype)
+        else:  # a top-k cache's dense block over the rows' span, then its rows
+            span = source.block(begin + int(rows[0]), begin + int(rows[-1]) + 1, start, stop, dtype, False)
+            assert isinstance(span, Tensor)  # formed dense (not as stored)
+            block = span[(rows - rows[0]).to(span.device)]
+        assert isinstance(block, Tensor)  # formed dense (not as stored)
+        block = block.to(device)
+        return block if self.plan.temperature == 1.0 else block / self.plan.temperature
+
+
+def _head_rest(source: HeadLogits) -> tuple[Tensor, float | None, Tensor | None, float]:
+    return source.weight, source.cap, source.bias, source.scale
+
+
+class MixtureBlocks:
+    """The blocks of a mixture read as one teacher (a ``TeacherBlocks``), and its teachers' own."""
+
+    def __init__(self, plan: MixturePlan, routing: MixtureRouting, members: list[_Member], device: torch.device):
+        self.plan, self.routing, self.members, self.device = plan, routing, members, device
+
+    def weights(self, begin: int, end: int, dtype: torch.dtype) -> Tensor:
+        """(rows, n) weights of rows ``[begin, end)`` (scalar weights broadcast)."""
+        if self.routing.weights is not None:
+            return self.routing.weights[begin:end].to(dtype)
+        assert self.routing.scalars is not None
+        return torch.tensor(self.routing.scalars, dtype=dtype, device=self.device).expand(end - begin, -1)
+
+    def member_logits(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype) -> list[Tensor]:
+        """Each teacher's ``v_i`` on rows ``[begin, end)``: −inf on the rows where it has no weight."""
+        out = []
+        for member in self.members:
+            logits = torch.full((end - begin, stop - start), -math.inf, dtype=dtype, device=self.device)
+            rows = member.chunk_rows(begin, end)
+            if rows is not None:
+                logits[rows if isinstance(rows, slice) else rows.to(self.device)] = member.logits(
+                    begin, rows, start, stop, dtype, self.device
+                )
+            out.append(logits)
+        return out
+
+    def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
+        if self.plan.form == "mixed":
+            return self._mixed_block(begin, end, start, stop, dtype)
+        out = torch.zeros(end - begin, stop - start, dtype=dtype, device=self.device)
+        weights = self.weights(begin, end, dtype)
+        for index, member in enumerate(self.members):
+            rows = member.chunk_rows(begin, end)
+            scalar = None if self.routing.scalars is None else self.routing.scalars[index]
+            if rows is None or scalar == 0.0:
+                continue
+            logits = member.logits(begin, rows, start, stop, dtype, self.device)
+            if isinstance(rows, slice):
+                # Σ w·v over the rows with w > 0 only: a 0·(−inf) would be NaN.
+                weight = weights[rows, index, None]
+                out[rows].add_(logits * weight if scalar is None else logits.mul_(scalar))
+            else:
+                local = rows.to(self.device)
+                out.index_add_(0, local, logits * weights[local, index, None])
+        if self.routing.has_teacher is not None:  # a row without a teacher: absent (KL 0, no gradient)
+            out.masked_fill_(~self.routing.has_teacher[begin:end, None], -math.inf)
+        return out
+
+    def _mixed_block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+        """``log Σ_i w̃_i q_i`` over every real column: the teachers present on a row (weight > 0, not
+        all −inf) with their weights renormalized over them; −inf on a row with none."""
+        logits = torch.stack(self.member_logits(begin, end, start, stop, dtype))  # (n, rows, columns)
+        lse = torch.logsumexp(logits, -1)  # (n, rows)
+        weights = self.weights(begin, end, dtype).T
+        present = (weights > 0) & (lse > -math.inf)
+        kept = torch.where(present, weights, torch.zeros_like(weights))
+        total = kept.sum(0)
+        safe = torch.where(present, weights, torch.ones_like(weights)).log() - torch.where(present, lse, 0)
+        shift = torch.where(present, safe - torch.where(total > 0, total, 1).log(), -math.inf)
+        return torch.logsumexp(logits + shift[:, :, None], 0)
+
+
+def mixture_blocks(
+    plan: MixturePlan, teacher: TeacherSource, head: HeadTensors, vocab_start: int, vocab_size: int
+) -> MixtureBlocks:
+    """The blocks of a prepared :class:`TeacherMixture` over this device's columns; ``head``: the
+    call's tensors (a tied teacher reads the student's head and bias)."""
+    assert isinstance(teacher, TeacherMixture) and teacher.routing is not None
+    members = []
+    for source, member_plan, rows in zip(teacher.members(), plan.members, teacher.routing.rows):
+        hidden, weight, logits, blocks, bias = source.logits_inputs(vocab_start, vocab_size)
+        side: TeacherBlocks
+        if blocks is not None:
+            side = blocks
+        elif logits is not None:
+            side = StoredLogits(logits)
+        else:
+            assert hidden is not None
+            tied = weight is None
+            member_weight = head.weight if weight is None else weight
+            side = HeadLogits(
+                hidden,
+                member_weight,
+                member_plan.softcap,
+                head.bias if tied else bias,
+                member_plan.scale,
+            )
+        members.append(_Member(side, member_plan, rows))
+    return MixtureBlocks(plan, teacher.routing, members, head.student_hidden.device)
