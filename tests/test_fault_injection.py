@@ -42,6 +42,8 @@ CHECK_MODULES = (
     "parallel/logits_shards.py",
     "engine/block_math.py",
     "engine/call.py",
+    "teachers/mixture.py",
+    "arguments/mixture_plan.py",
 )
 
 # Functions whose raises no fault reaches, and why.

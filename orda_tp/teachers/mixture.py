@@ -170,10 +170,10 @@ class TeacherMixture(TeacherSource):
         return shapes
 
     def localized(self, reader: ShardReader) -> TeacherSource:
-        raise ValueError(
-            "TeacherMixture under tensor parallelism (a tp_group, or DTensor inputs such as an FSDP2-sharded "
-            "TeacherHead) is not supported yet: call it on one device"
-        )
+        raise _not_on_a_group()
+
+    def check_shardable(self) -> None:
+        raise _not_on_a_group()
 
     def checked_values(self, real_columns: int) -> list[ValueCheck]:
         checks = []
@@ -204,6 +204,13 @@ class TeacherMixture(TeacherSource):
         for index, member in enumerate(self.members()):
             lines += [f"teachers[{index}].{line}" for line in member.settings_text().splitlines()]
         return "\n".join(lines)
+
+
+def _not_on_a_group() -> ValueError:
+    return ValueError(
+        "TeacherMixture under tensor parallelism (a tp_group, or DTensor inputs such as an FSDP2-sharded "
+        "TeacherHead) is not supported yet: call it on one device"
+    )
 
 
 def _check_weight_values(table: Tensor, combine: str, per_row: bool) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import orda_tp
-from orda_tp import KernelConfig, PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from orda_tp import KernelConfig, PrecomputedTeacher, SeparateTeacher, TeacherMixture, TiedTeacher
 
 from .distributed import note
 
@@ -110,6 +110,10 @@ class Call:
     forward_keywords: dict[str, Any] = field(default_factory=dict)
     after_build: Callable[[Any], Any] | None = None
     teacher_object: Any = None
+    # A "mixture" teacher's: its teachers (None: a TiedTeacher and a logits cache), weights and combine mode.
+    members: Any = None
+    mixture_weights: Any = (0.5, 0.5)
+    combine: str = "log_probabilities"
     mesh: Any = None  # the 1-D mesh of DTensor faults (None: plain shards and tp_group)
     rank: int = 0
     world: int = 1
@@ -204,6 +208,11 @@ def _descriptor(call: Call) -> Any:
         teacher = SeparateTeacher(call.teacher_hidden, call.teacher_weight)
     elif kind == "logits":
         teacher = PrecomputedTeacher(logits=call.logits)
+    elif kind == "mixture":
+        members = call.members
+        if members is None:
+            members = [TiedTeacher(call.teacher_hidden), PrecomputedTeacher(logits=call.logits)]
+        teacher = TeacherMixture(members, call.mixture_weights, call.combine)
     elif kind == "hidden_cache":
         teacher = PrecomputedTeacher(teacher_hidden=call.teacher_hidden, teacher_weight=call.teacher_weight)
     else:
@@ -977,8 +986,167 @@ HEAD_FAULTS = [
     Fault("head misspelled keyword", "head", "tied", _kw(kl_temprature=2.0), "kl_temprature", one_rank=False),
 ]
 
-FAULTS = {fault.name: fault for fault in FUSED_FAULTS + KD_FAULTS + FLASH_FAULTS + HEAD_FAULTS}
-assert len(FAULTS) == len(FUSED_FAULTS + KD_FAULTS + FLASH_FAULTS + HEAD_FAULTS), "fault names are unique"
+
+def _members(make: Callable[[Call], list[Any]]) -> Edit:
+    return lambda call: replace(call, members=make(call))
+
+
+def _weights(value: Any, combine: str = "log_probabilities") -> Edit:
+    return lambda call: replace(call, mixture_weights=value, combine=combine)
+
+
+def _cache_modified_after_build(call: Call) -> list[Any]:
+    cache = PrecomputedTeacher(logits=call.logits)
+    call.logits.add_(1.0)
+    return [TiedTeacher(call.teacher_hidden), cache]
+
+
+def _row_weights(fill: float, **at: float) -> Any:
+    weights = torch.full((ROWS, 2), fill, dtype=torch.float64)
+    for value in at.values():
+        weights[3, 1] = value
+    return weights
+
+
+# A TeacherMixture on one device (tensor parallelism refuses it as a whole, so its checks have no group form yet).
+MIXTURE_FAULTS = [
+    Fault(
+        "mixture of no teacher", "fused", "mixture", _members(lambda c: []), "TeacherMixture.teachers", on_group=False
+    ),
+    Fault(
+        "mixture holding a tensor",
+        "fused",
+        "mixture",
+        _members(lambda c: [c.teacher_hidden]),
+        "TeacherMixture.teachers[0]",
+        on_group=False,
+    ),
+    Fault(
+        "mixture of a mixture",
+        "fused",
+        "mixture",
+        _members(lambda c: [TeacherMixture([TiedTeacher(c.teacher_hidden)], [1.0])]),
+        "TeacherMixture.teachers[0]",
+        on_group=False,
+    ),
+    Fault(
+        "mixture combine unknown", "fused", "mixture", _set(combine="mean"), "TeacherMixture.combine", on_group=False
+    ),
+    Fault("mixture weights count", "fused", "mixture", _weights((1.0,)), "TeacherMixture.weights", on_group=False),
+    Fault(
+        "mixture weight a string", "fused", "mixture", _weights(("a", 1.0)), "TeacherMixture.weights[0]", on_group=False
+    ),
+    Fault(
+        "mixture integer weights",
+        "fused",
+        "mixture",
+        _weights(torch.ones(ROWS, 2, dtype=torch.long)),
+        "TeacherMixture.weights",
+        on_group=False,
+    ),
+    Fault(
+        "mixture weights of another shape",
+        "fused",
+        "mixture",
+        _weights(torch.ones(ROWS - 1, 2, dtype=torch.float64)),
+        "TeacherMixture.weights",
+        on_group=False,
+    ),
+    Fault(
+        "mixture weights requiring grad",
+        "fused",
+        "mixture",
+        _weights(torch.ones(ROWS, 2, dtype=torch.float64, requires_grad=True)),
+        "TeacherMixture.weights",
+        on_group=False,
+    ),
+    Fault(
+        "mixture negative weight",
+        "fused",
+        "mixture",
+        _weights((-0.5, 1.5)),
+        "TeacherMixture.weights[0]",
+        on_group=False,
+    ),
+    Fault(
+        "mixture NaN row weight",
+        "fused",
+        "mixture",
+        _weights(_row_weights(0.5, nan=math.nan)),
+        "TeacherMixture.weights[3, 1]",
+        on_group=False,
+    ),
+    Fault(
+        "mixture weights all zero", "fused", "mixture", _weights((0.0, 0.0)), "TeacherMixture.weights", on_group=False
+    ),
+    Fault(
+        "mixture probabilities not summing to 1",
+        "fused",
+        "mixture",
+        _weights(_row_weights(0.5, off=0.6), "probabilities"),
+        "TeacherMixture.weights[3]",
+        on_group=False,
+    ),
+    Fault(
+        "mixture trained tied teacher",
+        "fused",
+        "mixture",
+        _members(lambda c: [TiedTeacher(c.teacher_hidden, mode="trained"), PrecomputedTeacher(logits=c.logits)]),
+        "TeacherMixture.teachers[0]",
+        on_group=False,
+    ),
+    Fault("mixture teacher CE", "fused", "mixture", _kw(teacher_ce_weight=1.0), "teacher_ce_weight", on_group=False),
+    Fault(
+        "mixture co-training variant", "fused", "mixture", _kw(kl_divergence="mutual"), "kl_divergence", on_group=False
+    ),
+    Fault(
+        "mixture vocabularies differ",
+        "fused",
+        "mixture",
+        _members(lambda c: [TiedTeacher(c.teacher_hidden), PrecomputedTeacher(logits=c.logits[:, :-1])]),
+        "teacher.teachers[1].logits",
+        on_group=False,
+    ),
+    Fault(
+        "mixture tied scale", "fused", "mixture", _kw(teacher_logit_scale=2.0), "teacher_logit_scale", on_group=False
+    ),
+    Fault(
+        "mixture capped logits cache",
+        "fused",
+        "mixture",
+        _kw(teacher_logit_softcap=3.0),
+        "TeacherMixture.teachers[1]",
+        on_group=False,
+    ),
+    Fault(
+        "mixture cache modified in place",
+        "fused",
+        "mixture",
+        _members(_cache_modified_after_build),
+        "TeacherMixture.teachers[1]",
+        on_group=False,
+    ),
+    Fault(
+        "mixture dense divergences on torch",
+        "fused",
+        "mixture",
+        _weights((0.5, 0.5), "divergences"),
+        "not supported yet",
+        on_group=False,
+    ),
+    Fault(
+        "mixture under tensor parallelism",
+        "fused",
+        "tied",
+        _set(teacher="mixture"),
+        "tensor parallelism",
+        one_device=False,
+    ),
+]
+
+ALL_FAULTS = FUSED_FAULTS + KD_FAULTS + FLASH_FAULTS + HEAD_FAULTS + MIXTURE_FAULTS
+FAULTS = {fault.name: fault for fault in ALL_FAULTS}
+assert len(FAULTS) == len(ALL_FAULTS), "fault names are unique"
 
 
 # ------------------------------------------------------------------------------------- running
