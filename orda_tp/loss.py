@@ -175,7 +175,6 @@ def _run(
         row_weights=local.row_weights,
         gemms=GemmPolicy(options.gradient_scale, (plan.student_scale, plan.teacher_scale)),
         teacher_blocks=teacher_blocks,
-        refused=None if plan.mixture is None else "a TeacherMixture is not built for the Triton kernels yet",
     )
     # Statistics in fp32/fp64 whatever autocast would pick for the GEMMs; no block math: the fp64 reference.
     with torch.autocast(local.student_hidden.device.type, enabled=False):

@@ -5,9 +5,12 @@
 The torch backend runs the "linear" form: ``log_probabilities`` with any weights, and rows routed to
 one teacher of weight 1 for ``probabilities`` and ``divergences``; the reference backend runs every
 form. What is not built yet raises (dense ``probabilities``/``divergences`` weights on a chunked
-backend, the Triton kernels, tensor parallelism)."""
+backend; tensor parallelism: tests/test_errors_mixture.py). The Triton kernels (interpreted on a
+CPU) run the linear form in fp32."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ import orda_tp
 from orda_tp import KL_VARIANTS
 
 from .support.cases import COTRAINED, SMALL_CHUNKS, VARIANT_KWARGS, relative_error, stable_seed
-from .support.mixture_cases import ROWS, MixtureProblem, make_problem, oracle
+from .support.mixture_cases import HIDDEN, ROWS, MixtureProblem, in_float32, make_problem, oracle
 
 FROZEN_VARIANTS = [variant for variant in KL_VARIANTS if variant not in COTRAINED]
 COMBINES = ("divergences", "probabilities", "log_probabilities")
@@ -40,23 +43,31 @@ def weights_of(kind: str, n: int, seed: int) -> torch.Tensor:
 
 def check(
     problem: MixtureProblem, kinds: list[str], weights: torch.Tensor, combine: str, backend: str,
-    scalar: bool = False, **kwargs: object,
+    scalar: bool = False, float32: bool = False, **kwargs: object,
 ) -> None:  # fmt: skip
-    """The mixture's outputs and gradients equal the oracle's (fp64, 1e-9)."""
+    """The mixture's outputs and gradients equal the oracle's (fp64: 1e-9; ``float32``: its inputs in
+    fp32, 2e-5)."""
     given: torch.Tensor | list[float] = [float(w) for w in weights[0]] if scalar else weights
-    mixture = orda_tp.TeacherMixture([problem.teachers[kind] for kind in kinds], given, combine=combine)
+    teachers = [problem.teachers[kind] for kind in kinds]
+    exact = [problem.student_hidden, problem.weight, problem.bias]
+    leaves = [leaf.detach().float().requires_grad_() for leaf in exact] if float32 else exact
+    if float32:
+        teachers = [in_float32(teacher) for teacher in teachers]  # type: ignore[misc]
+        given = given.float() if isinstance(given, torch.Tensor) else given
+    mixture = orda_tp.TeacherMixture(teachers, given, combine=combine)
     config = None if backend == "reference" else SMALL_CHUNKS
-    args = problem.student_hidden, problem.weight, problem.labels
-    out = orda_tp.distillation_loss(*args, mixture, bias=problem.bias, backend=backend, config=config, **kwargs)
+    out = orda_tp.distillation_loss(
+        leaves[0], leaves[1], problem.labels, mixture, bias=leaves[2], backend=backend, config=config, **kwargs
+    )
     expected = oracle(problem, kinds, weights, combine, kwargs)
+    tolerance = 2e-5 if float32 else 1e-9
     for name, value, want in zip(expected._fields, out, expected):
-        assert relative_error(value, want) <= 1e-9, (name, relative_error(value, want))
+        assert relative_error(value, want) <= tolerance, (name, relative_error(value, want))
     upstream = torch.rand(out.loss.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    leaves = [problem.student_hidden, problem.weight, problem.bias]
-    grads = torch.autograd.grad(out.loss, leaves, upstream)
-    wanted = torch.autograd.grad(expected.loss, leaves, upstream)
+    grads = torch.autograd.grad(out.loss, leaves, upstream.to(out.loss.dtype))
+    wanted = torch.autograd.grad(expected.loss, exact, upstream)
     for name, grad, want in zip(("student_hidden", "weight", "bias"), grads, wanted):
-        assert relative_error(grad, want) <= 1e-9, (name, relative_error(grad, want))
+        assert relative_error(grad, want) <= tolerance, (name, relative_error(grad, want))
 
 
 def kl_kwargs(variant: str, reduction: str = "mean") -> dict[str, object]:
@@ -153,10 +164,76 @@ def test_dense_weights_on_a_chunked_backend_are_not_built_yet(combine: str) -> N
         orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, mixture, backend="torch")
 
 
-def test_triton_is_not_built_yet(monkeypatch: pytest.MonkeyPatch) -> None:
-    # As on a machine where the kernels run (CUDA), so that the mixture's refusal is what raises.
-    monkeypatch.setattr(orda_tp.engine.block_math, "unavailable_reason", lambda device, dtype: None)
-    problem = make_problem(14)
-    mixture = orda_tp.TeacherMixture([problem.teachers["separate20"]], [1.0], "log_probabilities")
-    with pytest.raises(ValueError, match="TeacherMixture is not built for the Triton kernels yet"):
-        orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, mixture, backend="triton")
+@pytest.mark.parametrize("variant", ["forward", "reverse", "skew_js", "dkd"])
+@pytest.mark.parametrize(
+    ("combine", "weights", "kinds"),
+    [
+        ("log_probabilities", "dense", ["separate20", "logits"]),
+        ("divergences", "routed", ["tied", "separate12", "topk"]),
+        ("probabilities", "routed", ["tied", "hidden"]),
+    ],
+)
+def test_triton_linear_form(combine: str, weights: str, kinds: list[str], variant: str) -> None:
+    pytest.importorskip("triton")
+    seed = stable_seed("triton", combine, variant)
+    problem, table = make_problem(seed), weights_of(weights, len(kinds), seed)
+    check(problem, kinds, table, combine, "triton", float32=True, **kl_kwargs(variant))
+
+
+def test_doors_and_teacher_heads() -> None:
+    """``DistillationLoss`` and ``DistillationHead`` take a mixture as any teacher; a ``TeacherHead``
+    member reads its module's weight and bias (no gradient reaches them: the teachers are frozen)."""
+    problem = make_problem(15)
+    member = problem.teachers["separate20"]
+    assert isinstance(member, orda_tp.SeparateTeacher) and member.bias is not None
+    module = torch.nn.Linear(20, member.weight.shape[0], dtype=torch.float64)
+    with torch.no_grad():
+        module.weight.copy_(member.weight), module.bias.copy_(member.bias)
+    weights = weights_of("routed", 2, 15)
+    kwargs = dict(kl_kwargs("reverse"), backend="torch", config=SMALL_CHUNKS)
+    args = problem.student_hidden, problem.weight, problem.labels
+    expected = orda_tp.distillation_loss(
+        *args, orda_tp.TeacherMixture([member, problem.teachers["logits"]], weights), **kwargs
+    )
+    with_head = orda_tp.TeacherMixture(
+        [orda_tp.TeacherHead(member.hidden, module), problem.teachers["logits"]], weights
+    )
+    through_module = orda_tp.DistillationLoss(**kwargs)(*args, with_head)
+    assert relative_error(through_module.loss, expected.loss) <= 1e-12
+    through_module.loss.backward()
+    assert module.weight.grad is None and module.bias.grad is None
+    head = orda_tp.DistillationHead(HIDDEN, problem.weight.shape[0], dtype=torch.float64, **kwargs)
+    with torch.no_grad():
+        head.weight.copy_(problem.weight)
+    out = head(problem.student_hidden.detach(), labels=problem.labels, teacher=with_head)
+    assert relative_error(out.loss, expected.loss) <= 1e-12
+
+
+@pytest.mark.parametrize("combine", COMBINES)
+def test_a_teacher_absent_on_a_row(combine: str) -> None:
+    """A cache row of −inf: "divergences" drops that term, "probabilities" renormalizes over the
+    other teachers (here: the row's one teacher is the other), "log_probabilities" vetoes the row."""
+    problem = make_problem(16)
+    logits = problem.raw["logits"].clone()
+    logits[4] = -math.inf
+    problem.teachers["logits"], problem.raw["logits"] = orda_tp.PrecomputedTeacher(logits=logits), logits
+    weights = weights_of("routed", 2, 16)
+    weights[4] = torch.tensor([0.0, 1.0]) if combine != "log_probabilities" else weights[4]
+    check(problem, ["separate12", "logits"], weights, combine, "torch", **kl_kwargs("forward"))
+    out = orda_tp.distillation_loss(
+        problem.student_hidden, problem.weight, problem.labels,
+        orda_tp.TeacherMixture([problem.teachers["separate12"], problem.teachers["logits"]], weights, combine),
+        backend="torch", **dict(kl_kwargs("forward"), reduction="none"),
+    )  # fmt: skip
+    assert out.kl[4] == 0.0 or combine == "log_probabilities" and not bool((weights[4] > 0).any())
+
+
+@pytest.mark.parametrize("combine", COMBINES)
+def test_a_teacher_absent_on_a_dense_row(combine: str) -> None:
+    """The same on dense weights (the reference backend): the row keeps its other teacher."""
+    problem = make_problem(17)
+    logits = problem.raw["logits"].clone()
+    logits[4] = -math.inf
+    problem.teachers["logits"], problem.raw["logits"] = orda_tp.PrecomputedTeacher(logits=logits), logits
+    weights = weights_of("dense", 3, 17)
+    check(problem, ["separate12", "logits", "tied"], weights, combine, "reference", **kl_kwargs("skew_forward", "none"))

@@ -68,6 +68,27 @@ def make_problem(seed: int) -> MixtureProblem:
     return MixtureProblem(hidden, weight, bias, labels, teachers, raw)
 
 
+def in_float32(teacher: object) -> object:
+    """The same teacher with its floating-point tensors in fp32."""
+    if isinstance(teacher, orda_tp.TiedTeacher):
+        return orda_tp.TiedTeacher(teacher.hidden.float())
+    if isinstance(teacher, orda_tp.SeparateTeacher):
+        bias = None if teacher.bias is None else teacher.bias.float()
+        return orda_tp.SeparateTeacher(teacher.hidden.float(), teacher.weight.float(), bias)
+    assert isinstance(teacher, orda_tp.PrecomputedTeacher)
+    if teacher.logits is not None:
+        return orda_tp.PrecomputedTeacher(logits=teacher.logits.float())
+    if teacher.topk_ids is not None and teacher.topk_logprobs is not None:
+        logprobs = teacher.topk_logprobs.float()
+        return orda_tp.PrecomputedTeacher(
+            topk_ids=teacher.topk_ids, topk_logprobs=logprobs, tail="uniform", retemper=True
+        )
+    assert teacher.teacher_hidden is not None and teacher.teacher_weight is not None
+    return orda_tp.PrecomputedTeacher(
+        teacher_hidden=teacher.teacher_hidden.float(), teacher_weight=teacher.teacher_weight.float()
+    )
+
+
 def tempered(problem: MixtureProblem, kind: str, kwargs: dict[str, object]) -> Tensor:
     """``v = cap(scale·t)/T_t`` of one teacher from its definition (a cache: ``t/T_t``; top-k: made at 1)."""
     given = kwargs.get("kl_teacher_temperature")
@@ -98,8 +119,12 @@ def oracle(
     w = weights.T[:, :, None]
     if combine == "log_probabilities":
         block = torch.where(w > 0, w * v, torch.zeros_like(v)).sum(0)
-    else:
-        block = torch.logsumexp(torch.log(w) + torch.log_softmax(v, -1), 0)
+    else:  # a teacher absent on a row (all −inf) is left out, the others' weights renormalized
+        present = (v > -math.inf).any(-1, keepdim=True)
+        w = torch.where(present, w, torch.zeros_like(w))
+        w = w / w.sum(0, keepdim=True).clamp_min(1e-300)
+        log_q = torch.where(present, torch.log_softmax(torch.where(present, v, 0.0), -1), -math.inf)
+        block = torch.logsumexp(torch.log(w) + log_q, 0)
     block = torch.where((weights > 0).any(1)[:, None], block, -math.inf)
     cache = orda_tp.PrecomputedTeacher(logits=block, logits_temperature=1.0)
     plain = {name: value for name, value in call.items() if name not in TEACHER_KEYWORDS}
