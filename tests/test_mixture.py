@@ -237,3 +237,11 @@ def test_a_teacher_absent_on_a_dense_row(combine: str) -> None:
     problem.teachers["logits"], problem.raw["logits"] = orda_tp.PrecomputedTeacher(logits=logits), logits
     weights = weights_of("dense", 3, 17)
     check(problem, ["separate12", "logits", "tied"], weights, combine, "reference", **kl_kwargs("skew_forward", "none"))
+
+
+@pytest.mark.parametrize("combine", COMBINES)
+def test_token_weights_entropy_and_a_global_mean(combine: str) -> None:
+    problem = make_problem(18)
+    token_weights = torch.rand(ROWS, dtype=torch.float64, generator=torch.Generator().manual_seed(18))
+    kwargs = dict(kl_kwargs("jeffreys"), token_weights=token_weights, student_entropy=True, num_valid_tokens=40.0)
+    check(problem, ["tied", "topk"], weights_of("routed", 2, 18), combine, "torch", **kwargs)

@@ -112,7 +112,9 @@ def oracle(
         out = orda_tp.distillation_loss(*args, problem.teachers[kinds[0]], **terms)
         parts = [out]
         for index, kind in enumerate(kinds):
-            views = dict(call, token_weights=weights[:, index].clone(), **STUDENT_TERMS_OFF)
+            given = kwargs.get("token_weights")
+            rows = weights[:, index] if given is None else weights[:, index] * given  # type: ignore[operator]
+            views = dict(call, token_weights=rows.clone(), **STUDENT_TERMS_OFF)
             parts.append(orda_tp.distillation_loss(*args, problem.teachers[kind], **views))
         return orda_tp.DistillationLossOutput(*(sum(values) for values in zip(*parts)))
     v = torch.stack([tempered(problem, kind, kwargs) for kind in kinds])  # (n, rows, vocab)
