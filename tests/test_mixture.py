@@ -2,11 +2,11 @@
 (tests/support/mixture_cases.py, one-teacher reference calls composed from the definitions), fp64
 ≤ 1e-9 for the loss, its components and the gradients to the student's hidden states, head and bias.
 
-The torch backend runs the "linear" form: ``log_probabilities`` with any weights, and rows routed to
-one teacher of weight 1 for ``probabilities`` and ``divergences``; the reference backend runs every
-form. What is not built yet raises (dense ``probabilities``/``divergences`` weights on a chunked
-backend; tensor parallelism: tests/test_errors_mixture.py). The Triton kernels (interpreted on a
-CPU) run the linear form in fp32."""
+The torch backend runs the "linear" form (``log_probabilities`` with any weights, and rows routed to
+one teacher of weight 1 for ``probabilities`` and ``divergences``) and the "mixed" form (dense
+``probabilities``); the reference backend runs every form. What is not built yet raises (dense
+``divergences`` weights on a chunked backend; tensor parallelism: tests/test_errors_mixture.py). The
+Triton kernels (interpreted on a CPU) run the linear and mixed forms in fp32."""
 
 from __future__ import annotations
 
@@ -156,10 +156,17 @@ def test_one_teacher_mixture_is_the_teacher() -> None:
             assert relative_error(value, want) <= 1e-12
 
 
-@pytest.mark.parametrize("combine", ["divergences", "probabilities"])
-def test_dense_weights_on_a_chunked_backend_are_not_built_yet(combine: str) -> None:
+@pytest.mark.parametrize("variant", FROZEN_VARIANTS)
+def test_probabilities_dense_every_variant(variant: str) -> None:
+    seed = stable_seed("probabilities", variant)
+    problem, weights = make_problem(seed), weights_of("dense", 3, seed)
+    check(problem, ["tied", "separate20", "topk"], weights, "probabilities", "torch", **kl_kwargs(variant))
+
+
+def test_dense_divergences_on_a_chunked_backend_are_not_built_yet() -> None:
     problem = make_problem(13)
-    mixture = orda_tp.TeacherMixture([problem.teachers["separate20"], problem.teachers["logits"]], [0.5, 0.5], combine)
+    teachers = [problem.teachers["separate20"], problem.teachers["logits"]]
+    mixture = orda_tp.TeacherMixture(teachers, [0.5, 0.5], "divergences")
     with pytest.raises(ValueError, match="not supported yet by the chunked backends"):
         orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, mixture, backend="torch")
 
@@ -171,9 +178,10 @@ def test_dense_weights_on_a_chunked_backend_are_not_built_yet(combine: str) -> N
         ("log_probabilities", "dense", ["separate20", "logits"]),
         ("divergences", "routed", ["tied", "separate12", "topk"]),
         ("probabilities", "routed", ["tied", "hidden"]),
+        ("probabilities", "dense", ["separate12", "logits"]),
     ],
 )
-def test_triton_linear_form(combine: str, weights: str, kinds: list[str], variant: str) -> None:
+def test_triton(combine: str, weights: str, kinds: list[str], variant: str) -> None:
     pytest.importorskip("triton")
     seed = stable_seed("triton", combine, variant)
     problem, table = make_problem(seed), weights_of(weights, len(kinds), seed)

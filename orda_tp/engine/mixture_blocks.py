@@ -4,8 +4,8 @@ values ``/T_i``), each teacher's GEMM only over the rows that weigh on it.
 
 The "linear" form's block is ``Σ_i w_ri·v_i`` over the teachers with ``w_ri > 0`` (``−inf`` on a
 row without one: no teacher, KL 0); read at temperature 1 it is the product of experts, or the row's
-one routed teacher. The "mixed" block ``log Σ_i w̃_ri·q_i`` needs every column of a row, so only the
-reference forms it (the chunked backends refuse that form for now)."""
+one routed teacher. The "mixed" block ``log Σ_i w̃_ri·q_i`` needs each teacher's LSE over every column
+of a row: read in a first pass over the chunk's columns (one device only, for now)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,12 @@ def _head_rest(source: HeadLogits) -> tuple[Tensor, float | None, Tensor | None,
 class MixtureBlocks:
     """The blocks of a mixture read as one teacher (a ``TeacherBlocks``), and its teachers' own."""
 
-    def __init__(self, plan: MixturePlan, routing: MixtureRouting, members: list[_Member], device: torch.device):
-        self.plan, self.routing, self.members, self.device = plan, routing, members, device
+    def __init__(
+        self, plan: MixturePlan, routing: MixtureRouting, members: list[_Member], device: torch.device, columns: int
+    ):
+        self.plan, self.routing, self.members, self.device, self.columns = plan, routing, members, device, columns
+        # The "mixed" form's per-row shifts of the last chunk read: its column blocks reuse them.
+        self._shifts: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
 
     def weights(self, begin: int, end: int, dtype: torch.dtype) -> Tensor:
         """(rows, n) weights of rows ``[begin, end)`` (scalar weights broadcast)."""
@@ -119,17 +123,29 @@ class MixtureBlocks:
         return out
 
     def _mixed_block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype) -> Tensor:
-        """``log Σ_i w̃_i q_i`` over every real column: the teachers present on a row (weight > 0, not
-        all −inf) with their weights renormalized over them; −inf on a row with none."""
+        """``log Σ_i w̃_i q_i = logsumexp_i(c_i + v_i)``, ``c_i = log w̃_i − LSE_i`` over the teachers
+        present on a row (weight > 0, not all −inf) with their weights renormalized over them; −inf on
+        a row with none."""
         logits = torch.stack(self.member_logits(begin, end, start, stop, dtype))  # (n, rows, columns)
-        lse = torch.logsumexp(logits, -1)  # (n, rows)
+        key = (begin, end, dtype)
+        if self._shifts is None or self._shifts[0] != key:
+            self._shifts = key, self._row_shifts(begin, end, stop - start, dtype)
+        return torch.logsumexp(logits + self._shifts[1][:, :, None], 0)
+
+    def _row_shifts(self, begin: int, end: int, width: int, dtype: torch.dtype) -> Tensor:
+        """(n, rows) ``c_i``: each teacher's LSE over every real column, read in blocks of ``width``
+        columns first (a pass over its logits before the chunk's blocks: the interim "mixed" form on
+        one device; issue 38's plan moves these LSEs into round 1's record)."""
+        lse = torch.full((len(self.members), end - begin), -math.inf, dtype=dtype, device=self.device)
+        for start in range(0, self.columns, max(width, 1)):
+            stop = min(start + width, self.columns)
+            block = torch.stack(self.member_logits(begin, end, start, stop, dtype))
+            lse = torch.logaddexp(lse, torch.logsumexp(block, -1))
         weights = self.weights(begin, end, dtype).T
         present = (weights > 0) & (lse > -math.inf)
-        kept = torch.where(present, weights, torch.zeros_like(weights))
-        total = kept.sum(0)
+        total = torch.where(present, weights, torch.zeros_like(weights)).sum(0)
         safe = torch.where(present, weights, torch.ones_like(weights)).log() - torch.where(present, lse, 0)
-        shift = torch.where(present, safe - torch.where(total > 0, total, 1).log(), -math.inf)
-        return torch.logsumexp(logits + shift[:, :, None], 0)
+        return torch.where(present, safe - torch.where(total > 0, total, 1).log(), -math.inf)
 
 
 def mixture_blocks(
@@ -158,4 +174,5 @@ def mixture_blocks(
                 member_plan.scale,
             )
         members.append(_Member(side, member_plan, rows))
-    return MixtureBlocks(plan, teacher.routing, members, head.student_hidden.device)
+    # One device: every real column is local (tensor parallelism refuses a mixture for now).
+    return MixtureBlocks(plan, teacher.routing, members, head.student_hidden.device, vocab_size)
