@@ -41,7 +41,7 @@ class MixtureRouting:
 
     # Per teacher, the sorted rows (CPU int64) where its weight is > 0; None: every row (scalar weights).
     rows: tuple[Tensor | None, ...]
-    weights: Tensor | None  # (rows, n) on the labels' device ("probabilities": divided by each row's sum)
+    weights: Tensor | None  # (rows, n) fp64 on the labels' device ("probabilities": divided by each row's sum)
     scalars: tuple[float, ...] | None  # the weights when given as n numbers
     form: str  # one of FORMS
     has_teacher: Tensor | None  # (rows,) bool on the labels' device: some weight > 0 (None: every row)
@@ -139,7 +139,7 @@ class TeacherMixture(TeacherSource):
         else:
             assert isinstance(given, Tensor)
             rows = tuple(torch.nonzero(positive[:, i]).flatten() for i in range(table.shape[1]))
-            weights = table.to(device=given.device, dtype=given.dtype)
+            weights = table.to(given.device)  # fp64: each chunk reads them in its statistics dtype
             routing = MixtureRouting(rows, weights, None, form, positive.any(1).to(given.device))
         return replace(self, routing=routing)
 
@@ -152,8 +152,9 @@ class TeacherMixture(TeacherSource):
                 named += [(f"teachers[{index}].{name}", tensor) for name, tensor in member.named_tensors()]
             elif isinstance(member, TeacherHead):
                 named.append((f"teachers[{index}].hidden", member.hidden))
-                weight = getattr(member.head, "weight", None)
-                named += [(f"teachers[{index}].head.weight", weight)] if isinstance(weight, Tensor) else []
+                for name in ("weight", "bias"):
+                    tensor = getattr(member.head, name, None)
+                    named += [(f"teachers[{index}].head.{name}", tensor)] if isinstance(tensor, Tensor) else []
         return named + ([("weights", self.weights)] if isinstance(self.weights, Tensor) else [])
 
     def logits_inputs(self, vocab_start: int, vocab_size: int) -> LogitsInputs:
