@@ -254,3 +254,40 @@ def test_token_weights_entropy_and_a_global_mean(combine: str) -> None:
     token_weights = torch.rand(ROWS, dtype=torch.float64, generator=torch.Generator().manual_seed(18))
     kwargs = dict(kl_kwargs("jeffreys"), token_weights=token_weights, student_entropy=True, num_valid_tokens=40.0)
     check(problem, ["tied", "topk"], weights_of("routed", 2, 18), combine, "torch", **kwargs)
+
+
+def test_a_teacher_reads_only_its_rows() -> None:
+    """Per-row weights: only the rows that weigh on a teacher reach its logits (its hidden states
+    elsewhere may be anything, NaN here), in runs and in scattered rows alike (the GEMM itself runs
+    over those rows alone: ``engine/mixture_blocks.py``, ``_Member.chunk_rows``)."""
+    problem = make_problem(19)
+    weights = weights_of("routed", 2, 19)
+    weights[:8] = torch.tensor([1.0, 0.0])  # a run of rows for teacher 0, then scattered rows
+    clean = [problem.teachers["separate20"], problem.teachers["separate12"]]
+    poisoned = []
+    for index, teacher in enumerate(clean):
+        assert isinstance(teacher, orda_tp.SeparateTeacher)
+        hidden = teacher.hidden.clone()
+        hidden[weights[:, index] == 0] = math.nan
+        poisoned.append(orda_tp.SeparateTeacher(hidden, teacher.weight, teacher.bias))
+    args = problem.student_hidden, problem.weight, problem.labels
+    kwargs = dict(kl_kwargs("forward"), backend="torch", config=SMALL_CHUNKS)
+    for combine in COMBINES:
+        expected = orda_tp.distillation_loss(*args, orda_tp.TeacherMixture(clean, weights, combine), **kwargs)
+        out = orda_tp.distillation_loss(*args, orda_tp.TeacherMixture(poisoned, weights, combine), **kwargs)
+        assert relative_error(out.loss, expected.loss) <= 1e-12
+
+
+def test_forward_divergences_and_probabilities_share_their_gradient() -> None:
+    """Σ_i w_i·KL(q_i‖p) = KL(q̄‖p) + a constant of the student (Σ_i w_i = 1): one gradient."""
+    problem = make_problem(20)
+    weights = weights_of("dense", 3, 20)
+    teachers = [problem.teachers[kind] for kind in ("tied", "separate12", "logits")]
+    args = problem.student_hidden, problem.weight, problem.labels
+    grads = []
+    for combine in ("divergences", "probabilities"):
+        mixture = orda_tp.TeacherMixture(teachers, weights, combine)
+        loss = orda_tp.distillation_loss(*args, mixture, backend="reference", **kl_kwargs("forward")).loss
+        grads.append(torch.autograd.grad(loss, [problem.student_hidden, problem.weight]))
+    for grad, want in zip(*grads):
+        assert relative_error(grad, want) <= 1e-12
