@@ -2,11 +2,11 @@
 (tests/support/mixture_cases.py, one-teacher reference calls composed from the definitions), fp64
 ≤ 1e-9 for the loss, its components and the gradients to the student's hidden states, head and bias.
 
-The torch backend runs the "linear" form (``log_probabilities`` with any weights, and rows routed to
-one teacher of weight 1 for ``probabilities`` and ``divergences``) and the "mixed" form (dense
-``probabilities``); the reference backend runs every form. What is not built yet raises (dense
-``divergences`` weights on a chunked backend; tensor parallelism: tests/test_errors_mixture.py). The
-Triton kernels (interpreted on a CPU) run the linear and mixed forms in fp32."""
+The torch backend runs every form: "linear" (``log_probabilities`` with any weights, and rows routed
+to one teacher of weight 1 for ``probabilities`` and ``divergences``), "mixed" (dense
+``probabilities``) and "views" (dense ``divergences``), as does the reference backend; the Triton
+kernels (interpreted on a CPU) too, in fp32. Tensor parallelism is not built yet and raises
+(tests/test_errors_mixture.py)."""
 
 from __future__ import annotations
 
@@ -164,12 +164,21 @@ def test_probabilities_dense_every_variant(variant: str) -> None:
     check(problem, ["tied", "separate20", "topk"], weights, "probabilities", "torch", **kl_kwargs(variant, reduction))
 
 
-def test_dense_divergences_on_a_chunked_backend_are_not_built_yet() -> None:
-    problem = make_problem(13)
-    teachers = [problem.teachers["separate20"], problem.teachers["logits"]]
-    mixture = orda_tp.TeacherMixture(teachers, [0.5, 0.5], "divergences")
-    with pytest.raises(ValueError, match="not supported yet by the chunked backends"):
-        orda_tp.distillation_loss(problem.student_hidden, problem.weight, problem.labels, mixture, backend="torch")
+@pytest.mark.parametrize("variant", FROZEN_VARIANTS)
+def test_divergences_dense_every_variant(variant: str) -> None:
+    seed = stable_seed("divergences", variant)
+    problem, weights = make_problem(seed), weights_of("dense", 3, seed)
+    weights[7] *= 2.5  # "divergences" weights need not sum to 1
+    reduction = ("mean", "sum", "none")[seed % 3]
+    check(problem, ["tied", "separate20", "topk"], weights, "divergences", "torch", **kl_kwargs(variant, reduction))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_divergences_scalar_weights_without_student_terms(reduction: str) -> None:
+    problem = make_problem(21)
+    weights = weights_of("scalar", 2, 21) * 1.5
+    kwargs = dict(kl_kwargs("reverse", reduction), student_ce_weight=0.0, label_smoothing=0.0)
+    check(problem, ["separate12", "logits"], weights, "divergences", "torch", scalar=True, **kwargs)
 
 
 @pytest.mark.parametrize("variant", ["forward", "reverse", "skew_js", "dkd"])
@@ -180,6 +189,7 @@ def test_dense_divergences_on_a_chunked_backend_are_not_built_yet() -> None:
         ("divergences", "routed", ["tied", "separate12", "topk"]),
         ("probabilities", "routed", ["tied", "hidden"]),
         ("probabilities", "dense", ["separate12", "logits"]),
+        ("divergences", "dense", ["tied", "separate20"]),
     ],
 )
 def test_triton(combine: str, weights: str, kinds: list[str], variant: str) -> None:

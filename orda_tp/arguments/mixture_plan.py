@@ -62,12 +62,6 @@ def mixture_plan(options: LossOptions, mixture: TeacherSource, vocab_size: int) 
         except ValueError as error:
             raise ValueError(f"TeacherMixture.teachers[{index}]: {error}") from error
     form = mixture.routing.form
-    if form == "views" and options.backend != "reference":
-        raise ValueError(
-            "TeacherMixture(combine='divergences') with weights that put several teachers on a row (or a row's "
-            "one teacher at a weight other than 1) is not supported yet by the chunked backends: use "
-            "backend='reference', or one-hot routing rows (one weight of 1 per row)"
-        )
     # The formed block is one teacher read as it is: at temperature 1, uncapped, unscaled (each teacher's own).
     one_teacher = LossPlan.build(options, mixture, vocab_size)
     return replace(

@@ -101,6 +101,8 @@ class MixtureBlocks:
         return out
 
     def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
+        if self.plan.form == "views":  # (n, rows, columns): each teacher's tile, a view of its own
+            return torch.stack(self.member_logits(begin, end, start, stop, dtype))
         if self.plan.form == "mixed":
             return self._mixed_block(begin, end, start, stop, dtype)
         out = torch.zeros(end - begin, stop - start, dtype=dtype, device=self.device)

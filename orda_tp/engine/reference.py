@@ -185,7 +185,11 @@ def reference_loss(
     terms = {term.name: zeros for term in STUDENT_TERMS}
     for term in plan.student_terms:
         terms[term.name] = term.oracle(student, safe_labels, plan.term_scalars)
-    if plan.needs_teacher_logits:
+    views = plan.mixture is not None and plan.mixture.form == "views"
+    if plan.computes_kl and views:  # a mixture's Σ_i w_i·D(q_i‖p): each teacher's own divergence
+        assert isinstance(call.teacher_blocks, MixtureBlocks)
+        kl = _reference_views_kl(plan, student, call.teacher_blocks, safe_labels)
+    elif plan.needs_teacher_logits:
         teacher = _teacher_logits(
             call, dtype, (weight, bias), teacher_hidden, (teacher_weight, teacher_bias), teacher_logits
         )
@@ -198,11 +202,7 @@ def reference_loss(
         if plan.teacher_ce_weight > 0:
             ce = torch.logsumexp(teacher, -1) - teacher.gather(1, safe_labels[:, None]).squeeze(1)
             teacher_ce = _where_zero(absent, ce)
-        views = plan.mixture is not None and plan.mixture.form == "views"
-        if plan.computes_kl and views:  # a mixture's Σ_i w_i·D(q_i‖p): each teacher's own divergence
-            assert isinstance(call.teacher_blocks, MixtureBlocks)
-            kl = _reference_views_kl(plan, student, call.teacher_blocks, safe_labels)
-        elif plan.computes_kl:
+        if plan.computes_kl:
             kl = _reference_kl(plan, student, teacher, safe_labels, absent)
     components = {**terms, "teacher_ce": teacher_ce, "kl": kl, "student_entropy": entropy}
     # A label no column owns (possible only with assume_valid_labels) makes its row NaN.

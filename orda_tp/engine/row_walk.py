@@ -8,7 +8,7 @@ variant, nor the number of ranks, nor what the gradients feed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from ..divergences import RowTargets
 from ..divergences.terms import STUDENT_TERMS
 from .call import Call
 from .logits import LogitGrads, LogitsBlock, LogitsSource
+from .mixture_blocks import MixtureBlocks
 from .records import empty_record
 from .row_formulas import finish_step, grad_step, partition_step
 from .stats import GRAD_ROW_CONSTANTS, GradRows, KLRowStats, RowStats
@@ -73,7 +74,10 @@ def walk_rows(
     for index, (begin, end) in enumerate(chunks):
         blocks = source.blocks(begin, end, column_ranges, dtype, math.reads_stored_cache)
         labels, chunk_target = call.labels[begin:end], None if target is None else (target, begin, end)
-        if saved is None:
+        if call.plan.mixture is not None and call.plan.mixture.form == "views":
+            # A mixture's views, each teacher's divergence (a deferred backward recomputes their statistics).
+            stats = _view_stats(call, blocks, labels, like, chunk_target, (begin, end))
+        elif saved is None:
             stats = chunk_row_stats(call, blocks, labels, like, chunk_target)
         else:
             stats = saved[index]
@@ -234,3 +238,57 @@ def stage_grads(
         out = LogitGrads(grads.student[first:last, span], teacher)
         global_start = call.layout.vocab_start + block.start
         math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out, sums_out)
+
+
+def _view_stats(
+    call: Call[LossPlan],
+    blocks: Sequence[LogitsBlock],
+    labels: Tensor,
+    like: Tensor,
+    target: ChunkTarget | None,
+    rows: RowRange,
+) -> RowStats:
+    """A ``TeacherMixture(combine="divergences")`` chunk whose rows mix teachers: the student's terms
+    as a call without a KL, then per teacher i a KL-only call on its own blocks (``block.teacher[i]``),
+    whose logit gradients, for the upstream gradient times ``w_i``, are added to the target's. The
+    chunk's KL is ``Σ_i w_i·KL_i`` over the teachers with ``w_i > 0`` (the interim views form: one
+    device, each view its own rounds; issue 38's plan shares them)."""
+    plan, mixture = call.plan, call.teacher_blocks
+    assert isinstance(mixture, MixtureBlocks)
+    weights = mixture.weights(rows[0], rows[1], like.dtype)
+    views: list[tuple[LossPlan, list[LogitsBlock], int | None]] = []
+    if plan.student_terms or plan.student_entropy:
+        views.append((replace(plan, kl_weight=0.0), [replace(b, teacher=None) for b in blocks], None))
+    kl_plan = replace(plan, student_terms=(), term_weights=(), student_entropy=False)
+    for teacher in range(weights.shape[1]):
+        assert all(isinstance(b.teacher, Tensor) for b in blocks)  # the views' (n, rows, columns) tiles
+        views.append((kl_plan, [replace(b, teacher=b.teacher[teacher]) for b in blocks], teacher))  # type: ignore[index]
+    results, kl = [], like.new_zeros(labels.shape[0])
+    for index, (view_plan, view_blocks, member) in enumerate(views):
+        view_target = None if target is None else _view_target(target, weights, member, index > 0, like)
+        stats = chunk_row_stats(replace(call, plan=view_plan), view_blocks, labels, like, view_target)
+        if target is not None and view_target is not None and index > 0:  # added to the earlier views' gradients
+            grad_target, begin, end = target
+            first = begin - grad_target.first_row
+            grad_target.grads.student[first : first + end - begin] += view_target[0].grads.student
+        if member is not None:  # a teacher of weight 0 on a row adds 0 (never 0·inf)
+            kl = kl + torch.where(weights[:, member] > 0, weights[:, member] * stats.kl, 0.0)
+        results.append(stats)
+    return replace(results[0], kl=kl)
+
+
+def _view_target(target: ChunkTarget, weights: Tensor, member: int | None, scratch: bool, like: Tensor) -> ChunkTarget:
+    """A view's gradient target: the chunk's upstream gradient (times the teacher's weights ``w_i``
+    for a teacher's view), written into the target (the first view) or into a ``scratch`` block."""
+    grad_target, begin, end = target
+    upstream = grad_target.upstream
+    upstream = upstream[begin:end] if upstream.dim() else upstream.expand(end - begin)
+    if member is not None:
+        upstream = upstream * weights[:, member].to(upstream.dtype)
+    # Indexed by batch row, as the walk's upstream gradient is.
+    full = like.new_zeros(end, dtype=upstream.dtype)
+    full[begin:end] = upstream
+    first = begin - grad_target.first_row
+    student = grad_target.grads.student
+    grads = LogitGrads(torch.empty_like(student[first : first + end - begin]), None) if scratch else grad_target.grads
+    return GradTarget(grads, begin if scratch else grad_target.first_row, full), begin, end

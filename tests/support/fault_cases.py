@@ -1127,14 +1127,6 @@ MIXTURE_FAULTS = [
         on_group=False,
     ),
     Fault(
-        "mixture dense divergences on torch",
-        "fused",
-        "mixture",
-        _weights((0.5, 0.5), "divergences"),
-        "not supported yet",
-        on_group=False,
-    ),
-    Fault(
         "mixture under tensor parallelism",
         "fused",
         "tied",
