@@ -69,7 +69,10 @@ def _call_layout(call: Call[LossPlan], head: HeadTensors, statistics: torch.dtyp
     # Sized for the staging whenever gradients are formed, in the forward or in a deferred backward:
     # that backward reads the forward's saved statistics, so it must walk the forward's chunks.
     staged_bytes = (2 if plan.teacher_receives_grad else 1) * staging_dtype.itemsize if gradients else 0
-    logit_bytes = (2 if plan.needs_teacher_logits else 1) * statistics.itemsize
+    # A TeacherMixture's mixed and views forms hold every teacher's block of a chunk at once, and one more.
+    mixture = plan.mixture
+    teachers = 1 if mixture is None or mixture.form == "linear" else len(mixture.members) + 1
+    logit_bytes = (1 + teachers if plan.needs_teacher_logits else 1) * statistics.itemsize
     rows = row_layout(
         plan.config,
         head.student_hidden.shape[0],
