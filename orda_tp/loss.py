@@ -155,7 +155,7 @@ def _run(
         local.student_hidden, local.weight, teacher_hidden, teacher_weight, teacher_logits, local.bias, teacher_bias
     )
     if plan.mixture is not None:  # several teachers read as one: the mixture forms the blocks
-        teacher_blocks = mixture_blocks(plan.mixture, local.teacher, inputs, layout.vocab_start, layout.vocab_size)
+        teacher_blocks = mixture_blocks(plan.mixture, local.teacher, inputs, layout)
     finite = [("student_hidden", local.student_hidden), ("weight", local.weight)]
     finite += [] if local.bias is None else [("bias", local.bias)]
     # The teacher as given holds the recorded version counters; this rank's shards hold the values read.

@@ -101,9 +101,3 @@ def test_each_teacher_is_checked_as_alone() -> None:
     raises(
         mixture, ValueError, r"TeacherMixture.teachers\[1\]: kl_divergence='reverse' is \+inf", kl_divergence="reverse"
     )
-
-
-def test_tensor_parallelism_is_not_built_yet() -> None:
-    mixture = orda_tp.TeacherMixture([TIED], [1.0])
-    with pytest.raises(ValueError, match="TeacherMixture under tensor parallelism .* is not supported yet"):
-        mixture.localized(None)  # type: ignore[arg-type]

@@ -5,8 +5,7 @@
 The torch backend runs every form: "linear" (``log_probabilities`` with any weights, and rows routed
 to one teacher of weight 1 for ``probabilities`` and ``divergences``), "mixed" (dense
 ``probabilities``) and "views" (dense ``divergences``), as does the reference backend; the Triton
-kernels (interpreted on a CPU) too, in fp32. Tensor parallelism is not built yet and raises
-(tests/test_errors_mixture.py)."""
+kernels (interpreted on a CPU) too, in fp32. Tensor parallelism: tests/test_mixture_parallel.py."""
 
 from __future__ import annotations
 

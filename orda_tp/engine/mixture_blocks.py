@@ -5,7 +5,8 @@ values ``/T_i``), each teacher's GEMM only over the rows that weigh on it.
 The "linear" form's block is ``Σ_i w_ri·v_i`` over the teachers with ``w_ri > 0`` (``−inf`` on a
 row without one: no teacher, KL 0); read at temperature 1 it is the product of experts, or the row's
 one routed teacher. The "mixed" block ``log Σ_i w̃_ri·q_i`` needs each teacher's LSE over every column
-of a row: read in a first pass over the chunk's columns (one device only, for now)."""
+of a row: read in a first pass over the chunk's columns (one device only, for now: a tensor-parallel call
+refuses that form)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..arguments.mixture import MemberPlan, MixturePlan
+from ..parallel.layout import VocabLayout
 from ..teachers import TeacherSource
 from ..teachers.mixture import MixtureRouting, TeacherMixture
 from ..teachers.source import TeacherBlocks
@@ -150,12 +152,16 @@ class MixtureBlocks:
         return torch.where(present, safe - torch.where(total > 0, total, 1).log(), -math.inf)
 
 
-def mixture_blocks(
-    plan: MixturePlan, teacher: TeacherSource, head: HeadTensors, vocab_start: int, vocab_size: int
-) -> MixtureBlocks:
-    """The blocks of a prepared :class:`TeacherMixture` over this device's columns; ``head``: the
-    call's tensors (a tied teacher reads the student's head and bias)."""
+def mixture_blocks(plan: MixturePlan, teacher: TeacherSource, head: HeadTensors, layout: VocabLayout) -> MixtureBlocks:
+    """The blocks of a prepared :class:`TeacherMixture` over this device's columns (``layout``);
+    ``head``: the call's tensors (a tied teacher reads the student's head and bias)."""
     assert isinstance(teacher, TeacherMixture) and teacher.routing is not None
+    if plan.form == "mixed" and layout.group is not None:  # decided alike on every rank (the form is a setting)
+        raise ValueError(
+            "TeacherMixture(combine='probabilities') with rows that mix teachers is not supported yet under "
+            "tensor parallelism: route each row to one teacher (one-hot weights), or call it on one device"
+        )
+    vocab_start, vocab_size = layout.vocab_start, layout.vocab_size
     members = []
     for source, member_plan, rows in zip(teacher.members(), plan.members, teacher.routing.rows):
         hidden, weight, logits, blocks, bias = source.logits_inputs(vocab_start, vocab_size)
@@ -176,5 +182,4 @@ def mixture_blocks(
                 member_plan.scale,
             )
         members.append(_Member(side, member_plan, rows))
-    # One device: every real column is local (tensor parallelism refuses a mixture for now).
-    return MixtureBlocks(plan, teacher.routing, members, head.student_hidden.device, vocab_size)
+    return MixtureBlocks(plan, teacher.routing, members, head.student_hidden.device, layout.real_local_columns)

@@ -251,8 +251,8 @@ def _view_stats(
     """A ``TeacherMixture(combine="divergences")`` chunk whose rows mix teachers: the student's terms
     as a call without a KL, then per teacher i a KL-only call on its own blocks (``block.teacher[i]``),
     whose logit gradients, for the upstream gradient times ``w_i``, are added to the target's. The
-    chunk's KL is ``Σ_i w_i·KL_i`` over the teachers with ``w_i > 0`` (the interim views form: one
-    device, each view its own rounds; issue 38's plan shares them)."""
+    chunk's KL is ``Σ_i w_i·KL_i`` over the teachers with ``w_i > 0`` (the interim views form: each
+    view its own rounds and their exchanges; issue 38's plan shares them)."""
     plan, mixture = call.plan, call.teacher_blocks
     assert isinstance(mixture, MixtureBlocks)
     weights = mixture.weights(rows[0], rows[1], like.dtype)

@@ -19,7 +19,7 @@ from ..arguments.validation import (
     first_non_finite,
     runs_host_checks,
 )
-from ..teachers import TeacherSource
+from ..teachers import TeacherMixture, TeacherSource
 from .dtensor import MeshAxis, chunk_range, is_dtensor, local_shard, mesh_group, shard_axis
 from .fsdp import check_not_fsdp_sharded
 from .layout import HeadShard, LocalShard, VocabLayout
@@ -205,12 +205,16 @@ def shard_inputs(
         student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel, bias
     )
     assert local.group is not None  # a call without one raised (no DTensor weight on a 1-D mesh, no tp_group)
+    if isinstance(teacher, TeacherMixture) and local.sequence_parallel:  # its teachers' rows are not gathered
+        raise ValueError("a TeacherMixture under sequence parallelism (sequence_parallel=True) is not supported yet")
     row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1  # hidden rows: BT / tp each
     check_inputs(
         local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards,
         bias=local.bias,
     )  # fmt: skip
     teacher.check_shardable()
+    if isinstance(local.teacher, TeacherMixture):  # its weights' values read once, its form decided
+        local = replace(local, teacher=local.teacher.prepared(local.labels.shape[0]))
     device = local.student_hidden.device
     denominator = check_denominator("num_valid_tokens", num_valid_tokens, options.reduction, device, "student_hidden")
     row_weights = None

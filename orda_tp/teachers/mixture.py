@@ -171,10 +171,37 @@ class TeacherMixture(TeacherSource):
         return shapes
 
     def localized(self, reader: ShardReader) -> TeacherSource:
-        raise _not_on_a_group()
+        members = []
+        for index, member in enumerate(self.members()):
+            local = member.localized(reader)
+            members.append(local)
+            _prefixed(index, local.check_shardable)
+        return replace(self, teachers=members)
 
     def check_shardable(self) -> None:
-        raise _not_on_a_group()
+        for index, member in enumerate(self.members()):
+            _prefixed(index, member.check_shardable)
+
+    def vocab_columns(self) -> int | None:
+        """The teachers' common column count on this rank (None: every teacher reads the student's head
+        or is a top-k cache)."""
+        counts = [(index, member.vocab_columns()) for index, member in enumerate(self.members())]
+        given = [(index, count) for index, count in counts if count is not None]
+        for index, count in given[1:]:
+            if count != given[0][1]:
+                raise ValueError(
+                    f"{_member_name(index)} holds {count} vocabulary columns on this rank, "
+                    f"{_member_name(given[0][0])} {given[0][1]}: the teachers' vocabularies differ"
+                )
+        return given[0][1] if given else None
+
+    def replicated_tensors(self) -> list[tuple[str, Tensor]]:
+        named = [
+            (name.replace("teacher.", f"teacher.teachers[{index}].", 1), tensor)
+            for index, member in enumerate(self.members())
+            for name, tensor in member.replicated_tensors()
+        ]
+        return named + ([("teacher.weights", self.weights)] if isinstance(self.weights, Tensor) else [])
 
     def checked_values(self, real_columns: int) -> list[ValueCheck]:
         checks = []
@@ -205,13 +232,6 @@ class TeacherMixture(TeacherSource):
         for index, member in enumerate(self.members()):
             lines += [f"teachers[{index}].{line}" for line in member.settings_text().splitlines()]
         return "\n".join(lines)
-
-
-def _not_on_a_group() -> ValueError:
-    return ValueError(
-        "TeacherMixture under tensor parallelism (a tp_group, or DTensor inputs such as an FSDP2-sharded "
-        "TeacherHead) is not supported yet: call it on one device"
-    )
 
 
 def _check_weight_values(table: Tensor, combine: str, per_row: bool) -> None:

@@ -1008,7 +1008,7 @@ def _row_weights(fill: float, **at: float) -> Any:
     return weights
 
 
-# A TeacherMixture on one device (tensor parallelism refuses it as a whole, so its checks have no group form yet).
+# A TeacherMixture's checks, on one device and on every rank of a group.
 MIXTURE_FAULTS = [
     Fault(
         "mixture of no teacher", "fused", "mixture", _members(lambda c: []), "TeacherMixture.teachers", on_group=False
@@ -1019,7 +1019,6 @@ MIXTURE_FAULTS = [
         "mixture",
         _members(lambda c: [c.teacher_hidden]),
         "TeacherMixture.teachers[0]",
-        on_group=False,
     ),
     Fault(
         "mixture of a mixture",
@@ -1027,12 +1026,11 @@ MIXTURE_FAULTS = [
         "mixture",
         _members(lambda c: [TeacherMixture([TiedTeacher(c.teacher_hidden)], [1.0])]),
         "TeacherMixture.teachers[0]",
-        on_group=False,
     ),
     Fault(
         "mixture combine unknown", "fused", "mixture", _set(combine="mean"), "TeacherMixture.combine", on_group=False
     ),
-    Fault("mixture weights count", "fused", "mixture", _weights((1.0,)), "TeacherMixture.weights", on_group=False),
+    Fault("mixture weights count", "fused", "mixture", _weights((1.0,)), "TeacherMixture.weights"),
     Fault(
         "mixture weight a string", "fused", "mixture", _weights(("a", 1.0)), "TeacherMixture.weights[0]", on_group=False
     ),
@@ -1042,7 +1040,6 @@ MIXTURE_FAULTS = [
         "mixture",
         _weights(torch.ones(ROWS, 2, dtype=torch.long)),
         "TeacherMixture.weights",
-        on_group=False,
     ),
     Fault(
         "mixture weights of another shape",
@@ -1050,7 +1047,6 @@ MIXTURE_FAULTS = [
         "mixture",
         _weights(torch.ones(ROWS - 1, 2, dtype=torch.float64)),
         "TeacherMixture.weights",
-        on_group=False,
     ),
     Fault(
         "mixture weights requiring grad",
@@ -1058,7 +1054,6 @@ MIXTURE_FAULTS = [
         "mixture",
         _weights(torch.ones(ROWS, 2, dtype=torch.float64, requires_grad=True)),
         "TeacherMixture.weights",
-        on_group=False,
     ),
     Fault(
         "mixture negative weight",
@@ -1066,7 +1061,6 @@ MIXTURE_FAULTS = [
         "mixture",
         _weights((-0.5, 1.5)),
         "TeacherMixture.weights[0]",
-        on_group=False,
     ),
     Fault(
         "mixture NaN row weight",
@@ -1074,7 +1068,6 @@ MIXTURE_FAULTS = [
         "mixture",
         _weights(_row_weights(0.5, nan=math.nan)),
         "TeacherMixture.weights[3, 1]",
-        on_group=False,
     ),
     Fault(
         "mixture weights all zero", "fused", "mixture", _weights((0.0, 0.0)), "TeacherMixture.weights", on_group=False
@@ -1085,7 +1078,6 @@ MIXTURE_FAULTS = [
         "mixture",
         _weights(_row_weights(0.5, off=0.6), "probabilities"),
         "TeacherMixture.weights[3]",
-        on_group=False,
     ),
     Fault(
         "mixture trained tied teacher",
@@ -1093,9 +1085,9 @@ MIXTURE_FAULTS = [
         "mixture",
         _members(lambda c: [TiedTeacher(c.teacher_hidden, mode="trained"), PrecomputedTeacher(logits=c.logits)]),
         "TeacherMixture.teachers[0]",
-        on_group=False,
+        one_rank=False,  # on one rank alone: the settings handshake names the differing mode
     ),
-    Fault("mixture teacher CE", "fused", "mixture", _kw(teacher_ce_weight=1.0), "teacher_ce_weight", on_group=False),
+    Fault("mixture teacher CE", "fused", "mixture", _kw(teacher_ce_weight=1.0), "teacher_ce_weight"),
     Fault(
         "mixture co-training variant", "fused", "mixture", _kw(kl_divergence="mutual"), "kl_divergence", on_group=False
     ),
@@ -1105,7 +1097,7 @@ MIXTURE_FAULTS = [
         "mixture",
         _members(lambda c: [TiedTeacher(c.teacher_hidden), PrecomputedTeacher(logits=c.logits[:, :-1])]),
         "teacher.teachers[1].logits",
-        on_group=False,
+        on_group=False,  # a shard's columns: "mixture vocabularies differ on a shard"
     ),
     Fault(
         "mixture tied scale", "fused", "mixture", _kw(teacher_logit_scale=2.0), "teacher_logit_scale", on_group=False
@@ -1116,23 +1108,30 @@ MIXTURE_FAULTS = [
         "mixture",
         _kw(teacher_logit_softcap=3.0),
         "TeacherMixture.teachers[1]",
-        on_group=False,
+        one_rank=False,  # on one rank alone: the settings handshake names the differing keyword
     ),
     Fault(
         "mixture cache modified in place",
         "fused",
         "mixture",
         _members(_cache_modified_after_build),
-        "TeacherMixture.teachers[1]",
-        on_group=False,
+        "modified in place",
     ),
     Fault(
-        "mixture under tensor parallelism",
+        "mixture vocabularies differ on a shard",
         "fused",
-        "tied",
-        _set(teacher="mixture"),
-        "tensor parallelism",
+        "mixture",
+        _members(
+            lambda c: [
+                SeparateTeacher(c.teacher_hidden[:, :TEACHER_HIDDEN], c.teacher_weight),
+                PrecomputedTeacher(logits=c.logits[:, :-1].contiguous()),
+            ]
+        ),
+        "TeacherMixture.teachers[1]",
         one_device=False,
+    ),
+    Fault(
+        "mixture sequence parallel", "fused", "mixture", _kw(sequence_parallel=True), "TeacherMixture", one_device=False
     ),
 ]
 
