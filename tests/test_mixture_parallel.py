@@ -1,6 +1,7 @@
 """``TeacherMixture`` under tensor parallelism (gloo, 2 and 3 ranks; tests/support/mixture_workers.py):
-uneven vocabulary shards of every teacher's head or logits, a whole top-k cache, the linear and views
-forms equal to one device's loss and gradients (fp64, 1e-10); what is not built yet raises on every rank."""
+uneven vocabulary shards of every teacher's head or logits, a whole top-k cache, sequence parallelism,
+the linear and views forms equal to one device's loss and gradients (fp64, 1e-10); what is not built
+yet (rows that mix teachers under "probabilities") raises on every rank."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..arguments.mixture import MemberPlan, MixturePlan
+from ..parallel.collectives import gather_sequence_rows
 from ..parallel.layout import VocabLayout
 from ..teachers import TeacherSource
 from ..teachers.mixture import MixtureRouting, TeacherMixture
@@ -161,10 +162,15 @@ def mixture_blocks(plan: MixturePlan, teacher: TeacherSource, head: HeadTensors,
             "TeacherMixture(combine='probabilities') with rows that mix teachers is not supported yet under "
             "tensor parallelism: route each row to one teacher (one-hot weights), or call it on one device"
         )
-    vocab_start, vocab_size = layout.vocab_start, layout.vocab_size
+    inputs = [source.logits_inputs(layout.vocab_start, layout.vocab_size) for source in teacher.members()]
+    hiddens = [given.hidden for given in inputs if given.hidden is not None]
+    if layout.sequence_parallel and layout.group is not None and hiddens:
+        # Each teacher's rows, as the student's: this rank's share gathered, every teacher's in one collective.
+        full = iter(gather_sequence_rows(hiddens, layout.group))
+        inputs = [given if given.hidden is None else given._replace(hidden=next(full)) for given in inputs]
     members = []
-    for source, member_plan, rows in zip(teacher.members(), plan.members, teacher.routing.rows):
-        hidden, weight, logits, blocks, bias = source.logits_inputs(vocab_start, vocab_size)
+    for given, member_plan, rows in zip(inputs, plan.members, teacher.routing.rows):
+        hidden, weight, logits, blocks, bias = given
         side: TeacherBlocks
         if blocks is not None:
             side = blocks

@@ -205,8 +205,6 @@ def shard_inputs(
         student_hidden, weight, labels, teacher, options.tp_group, options.vocab_range, options.sequence_parallel, bias
     )
     assert local.group is not None  # a call without one raised (no DTensor weight on a 1-D mesh, no tp_group)
-    if isinstance(teacher, TeacherMixture) and local.sequence_parallel:  # its teachers' rows are not gathered
-        raise ValueError("a TeacherMixture under sequence parallelism (sequence_parallel=True) is not supported yet")
     row_shards = dist.get_world_size(local.group) if local.sequence_parallel else 1  # hidden rows: BT / tp each
     check_inputs(
         local.student_hidden, local.weight, local.labels, local.teacher, sharded=True, row_shards=row_shards,

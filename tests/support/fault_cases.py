@@ -1130,9 +1130,6 @@ MIXTURE_FAULTS = [
         "TeacherMixture.teachers[1]",
         one_device=False,
     ),
-    Fault(
-        "mixture sequence parallel", "fused", "mixture", _kw(sequence_parallel=True), "TeacherMixture", one_device=False
-    ),
 ]
 
 ALL_FAULTS = FUSED_FAULTS + KD_FAULTS + FLASH_FAULTS + HEAD_FAULTS + MIXTURE_FAULTS

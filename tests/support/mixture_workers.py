@@ -15,11 +15,13 @@ from .cases import SMALL_CHUNKS, relative_error
 from .mixture_cases import ROWS, VOCAB, make_problem
 from .tp_workers import chunk_ranges
 
-CASES = [  # (combine, weights, teachers, variant)
-    ("log_probabilities", "dense", ("tied", "separate20", "logits"), "reverse"),
-    ("divergences", "routed", ("separate12", "topk", "hidden"), "skew_js"),
-    ("probabilities", "routed", ("tied", "logits"), "dkd"),
-    ("divergences", "dense", ("tied", "separate20", "topk"), "forward"),
+CASES = [  # (combine, weights, teachers, variant, sequence parallel)
+    ("log_probabilities", "dense", ("tied", "separate20", "logits"), "reverse", False),
+    ("divergences", "routed", ("separate12", "topk", "hidden"), "skew_js", False),
+    ("probabilities", "routed", ("tied", "logits"), "dkd", False),
+    ("divergences", "dense", ("tied", "separate20", "topk"), "forward", False),
+    ("log_probabilities", "routed", ("tied", "separate12", "hidden", "logits"), "jeffreys", True),
+    ("divergences", "dense", ("separate20", "topk"), "reverse", True),
 ]
 
 
@@ -33,24 +35,28 @@ def _weights(kind: str, n: int) -> torch.Tensor:
     return weights / weights.sum(1, keepdim=True)
 
 
-def _shard(teacher: Any, start: int, stop: int) -> Any:
-    """This rank's columns of a teacher (a top-k cache and a tied teacher's hidden states are whole)."""
+def _shard(teacher: Any, start: int, stop: int, rows: slice = slice(None)) -> Any:
+    """This rank's columns of a teacher (a top-k cache is whole) and its ``rows`` of hidden states
+    (sequence parallelism)."""
+    if isinstance(teacher, orda_tp.TiedTeacher):
+        return orda_tp.TiedTeacher(teacher.hidden[rows])
     if isinstance(teacher, orda_tp.SeparateTeacher):
         bias = None if teacher.bias is None else teacher.bias[start:stop]
-        return orda_tp.SeparateTeacher(teacher.hidden, teacher.weight[start:stop], bias)
+        return orda_tp.SeparateTeacher(teacher.hidden[rows], teacher.weight[start:stop], bias)
     if isinstance(teacher, orda_tp.PrecomputedTeacher) and teacher.logits is not None:
         return orda_tp.PrecomputedTeacher(logits=teacher.logits[:, start:stop].contiguous())
     if isinstance(teacher, orda_tp.PrecomputedTeacher) and teacher.teacher_weight is not None:
         shard = teacher.teacher_weight[start:stop]
-        return orda_tp.PrecomputedTeacher(teacher_hidden=teacher.teacher_hidden, teacher_weight=shard)
+        return orda_tp.PrecomputedTeacher(teacher_hidden=teacher.teacher_hidden[rows], teacher_weight=shard)
     return teacher
 
 
 def mixture_worker(rank: int, world: int) -> list[str]:
     problems: list[str] = []
     start, stop = chunk_ranges(VOCAB, world)[rank]
-    for combine, kind, names, variant in CASES:
-        label = f"{combine}/{kind}/{variant}"
+    for combine, kind, names, variant, sequence_parallel in CASES:
+        label = f"{combine}/{kind}/{variant}" + ("/sequence parallel" if sequence_parallel else "")
+        rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world) if sequence_parallel else slice(None)
         problem = make_problem(5)
         weights = _weights(kind, len(names))
         kwargs = dict(kl_weight=1.2, kl_divergence=variant, kl_temperature=1.5, backend="torch", config=SMALL_CHUNKS)
@@ -58,15 +64,17 @@ def mixture_worker(rank: int, world: int) -> list[str]:
         args = problem.student_hidden, problem.weight, problem.labels
         expected = orda_tp.distillation_loss(*args, whole, bias=problem.bias, **kwargs)
         expected_grads = torch.autograd.grad(expected.loss, [problem.student_hidden, problem.weight, problem.bias])
-        hidden = problem.student_hidden.detach().clone().requires_grad_()
+        hidden = problem.student_hidden.detach()[rows].clone().requires_grad_()
         weight = problem.weight.detach()[start:stop].clone().requires_grad_()
         bias = problem.bias.detach()[start:stop].clone().requires_grad_()
-        local = orda_tp.TeacherMixture([_shard(problem.teachers[n], start, stop) for n in names], weights, combine)
+        shards = [_shard(problem.teachers[n], start, stop, rows) for n in names]
+        local = orda_tp.TeacherMixture(shards, weights, combine)
         out = orda_tp.distillation_loss(
-            hidden, weight, problem.labels, local, bias=bias, tp_group=dist.group.WORLD, **kwargs
-        )
+            hidden, weight, problem.labels, local, bias=bias, tp_group=dist.group.WORLD,
+            sequence_parallel=sequence_parallel, **kwargs,
+        )  # fmt: skip
         grads = torch.autograd.grad(out.loss, [hidden, weight, bias])
-        wanted = [expected_grads[0], expected_grads[1][start:stop], expected_grads[2][start:stop]]
+        wanted = [expected_grads[0][rows], expected_grads[1][start:stop], expected_grads[2][start:stop]]
         for index, (actual, want) in enumerate([*zip(out, expected), *zip(grads, wanted)]):
             if (error := relative_error(actual, want)) > 1e-10:
                 problems.append(f"{label}: output {index} relative error {error:.2e}")
