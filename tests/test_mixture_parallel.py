@@ -1,7 +1,6 @@
 """``TeacherMixture`` under tensor parallelism (gloo, 2 and 3 ranks; tests/support/mixture_workers.py):
-uneven vocabulary shards of every teacher's head or logits, a whole top-k cache, sequence parallelism,
-the linear and views forms equal to one device's loss and gradients (fp64, 1e-10); what is not built
-yet (rows that mix teachers under "probabilities") raises on every rank."""
+uneven vocabulary shards of every teacher's head or logits, a whole top-k cache, sequence parallelism:
+every form (linear, mixed, views) equal to one device's loss and gradients (fp64, 1e-10)."""
 
 from __future__ import annotations
 
@@ -16,3 +15,27 @@ def test_mixture_under_tensor_parallelism(world_size: int) -> None:
     reports = run_distributed(world_size, mixture_workers.mixture_worker, timeout=300)
     problems = [f"rank {rank}: {p}" for rank, found in enumerate(reports) for p in found]
     assert not problems, "\n".join(problems[:40])
+
+
+def test_collectives_of_a_mixture_call() -> None:
+    """A mixture call of any form makes as many collectives as the one-teacher call with the same
+    chunks (the teachers' statistics travel in the same record exchanges: round 1 once per chunk,
+    round 2 once per chunk, the hidden gradient's sums per row group, the handshake), and one more
+    under sequence parallelism (the teachers' hidden rows, gathered in one all-gather). The count
+    is docs/architecture.md's ``2 + 2·chunks + row groups`` (+1 row gather, 1 reduce-scatter)."""
+    from orda_tp.engine.workspace import CHUNKS_PER_GROUP
+
+    from .support import mixture_workers
+    from .support.distributed import run_distributed
+    from .support.mixture_cases import ROWS
+    from .support.tp_workers import TP_CHUNKS
+
+    chunks = -(-ROWS // TP_CHUNKS.chunk_size.nrows)
+    groups = -(-chunks // CHUNKS_PER_GROUP)
+    for report in run_distributed(2, mixture_workers.counting_worker, timeout=300):
+        for name, counts in report.items():
+            sequence_parallel = name.endswith("sequence parallel")
+            one_teacher = 2 + 2 * chunks + (2 if sequence_parallel else groups)
+            assert report["one teacher" + name.removeprefix(name.split(" / ")[0])] == [one_teacher] * 2, report
+            expected = one_teacher + (1 if sequence_parallel and name.split(" / ")[0] != "one teacher" else 0)
+            assert counts == [expected, expected], f"{name}: {counts} collectives, expected {expected}"

@@ -22,6 +22,7 @@ from .gradient_gemms import (
     scale_by_upstream,
 )
 from .logits import HeadTensors, LogitGrads, logits_source, statistics_dtype
+from .mixture_walk import mixture_row_stats
 from .row_walk import GradTarget, row_ranges, walk_rows
 from .stats import RowStats
 from .workspace import RowLayout, row_layout
@@ -104,6 +105,9 @@ def _walk_groups(
     caps = (None, None) if call.math.applies_softcap else (plan.student_softcap, plan.teacher_softcap)
     scales = (plan.student_scale, plan.teacher_scale)
     source = logits_source(head, plan.needs_teacher_logits, plan.tied_head, call.teacher_blocks, caps, scales)
+    # A teacher mixture whose rows mix teachers walks each chunk's blocks its own way (engine.mixture_walk).
+    mixing = plan.mixture is not None and plan.mixture.form != "linear" and plan.computes_kl
+    steps = mixture_row_stats if mixing else None
     upstream_scale = upstream
     if buffers is not None:
         assert upstream is not None
@@ -117,7 +121,7 @@ def _walk_groups(
         chunks = row_ranges(group_begin, group_end, layout.rows.chunk_rows)
         group_saved = None if saved is None else saved[len(walked) : len(walked) + len(chunks)]
         if buffers is None:
-            walked += walk_rows(call, source, chunks, statistics, group_saved)
+            walked += walk_rows(call, source, chunks, statistics, group_saved, steps=steps)
             continue
         assert upstream_scale is not None
         # The teacher's rows follow the student's in one buffer, so a tied head's dW takes both in one GEMM.
@@ -126,9 +130,8 @@ def _walk_groups(
         stacked = torch.empty(sides * group_rows, columns, dtype=layout.staging_dtype, device=device)
         teacher, both = (stacked[group_rows:], stacked) if sides == 2 else (None, None)
         staged = LogitGrads(stacked[:group_rows], teacher, both)
-        walked += walk_rows(
-            call, source, chunks, statistics, group_saved, GradTarget(staged, group_begin, upstream_scale)
-        )
+        target = GradTarget(staged, group_begin, upstream_scale)
+        walked += walk_rows(call, source, chunks, statistics, group_saved, target, steps)
         run_gradient_gemms(
             head, staged, group_begin, call.valid[group_begin:group_end], buffers, call.gemms, plan.tied_head
         )

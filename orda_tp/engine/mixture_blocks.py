@@ -4,9 +4,8 @@ values ``/T_i``), each teacher's GEMM only over the rows that weigh on it.
 
 The "linear" form's block is ``Σ_i w_ri·v_i`` over the teachers with ``w_ri > 0`` (``−inf`` on a
 row without one: no teacher, KL 0); read at temperature 1 it is the product of experts, or the row's
-one routed teacher. The "mixed" block ``log Σ_i w̃_ri·q_i`` needs each teacher's LSE over every column
-of a row: read in a first pass over the chunk's columns (one device only, for now: a tensor-parallel call
-refuses that form)."""
+one routed teacher. The "mixed" and "views" forms' blocks are the teachers' tiles, stacked
+(n, rows, columns): ``engine.mixture_walk`` reads them."""
 
 from __future__ import annotations
 
@@ -80,8 +79,6 @@ class MixtureBlocks:
         self, plan: MixturePlan, routing: MixtureRouting, members: list[_Member], device: torch.device, columns: int
     ):
         self.plan, self.routing, self.members, self.device, self.columns = plan, routing, members, device, columns
-        # The "mixed" form's per-row shifts of the last chunk read: its column blocks reuse them.
-        self._shifts: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
 
     def weights(self, begin: int, end: int, dtype: torch.dtype) -> Tensor:
         """(rows, n) weights of rows ``[begin, end)`` (scalar weights broadcast)."""
@@ -104,10 +101,8 @@ class MixtureBlocks:
         return out
 
     def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
-        if self.plan.form == "views":  # (n, rows, columns): each teacher's tile, a view of its own
+        if self.plan.form != "linear":  # (n, rows, columns): each teacher's tile (engine.mixture_walk reads them)
             return torch.stack(self.member_logits(begin, end, start, stop, dtype))
-        if self.plan.form == "mixed":
-            return self._mixed_block(begin, end, start, stop, dtype)
         out = torch.zeros(end - begin, stop - start, dtype=dtype, device=self.device)
         weights = self.weights(begin, end, dtype)
         for index, member in enumerate(self.members):
@@ -127,41 +122,23 @@ class MixtureBlocks:
             out.masked_fill_(~self.routing.has_teacher[begin:end, None], -math.inf)
         return out
 
-    def _mixed_block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype) -> Tensor:
-        """``log Σ_i w̃_i q_i = logsumexp_i(c_i + v_i)``, ``c_i = log w̃_i − LSE_i`` over the teachers
-        present on a row (weight > 0, not all −inf) with their weights renormalized over them; −inf on
-        a row with none."""
-        logits = torch.stack(self.member_logits(begin, end, start, stop, dtype))  # (n, rows, columns)
-        key = (begin, end, dtype)
-        if self._shifts is None or self._shifts[0] != key:
-            self._shifts = key, self._row_shifts(begin, end, stop - start, dtype)
-        return torch.logsumexp(logits + self._shifts[1][:, :, None], 0)
-
-    def _row_shifts(self, begin: int, end: int, width: int, dtype: torch.dtype) -> Tensor:
-        """(n, rows) ``c_i``: each teacher's LSE over every real column, read in blocks of ``width``
-        columns first (a pass over its logits before the chunk's blocks: the interim "mixed" form on
-        one device; issue 38's plan moves these LSEs into round 1's record)."""
-        lse = torch.full((len(self.members), end - begin), -math.inf, dtype=dtype, device=self.device)
-        for start in range(0, self.columns, max(width, 1)):
-            stop = min(start + width, self.columns)
-            block = torch.stack(self.member_logits(begin, end, start, stop, dtype))
-            lse = torch.logaddexp(lse, torch.logsumexp(block, -1))
-        weights = self.weights(begin, end, dtype).T
+    def mixed_logits(self, rows: int, dtype: torch.dtype) -> Tensor:
+        """``log Σ_i w̃_i q_i`` over every column of rows ``[0, rows)`` (the reference's, on one device):
+        the teachers present on a row (weight > 0, not all −inf) with their weights renormalized over
+        them; −inf on a row with none."""
+        logits = torch.stack(self.member_logits(0, rows, 0, self.columns, dtype))
+        lse = torch.logsumexp(logits, -1)
+        weights = self.weights(0, rows, dtype).T
         present = (weights > 0) & (lse > -math.inf)
-        total = torch.where(present, weights, torch.zeros_like(weights)).sum(0)
-        safe = torch.where(present, weights, torch.ones_like(weights)).log() - torch.where(present, lse, 0)
-        return torch.where(present, safe - torch.where(total > 0, total, 1).log(), -math.inf)
+        total = torch.where(present, weights, 0.0).sum(0)
+        shifts = torch.where(present, weights.log() - lse - total.log(), -math.inf)
+        return torch.logsumexp(logits + shifts[:, :, None], 0)
 
 
 def mixture_blocks(plan: MixturePlan, teacher: TeacherSource, head: HeadTensors, layout: VocabLayout) -> MixtureBlocks:
     """The blocks of a prepared :class:`TeacherMixture` over this device's columns (``layout``);
     ``head``: the call's tensors (a tied teacher reads the student's head and bias)."""
     assert isinstance(teacher, TeacherMixture) and teacher.routing is not None
-    if plan.form == "mixed" and layout.group is not None:  # decided alike on every rank (the form is a setting)
-        raise ValueError(
-            "TeacherMixture(combine='probabilities') with rows that mix teachers is not supported yet under "
-            "tensor parallelism: route each row to one teacher (one-hot weights), or call it on one device"
-        )
     inputs = [source.logits_inputs(layout.vocab_start, layout.vocab_size) for source in teacher.members()]
     hiddens = [given.hidden for given in inputs if given.hidden is not None]
     if layout.sequence_parallel and layout.group is not None and hiddens:

@@ -131,8 +131,11 @@ def _teacher_logits(
 ) -> Tensor:
     """The teacher's full logits over the head's (real) columns, before its cap; ``student_head``
     and ``teacher_head``: each head's ``(weight, bias)`` (a tied teacher's is the student's)."""
-    if call.teacher_blocks is not None:
-        formed = call.teacher_blocks.block(0, call.labels.shape[0], 0, student_head[0].shape[0], dtype, False)
+    blocks = call.teacher_blocks
+    if isinstance(blocks, MixtureBlocks) and blocks.plan.form == "mixed":  # log Σ_i w̃_i·q_i over every column
+        return blocks.mixed_logits(call.labels.shape[0], dtype)
+    if blocks is not None:
+        formed = blocks.block(0, call.labels.shape[0], 0, student_head[0].shape[0], dtype, False)
         assert isinstance(formed, Tensor)  # formed in ``dtype``, not as stored
         return formed
     if teacher_logits is not None:

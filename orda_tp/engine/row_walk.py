@@ -8,8 +8,8 @@ variant, nor the number of ranks, nor what the gradients feed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -19,15 +19,17 @@ from ..divergences import RowTargets
 from ..divergences.terms import STUDENT_TERMS
 from .call import Call
 from .logits import LogitGrads, LogitsBlock, LogitsSource
-from .mixture_blocks import MixtureBlocks
 from .records import empty_record
 from .row_formulas import finish_step, grad_step, partition_step
 from .stats import GRAD_ROW_CONSTANTS, GradRows, KLRowStats, RowStats
 
 __all__ = [
+    "ChunkStats",
+    "ChunkTarget",
     "GradTarget",
     "RowRange",
     "chunk_row_stats",
+    "kl_round",
     "row_ranges",
     "stage_grads",
     "walk_rows",
@@ -52,6 +54,24 @@ class GradTarget:
     upstream: Tensor
 
 
+ChunkTarget = tuple[GradTarget, int, int]  # a gradient target and the batch rows [begin, end) of a chunk
+
+
+class ChunkStats(Protocol):
+    """A chunk's statistics and, with a target, its logit gradients, from its blocks (``walk_rows``'
+    ``steps``); ``rows``: the chunk's batch rows."""
+
+    def __call__(
+        self,
+        call: Call[LossPlan],
+        blocks: Sequence[LogitsBlock],
+        labels: Tensor,
+        like: Tensor,
+        target: ChunkTarget | None,
+        rows: RowRange,
+    ) -> RowStats: ...
+
+
 def walk_rows(
     call: Call[LossPlan],
     source: LogitsSource,
@@ -59,10 +79,13 @@ def walk_rows(
     dtype: torch.dtype,
     saved: Sequence[RowStats] | None = None,
     target: GradTarget | None = None,
+    steps: ChunkStats | None = None,
 ) -> list[RowStats]:
     """Walk ``chunks`` in order: each chunk's row statistics (computed, or ``saved[i]`` for
     ``chunks[i]``), with ``target`` its logit gradients written. Returns the statistics in chunk
-    order. ``dtype``: the statistics dtype. A chunk's logits live only while it is walked."""
+    order. ``dtype``: the statistics dtype. A chunk's logits live only while it is walked.
+    ``steps``: a chunk's statistics and gradients computed by another walk of its blocks (a teacher
+    mixture's), never saved: it recomputes them where a deferred backward reads them."""
     like, math = torch.empty(0, dtype=dtype, device=call.labels.device), call.math
     assert math is not None  # a walk runs on a chunked backend, never the reference's
     # Real columns only: vocabulary padding is never part of a block.
@@ -74,9 +97,8 @@ def walk_rows(
     for index, (begin, end) in enumerate(chunks):
         blocks = source.blocks(begin, end, column_ranges, dtype, math.reads_stored_cache)
         labels, chunk_target = call.labels[begin:end], None if target is None else (target, begin, end)
-        if call.plan.mixture is not None and call.plan.mixture.form == "views":
-            # A mixture's views, each teacher's divergence (a deferred backward recomputes their statistics).
-            stats = _view_stats(call, blocks, labels, like, chunk_target, (begin, end))
+        if steps is not None:
+            stats = steps(call, blocks, labels, like, chunk_target, (begin, end))
         elif saved is None:
             stats = chunk_row_stats(call, blocks, labels, like, chunk_target)
         else:
@@ -86,9 +108,6 @@ def walk_rows(
         walked.append(stats)
         del blocks  # a chunk's logits go before the next chunk's are formed
     return walked
-
-
-ChunkTarget = tuple[GradTarget, int, int]  # a gradient target and the batch rows [begin, end) of a chunk
 
 
 def chunk_row_stats(
@@ -127,7 +146,7 @@ def chunk_row_stats(
         kl_sums = like.new_full((labels.shape[0], len(plan.round_two_terms)), -0.0)
         stage_grads(call, blocks, labels, {**statistics, "keep": outputs["present"]}, target, like, kl_sums)
     if plan.round_two_terms:
-        kl, kl_stats, entropy = _kl_round(call, blocks, labels, outputs, like, kl_sums)
+        kl, kl_stats, entropy = kl_round(call, blocks, labels, outputs, like, kl_sums)
     if kl_stats is not None:
         statistics.update(keep=kl_stats.keep, **kl_stats.consts)
     if target is not None and not in_gradient_pass:
@@ -146,7 +165,7 @@ def chunk_row_stats(
     )
 
 
-def _kl_round(
+def kl_round(
     call: Call[LossPlan],
     blocks: Sequence[LogitsBlock],
     labels: Tensor,
@@ -238,57 +257,3 @@ def stage_grads(
         out = LogitGrads(grads.student[first:last, span], teacher)
         global_start = call.layout.vocab_start + block.start
         math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out, sums_out)
-
-
-def _view_stats(
-    call: Call[LossPlan],
-    blocks: Sequence[LogitsBlock],
-    labels: Tensor,
-    like: Tensor,
-    target: ChunkTarget | None,
-    rows: RowRange,
-) -> RowStats:
-    """A ``TeacherMixture(combine="divergences")`` chunk whose rows mix teachers: the student's terms
-    as a call without a KL, then per teacher i a KL-only call on its own blocks (``block.teacher[i]``),
-    whose logit gradients, for the upstream gradient times ``w_i``, are added to the target's. The
-    chunk's KL is ``Σ_i w_i·KL_i`` over the teachers with ``w_i > 0`` (the interim views form: each
-    view its own rounds and their exchanges; issue 38's plan shares them)."""
-    plan, mixture = call.plan, call.teacher_blocks
-    assert isinstance(mixture, MixtureBlocks)
-    weights = mixture.weights(rows[0], rows[1], like.dtype)
-    views: list[tuple[LossPlan, list[LogitsBlock], int | None]] = []
-    if plan.student_terms or plan.student_entropy:
-        views.append((replace(plan, kl_weight=0.0), [replace(b, teacher=None) for b in blocks], None))
-    kl_plan = replace(plan, student_terms=(), term_weights=(), student_entropy=False)
-    for teacher in range(weights.shape[1]):
-        assert all(isinstance(b.teacher, Tensor) for b in blocks)  # the views' (n, rows, columns) tiles
-        views.append((kl_plan, [replace(b, teacher=b.teacher[teacher]) for b in blocks], teacher))  # type: ignore[index]
-    results, kl = [], like.new_zeros(labels.shape[0])
-    for index, (view_plan, view_blocks, member) in enumerate(views):
-        view_target = None if target is None else _view_target(target, weights, member, index > 0, like)
-        stats = chunk_row_stats(replace(call, plan=view_plan), view_blocks, labels, like, view_target)
-        if target is not None and view_target is not None and index > 0:  # added to the earlier views' gradients
-            grad_target, begin, end = target
-            first = begin - grad_target.first_row
-            grad_target.grads.student[first : first + end - begin] += view_target[0].grads.student
-        if member is not None:  # a teacher of weight 0 on a row adds 0 (never 0·inf)
-            kl = kl + torch.where(weights[:, member] > 0, weights[:, member] * stats.kl, 0.0)
-        results.append(stats)
-    return replace(results[0], kl=kl)
-
-
-def _view_target(target: ChunkTarget, weights: Tensor, member: int | None, scratch: bool, like: Tensor) -> ChunkTarget:
-    """A view's gradient target: the chunk's upstream gradient (times the teacher's weights ``w_i``
-    for a teacher's view), written into the target (the first view) or into a ``scratch`` block."""
-    grad_target, begin, end = target
-    upstream = grad_target.upstream
-    upstream = upstream[begin:end] if upstream.dim() else upstream.expand(end - begin)
-    if member is not None:
-        upstream = upstream * weights[:, member].to(upstream.dtype)
-    # Indexed by batch row, as the walk's upstream gradient is.
-    full = like.new_zeros(end, dtype=upstream.dtype)
-    full[begin:end] = upstream
-    first = begin - grad_target.first_row
-    student = grad_target.grads.student
-    grads = LogitGrads(torch.empty_like(student[first : first + end - begin]), None) if scratch else grad_target.grads
-    return GradTarget(grads, begin if scratch else grad_target.first_row, full), begin, end

@@ -230,12 +230,14 @@ class TorchBlockMath:
             symbols = _block_symbols(plan, student, teacher, rows.lse_u, rows.lse_v, target)
             sum_terms = plan.round_two_terms if sums_out is not None else ()
             student_kl, *column_terms = evaluate([formulas.student_grad, *sum_terms], symbols, consts)
-            # A where, not keep·∂D: on a row not kept ∂D may be inf or NaN, and 0·inf is NaN.
-            student_grad += (w_kl_s * row_scale)[:, None] * torch.where(keep, student_kl, 0.0)
+            # A where, then ·keep (1, or a mixture's weight w_i): on a row not kept ∂D may be inf or NaN,
+            # and 0·inf is NaN.
+            weighted = torch.where(keep, student_kl, 0.0) * rows.keep[:, None]
+            student_grad += (w_kl_s * row_scale)[:, None] * weighted
             if teacher_grad is not None and plan.kl_trains_teacher:
                 assert formulas.teacher_grad is not None
                 (teacher_kl,) = evaluate([formulas.teacher_grad], symbols, consts)
-                teacher_grad += (w_kl_t * row_scale)[:, None] * torch.where(keep, teacher_kl, 0.0)
+                teacher_grad += (w_kl_t * row_scale)[:, None] * torch.where(keep, teacher_kl, 0.0) * rows.keep[:, None]
             if sums_out is not None:  # in place: the chunk's round-2 sums, block after block
                 sums_out += torch.stack([term.sum(1) for term in column_terms], dim=1)
         if plan.student_softcap is not None:  # through s = c·tanh(z/c): ∂s/∂z = 1 − (s/c)²

@@ -35,9 +35,10 @@ def softmax_minus_onehot(x: tl.tensor, lse: tl.tensor, is_target: tl.tensor) -> 
 
 @triton.jit
 def kept(keep: tl.tensor, grad: tl.tensor, like: tl.tensor) -> tl.tensor:
-    """``grad`` (broadcast to the tile ``like``) on rows whose ``keep`` flag is set, else 0."""
-    # A where, not keep·grad: on a row not kept (no teacher, or D = +inf) ∂D may be inf or NaN, and 0·inf is NaN.
-    return tl.where(keep > 0.0, grad + tl.zeros_like(like), 0.0)
+    """``keep·grad`` (broadcast to the tile ``like``) on rows whose ``keep`` is positive (1, or a
+    teacher mixture's weight w_i), else 0."""
+    # A where, then ·keep: on a row not kept (no teacher, or D = +inf) ∂D may be inf or NaN, and 0·inf is NaN.
+    return tl.where(keep > 0.0, grad + tl.zeros_like(like), 0.0) * keep
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import orda_tp
 
 from .cases import SMALL_CHUNKS, relative_error
 from .mixture_cases import ROWS, VOCAB, make_problem
-from .tp_workers import chunk_ranges
+from .tp_workers import TP_CHUNKS, CollectiveCounter, chunk_ranges
 
 CASES = [  # (combine, weights, teachers, variant, sequence parallel)
     ("log_probabilities", "dense", ("tied", "separate20", "logits"), "reverse", False),
@@ -22,6 +22,9 @@ CASES = [  # (combine, weights, teachers, variant, sequence parallel)
     ("divergences", "dense", ("tied", "separate20", "topk"), "forward", False),
     ("log_probabilities", "routed", ("tied", "separate12", "hidden", "logits"), "jeffreys", True),
     ("divergences", "dense", ("separate20", "topk"), "reverse", True),
+    ("probabilities", "dense", ("tied", "separate20", "topk"), "forward", False),
+    ("probabilities", "dense", ("separate12", "logits", "hidden"), "entropy_adaptive", True),
+    ("probabilities", "dense", ("separate20", "logits"), "dkd", False),
 ]
 
 
@@ -78,18 +81,38 @@ def mixture_worker(rank: int, world: int) -> list[str]:
         for index, (actual, want) in enumerate([*zip(out, expected), *zip(grads, wanted)]):
             if (error := relative_error(actual, want)) > 1e-10:
                 problems.append(f"{label}: output {index} relative error {error:.2e}")
-    return problems + _refused(rank, world, start, stop)
+    return problems
 
 
-def _refused(rank: int, world: int, start: int, stop: int) -> list[str]:
-    """Not built yet under tensor parallelism: rows that mix teachers under "probabilities"; every rank raises."""
-    problem = make_problem(6)
-    mixture = orda_tp.TeacherMixture([_shard(problem.teachers["logits"], start, stop)] * 2, [0.5, 0.5], "probabilities")
-    weight = problem.weight.detach()[start:stop].clone()
-    try:
-        orda_tp.distillation_loss(
-            problem.student_hidden, weight, problem.labels, mixture, kl_weight=1.0, tp_group=dist.group.WORLD
-        )
-    except ValueError as error:
-        return [] if "not supported yet under tensor parallelism" in str(error) else [f"refusal: {error}"]
-    return ["refusal: dense probabilities under tensor parallelism did not raise"]
+def counting_worker(rank: int, world: int) -> dict[str, list[int]]:
+    """Collectives of a call (loss and gradients, its second run) per mixture form, and of the
+    one-teacher call with the same chunks, with and without sequence parallelism."""
+    start, stop = chunk_ranges(VOCAB, world)[rank]
+    problem = make_problem(7)
+    names = ("separate20", "logits", "topk")
+    kwargs = dict(kl_weight=1.0, backend="torch", config=TP_CHUNKS, tp_group=dist.group.WORLD)
+    counter, report = CollectiveCounter(), {}
+    for sequence_parallel in (False, True):
+        rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world) if sequence_parallel else slice(None)
+        teachers = [_shard(problem.teachers[name], start, stop, rows) for name in names]
+        split = {"sequence_parallel": sequence_parallel}
+        cases = {
+            "one teacher": teachers[0],
+            **{
+                f"{combine} {kind}": orda_tp.TeacherMixture(teachers, _weights(kind, len(names)), combine)
+                for combine in ("divergences", "probabilities", "log_probabilities")
+                for kind in ("dense", "routed")
+            },
+        }
+        for name, teacher in cases.items():
+            hidden = problem.student_hidden.detach()[rows].clone().requires_grad_()
+            weight = problem.weight.detach()[start:stop].clone().requires_grad_()
+
+            def call(teacher: Any = teacher, hidden: Any = hidden, weight: Any = weight, split: Any = split) -> None:
+                out = orda_tp.distillation_loss(hidden, weight, problem.labels, teacher, **kwargs, **split)
+                torch.autograd.grad(out.loss, [hidden, weight])
+
+            with counter.patched():
+                counts = [len(counter.count(call)) for _ in range(2)]
+            report[f"{name}{' / sequence parallel' if sequence_parallel else ''}"] = counts
+    return report
