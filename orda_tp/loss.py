@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -59,13 +60,23 @@ def _teacher_type_error(teacher: object) -> TypeError:
 
 
 @contextmanager
-def _readable_teacher(teacher: TeacherHead, reduction: str) -> Iterator[TeacherSource]:
+def _readable_teacher(teacher: TeacherHead | TeacherMixture, reduction: str) -> Iterator[TeacherSource]:
     """A :class:`TeacherHead` as the :class:`SeparateTeacher` of its weight and bias, gathered where
-    FSDP2 shards them."""
+    FSDP2 shards them; a mixture with each of its ``TeacherHead`` teachers read so, for the call."""
     grad_on = torch.is_grad_enabled()
-    receives_grad = grad_on and any(p.requires_grad for p in head_parameters(teacher.head) if p is not None)
     # A "none" reduction defers the gradient: its backward recomputes the logits from the gathered weight.
     read_after_call = grad_on and reduction == "none"
+    if isinstance(teacher, TeacherMixture):
+        with ExitStack() as stack:
+            sources: list[TeacherSource | TeacherHead] = []
+            for member in teacher.teachers:
+                if isinstance(member, TeacherHead):  # frozen in a mixture: no gradient reaches its head
+                    weight, bias = stack.enter_context(unsharded_head(member.head, False, read_after_call))
+                    member = SeparateTeacher(member.hidden, weight, bias)
+                sources.append(member)
+            yield replace(teacher, teachers=sources)
+        return
+    receives_grad = grad_on and any(p.requires_grad for p in head_parameters(teacher.head) if p is not None)
     with unsharded_head(teacher.head, receives_grad, read_after_call) as (weight, bias):
         yield SeparateTeacher(teacher.hidden, weight, bias)
 
@@ -123,7 +134,7 @@ def _run(
     """The loss of one call: its tensors checked, its layout agreed, its plan, the prepared call
     (:func:`orda_tp.engine.call.prepare_call`) and the selected backend."""
     # A teacher head module: read as the SeparateTeacher of its weight, gathered if FSDP2 shards it.
-    if isinstance(teacher, TeacherHead):
+    if isinstance(teacher, TeacherHead) or (isinstance(teacher, TeacherMixture) and teacher.holds_modules):
         with _readable_teacher(teacher, options.reduction) as source:
             return _run(options, student_hidden, weight, labels, source, num_valid_tokens, token_weights, bias)
     # Tensor parallelism: a group is given, or some tensor is a DTensor (whose mesh names the group).

@@ -128,6 +128,18 @@ def test_scalar_weights_on_the_reference(combine: str) -> None:
     check(problem, ["separate20", "topk"], weights, combine, "reference", scalar=True, **kl_kwargs("skew_js"))
 
 
+@pytest.mark.parametrize("combine", COMBINES)
+def test_a_tensor_of_n_weights_is_n_numbers(combine: str) -> None:
+    """Weights as a (n,) tensor read as the same n numbers (once, on the host): bitwise the same loss."""
+    problem = make_problem(16)
+    teachers = [problem.teachers["separate20"], problem.teachers["logits"]]
+    args = problem.student_hidden, problem.weight, problem.labels
+    kwargs = dict(kl_kwargs("forward"), backend="torch", config=SMALL_CHUNKS)
+    numbers = orda_tp.distillation_loss(*args, orda_tp.TeacherMixture(teachers, [0.25, 0.75], combine), **kwargs)
+    as_tensor = orda_tp.TeacherMixture(teachers, torch.tensor([0.25, 0.75], dtype=torch.float64), combine)
+    assert torch.equal(orda_tp.distillation_loss(*args, as_tensor, **kwargs).loss, numbers.loss)
+
+
 def test_one_hot_rows_give_one_loss_in_every_mode() -> None:
     problem = make_problem(11)
     weights = weights_of("routed", 2, 11)

@@ -39,3 +39,20 @@ def test_collectives_of_a_mixture_call() -> None:
             assert report["one teacher" + name.removeprefix(name.split(" / ")[0])] == [one_teacher] * 2, report
             expected = one_teacher + (1 if sequence_parallel and name.split(" / ")[0] != "one teacher" else 0)
             assert counts == [expected, expected], f"{name}: {counts} collectives, expected {expected}"
+
+
+def test_host_reads_of_a_mixture_call() -> None:
+    """With host checks off (a CUDA call's default) a mixture of teachers read through heads, its
+    weights n numbers, reads on the host exactly what one such teacher's call reads (the ranks'
+    claims): no value check, no error columns. A mixture holding a cache adds the exchanged error
+    columns' one read, as a cache alone does."""
+    from dataclasses import fields
+
+    from orda_tp.parallel.layout import ShardClaim
+
+    from .support import mixture_workers
+    from .support.distributed import run_distributed
+
+    claims, errors = ("tolist", (2, len(fields(ShardClaim)))), ("tolist", (2, 3))
+    for report in run_distributed(2, mixture_workers.host_reads_worker, timeout=300):
+        assert report == {"one head": [claims], "heads": [claims], "heads and a cache": [claims, errors]}, report

@@ -35,6 +35,10 @@ def test_frozen_fsdp_teacher_head() -> None:
     run_and_check(2, stack_workers.teacher_head_worker)
 
 
+def test_frozen_fsdp_teacher_head_in_a_mixture() -> None:
+    run_and_check(2, stack_workers.mixture_teacher_head_worker)
+
+
 def test_fsdp_state_lookup_still_reads_torch_internals() -> None:
     """orda_tp.parallel.fsdp reads FSDP2's per-module state; if torch renames it, this fails
     loudly instead of letting a sharded weight through."""

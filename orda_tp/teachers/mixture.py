@@ -7,9 +7,9 @@ to 1); ``"log_probabilities"`` D(softmax(Σ_i w_i v_i)‖p), the renormalized pr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -65,13 +65,30 @@ class TeacherMixture(TeacherSource):
     routing: MixtureRouting | None = field(default=None, compare=False, repr=False)
 
     kind = "mixture"
-    # Always read as a cache (value checks run; rows without a teacher are −inf), never trained.
-    trainable: ClassVar[bool] = False
     reads_head = True  # each teacher's own cap and scale are the mixture plan's, not LossPlan's
+
+    @property
+    def trainable(self) -> bool:  # type: ignore[override]
+        """Whether every teacher is read through a head (tied, separate, ``TeacherHead``): then, as a
+        trainable teacher, no column is −inf on a row where a teacher counts and no value check runs
+        (no error columns, no host read under tensor parallelism). A mixture is never trained: the
+        plan refuses every way the loss would train one."""
+        teachers = self.teachers if isinstance(self.teachers, (list, tuple)) else ()
+        return bool(teachers) and all(
+            isinstance(member, TeacherHead) or (isinstance(member, TeacherSource) and member.trainable)
+            for member in teachers
+        )
+
+    @property
+    def holds_modules(self) -> bool:
+        """Whether a teacher is a ``TeacherHead`` (read before any check: False for a malformed mixture)."""
+        teachers = self.teachers if isinstance(self.teachers, (list, tuple)) else ()
+        return any(isinstance(member, TeacherHead) for member in teachers)
 
     def members(self) -> list[TeacherSource]:
         """The teachers as descriptors (a ``TeacherHead`` as the ``SeparateTeacher`` of its module's
-        weight and bias, read as they are: no FSDP2 gathering yet); only after :meth:`check_structure`."""
+        weight and bias as they are: a call has gathered FSDP2-sharded heads before it reads them);
+        only after :meth:`check_structure`."""
         out: list[TeacherSource] = []
         for member in self.teachers:
             if isinstance(member, TeacherHead):
@@ -120,27 +137,25 @@ class TeacherMixture(TeacherSource):
 
     def prepared(self, label_rows: int) -> TeacherMixture:
         """This mixture with its :class:`MixtureRouting`: the weights' values checked (one host read
-        of a weights tensor), "probabilities" rows divided by their sums, the form decided."""
+        of a weights tensor; n numbers are read as numbers), "probabilities" rows divided by their
+        sums, the form decided."""
         given = self.weights
-        host = given.detach().double().cpu() if isinstance(given, Tensor) else torch.tensor(given, dtype=torch.float64)
-        per_row = host.dim() == 2
-        table = host if per_row else host[None, :]
-        _check_weight_values(table, self.combine, per_row)
+        if not isinstance(given, Tensor) or given.dim() == 1:  # n weights: a tensor of them is read once
+            values = given.detach().double().tolist() if isinstance(given, Tensor) else [float(v) for v in given]
+            scalars = _scalar_weights(values, self.combine)
+            routed = sum(value > 0 for value in scalars) == 1 and all(value in (0.0, 1.0) for value in scalars)
+            form = _form(self.combine, routed)
+            return replace(self, routing=MixtureRouting((None,) * len(scalars), None, scalars, form, None))
+        table = given.detach().double().cpu()
+        _check_weight_values(table, self.combine)
         sums = table.sum(1, keepdim=True)
         if self.combine == "probabilities":  # a row of zeros stays zeros: it has no teacher
             table = table / torch.where(sums > 0, sums, torch.ones_like(sums))
         positive = table > 0
         routed = bool(((positive.sum(1) <= 1) & ((table == 1) | ~positive).all(1)).all())
-        linear = self.combine == "log_probabilities" or routed
-        form = "linear" if linear else "mixed" if self.combine == "probabilities" else "views"
-        if not per_row:
-            scalars = tuple(float(w) for w in table[0])
-            routing = MixtureRouting((None,) * len(scalars), None, scalars, form, None)
-        else:
-            assert isinstance(given, Tensor)
-            rows = tuple(torch.nonzero(positive[:, i]).flatten() for i in range(table.shape[1]))
-            weights = table.to(given.device)  # fp64: each chunk reads them in its statistics dtype
-            routing = MixtureRouting(rows, weights, None, form, positive.any(1).to(given.device))
+        rows = tuple(torch.nonzero(positive[:, i]).flatten() for i in range(table.shape[1]))
+        weights = table.to(given.device)  # fp64: each chunk reads them in its statistics dtype
+        routing = MixtureRouting(rows, weights, None, _form(self.combine, routed), positive.any(1).to(given.device))
         return replace(self, routing=routing)
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
@@ -234,32 +249,50 @@ class TeacherMixture(TeacherSource):
         return "\n".join(lines)
 
 
-def _check_weight_values(table: Tensor, combine: str, per_row: bool) -> None:
-    """Finite, ≥ 0, some teacher weighed; "probabilities": each row sums to 1 (or is all zero)."""
+def _form(combine: str, routed: bool) -> str:
+    """ "linear" for a product of experts or rows routed to one teacher of weight 1, else by ``combine``."""
+    if combine == "log_probabilities" or routed:
+        return "linear"
+    return "mixed" if combine == "probabilities" else "views"
 
-    def where(row: int, col: int | None = None) -> str:
-        if not per_row:
-            return "" if col is None else f"[{col}]"
-        return f"[{row}]" if col is None else f"[{row}, {col}]"
 
+def _scalar_weights(weights: list[float], combine: str) -> tuple[float, ...]:
+    """n numbers checked (finite, ≥ 0, not all 0; "probabilities": summing to 1), then divided by
+    their sum for "probabilities"."""
+    for index, value in enumerate(weights):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"TeacherMixture.weights[{index}] is {value!r}: weights must be finite and >= 0")
+    total = sum(weights)
+    if total == 0:
+        raise ValueError("TeacherMixture.weights are all 0: no teacher has weight")
+    if combine != "probabilities":
+        return tuple(weights)
+    if abs(total - 1) > WEIGHT_SUM_TOLERANCE:
+        raise ValueError(f"TeacherMixture.weights sums to {total!r}: {_SUM_RULE}")
+    return tuple(value / total for value in weights)
+
+
+_SUM_RULE = (
+    f"with combine='probabilities' each row's weights must sum to 1 (within {WEIGHT_SUM_TOLERANCE}), or all be 0 "
+    "(a row without a teacher)"
+)
+
+
+def _check_weight_values(table: Tensor, combine: str) -> None:
+    """A (rows, n) table: finite, ≥ 0; "probabilities": each row sums to 1 (or is all zero)."""
     bad = torch.nonzero(~torch.isfinite(table) | (table < 0))
     if bad.numel():
         row, col = (int(i) for i in bad[0])
         raise ValueError(
-            f"TeacherMixture.weights{where(row, col)} is {float(table[row, col])!r}: weights must be finite and >= 0"
+            f"TeacherMixture.weights[{row}, {col}] is {float(table[row, col])!r}: weights must be finite and >= 0"
         )
-    if not per_row and not bool((table > 0).any()):
-        raise ValueError("TeacherMixture.weights are all 0: no teacher has weight")
     if combine != "probabilities":
         return
     sums = table.sum(1)
     off = torch.nonzero((sums != 0) & ((sums - 1).abs() > WEIGHT_SUM_TOLERANCE)).flatten()
     if off.numel():
         row = int(off[0])
-        raise ValueError(
-            f"TeacherMixture.weights{where(row)} sums to {float(sums[row])!r}: with combine='probabilities' each "
-            f"row's weights must sum to 1 (within {WEIGHT_SUM_TOLERANCE}), or all be 0 (a row without a teacher)"
-        )
+        raise ValueError(f"TeacherMixture.weights[{row}] sums to {float(sums[row])!r}: {_SUM_RULE}")
 
 
 def _prefixed(index: int, check: object, *args: object) -> None:

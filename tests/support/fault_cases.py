@@ -1073,6 +1073,13 @@ MIXTURE_FAULTS = [
         "mixture weights all zero", "fused", "mixture", _weights((0.0, 0.0)), "TeacherMixture.weights", on_group=False
     ),
     Fault(
+        "mixture probabilities numbers not summing to 1",
+        "fused",
+        "mixture",
+        _weights((0.5, 0.6), "probabilities"),
+        "TeacherMixture.weights sums to",
+    ),
+    Fault(
         "mixture probabilities not summing to 1",
         "fused",
         "mixture",

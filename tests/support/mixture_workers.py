@@ -4,6 +4,7 @@ whole; its loss and gradients must equal one device's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import orda_tp
 
 from .cases import SMALL_CHUNKS, relative_error
 from .mixture_cases import ROWS, VOCAB, make_problem
-from .tp_workers import TP_CHUNKS, CollectiveCounter, chunk_ranges
+from .tp_workers import TP_CHUNKS, CollectiveCounter, chunk_ranges, counted_host_reads
 
 CASES = [  # (combine, weights, teachers, variant, sequence parallel)
     ("log_probabilities", "dense", ("tied", "separate20", "logits"), "reverse", False),
@@ -115,4 +116,33 @@ def counting_worker(rank: int, world: int) -> dict[str, list[int]]:
             with counter.patched():
                 counts = [len(counter.count(call)) for _ in range(2)]
             report[f"{name}{' / sequence parallel' if sequence_parallel else ''}"] = counts
+    return report
+
+
+def host_reads_worker(rank: int, world: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """The host reads of a forward + backward with host checks off (a CUDA call's default): one
+    teacher read through a head, a mixture of such teachers with n numbers as weights (read as a head:
+    no value check, so no error columns), and a mixture holding a logits cache (value-checked)."""
+    start, stop = chunk_ranges(VOCAB, world)[rank]
+    problem = make_problem(8)
+    heads = [_shard(problem.teachers[name], start, stop) for name in ("separate20", "separate12", "tied")]
+    cache = _shard(problem.teachers["logits"], start, stop)
+    config = replace(TP_CHUNKS, host_checks=False)
+    teachers = {
+        "one head": heads[0],
+        "heads": orda_tp.TeacherMixture(heads, [0.5, 0.3, 0.2], "probabilities"),
+        "heads and a cache": orda_tp.TeacherMixture([heads[0], cache], [0.5, 0.5]),
+    }
+    report = {}
+    for name, teacher in teachers.items():
+        hidden = problem.student_hidden.detach().clone().requires_grad_()
+        weight = problem.weight.detach()[start:stop].clone().requires_grad_()
+        reads: list[tuple[str, tuple[int, ...]]] = []
+        with counted_host_reads(reads):
+            out = orda_tp.distillation_loss(
+                hidden, weight, problem.labels, teacher, kl_weight=1.0, backend="torch", config=config,
+                tp_group=dist.group.WORLD,
+            )  # fmt: skip
+            torch.autograd.grad(out.loss, [hidden, weight])
+        report[name] = reads
     return report

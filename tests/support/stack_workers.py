@@ -276,6 +276,53 @@ def teacher_head_worker(rank: int, world_size: int) -> list[str]:
     return problems
 
 
+def mixture_teacher_head_worker(rank: int, world_size: int) -> list[str]:
+    """A TeacherMixture holding a frozen teacher model's FSDP2-sharded head as orda_tp.TeacherHead and a
+    SeparateTeacher: the head gathered for the call (also with reduction="none", whose backward reads it
+    again) and resharded after; a member head that requires grad is read, never trained."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    generator = torch.Generator().manual_seed(11 + rank)
+    student_hidden = torch.randn(BATCH * SEQ, HIDDEN, dtype=torch.float64, generator=generator)
+    hidden_a = torch.randn(BATCH * SEQ, HIDDEN + 1, dtype=torch.float64, generator=generator)
+    hidden_b = torch.randn(BATCH * SEQ, HIDDEN + 3, dtype=torch.float64, generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH * SEQ,), generator=generator)
+    torch.manual_seed(3)
+    teacher = nn.Sequential(nn.Linear(HIDDEN + 1, HIDDEN + 1), nn.Linear(HIDDEN + 1, VOCAB)).double()
+    full_weight, full_bias = teacher[1].weight.detach().clone(), teacher[1].bias.detach().clone()
+    other = orda_tp.SeparateTeacher(hidden_b, torch.randn(VOCAB, HIDDEN + 3, dtype=torch.float64, generator=generator))
+    fully_shard(teacher[1], mesh=mesh)
+    fully_shard(teacher, mesh=mesh)
+    weights = torch.rand(BATCH * SEQ, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    problems: list[str] = []
+    for reduction, frozen in (("mean", True), ("none", True), ("mean", False)):
+        teacher.requires_grad_(not frozen)
+        weight = torch.randn(VOCAB, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        keywords = {**LOSS, "kl_divergence": "reverse", "reduction": reduction}
+        want_hidden = student_hidden.clone().requires_grad_()
+        whole = orda_tp.SeparateTeacher(hidden_a, full_weight, full_bias)
+        expected = orda_tp.distillation_loss(
+            want_hidden, weight, labels, orda_tp.TeacherMixture([whole, other], weights), backend="reference",
+            **keywords,
+        )  # fmt: skip
+        expected.loss.sum().backward()
+        got_hidden = student_hidden.clone().requires_grad_()
+        mixture = orda_tp.TeacherMixture([orda_tp.TeacherHead(hidden_a, teacher[1]), other], weights)
+        got = orda_tp.distillation_loss(got_hidden, weight, labels, mixture, **keywords)
+        got.loss.sum().backward()
+        case = f"TeacherMixture with a TeacherHead, reduction {reduction}, {'frozen' if frozen else 'requires grad'}"
+        for what, value, want in (
+            ("loss", got.loss, expected.loss),
+            ("hidden.grad", got_hidden.grad, want_hidden.grad),
+        ):
+            if (error := relative_error(value.detach(), want.detach())) > TOLERANCE:
+                problems.append(f"{case}: {what} relative error {error:.2e}")
+        if not isinstance(teacher[1].weight, DTensor):
+            problems.append(f"{case}: the teacher head was left gathered")
+        if any(p.grad is not None for p in teacher.parameters()):
+            problems.append(f"{case}: a gradient reached the teacher")
+    return problems
+
+
 def fsdp_lookup_worker(rank: int, world_size: int) -> bool:
     """Whether FSDP2's sharded head weight is recognized before and after the forward, and its
     gathered form inside the forward is not."""
