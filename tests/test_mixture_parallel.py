@@ -56,3 +56,13 @@ def test_host_reads_of_a_mixture_call() -> None:
     claims, errors = ("tolist", (2, len(fields(ShardClaim)))), ("tolist", (2, 3))
     for report in run_distributed(2, mixture_workers.host_reads_worker, timeout=300):
         assert report == {"one head": [claims], "heads": [claims], "heads and a cache": [claims, errors]}, report
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mixture_on_padded_shards_and_dtensors(world_size: int) -> None:
+    from .support import mixture_workers
+    from .support.distributed import run_distributed
+
+    reports = run_distributed(world_size, mixture_workers.padded_and_dtensor_worker, timeout=300)
+    problems = [f"rank {rank}: {p}" for rank, found in enumerate(reports) for p in found]
+    assert not problems, "\n".join(problems[:40])

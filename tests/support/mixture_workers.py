@@ -13,7 +13,7 @@ import torch.distributed as dist
 import orda_tp
 
 from .cases import SMALL_CHUNKS, relative_error
-from .mixture_cases import ROWS, VOCAB, make_problem
+from .mixture_cases import HIDDEN, ROWS, VOCAB, make_problem
 from .tp_workers import TP_CHUNKS, CollectiveCounter, chunk_ranges, counted_host_reads
 
 CASES = [  # (combine, weights, teachers, variant, sequence parallel)
@@ -146,3 +146,86 @@ def host_reads_worker(rank: int, world: int) -> dict[str, list[tuple[str, tuple[
             torch.autograd.grad(out.loss, [hidden, weight])
         report[name] = reads
     return report
+
+
+PADDED = VOCAB + 5  # head rows and logits columns of the padded cases; vocab_size=VOCAB is the real vocabulary
+
+
+def _padded(teacher: Any, generator: torch.Generator) -> Any:
+    """A teacher whose head has random rows (logits: a large finite fill) past the real vocabulary."""
+    extra = PADDED - VOCAB
+    if isinstance(teacher, orda_tp.SeparateTeacher):
+        pad = torch.randn(extra, teacher.weight.shape[1], generator=generator, dtype=torch.float64)
+        bias = None if teacher.bias is None else torch.cat([teacher.bias, torch.full((extra,), 5.0)])
+        return orda_tp.SeparateTeacher(teacher.hidden, torch.cat([teacher.weight, pad]), bias)
+    if isinstance(teacher, orda_tp.PrecomputedTeacher) and teacher.logits is not None:
+        fill = teacher.logits.new_full((teacher.logits.shape[0], extra), 30.0)
+        return orda_tp.PrecomputedTeacher(logits=torch.cat([teacher.logits, fill], dim=1))
+    return teacher
+
+
+def padded_and_dtensor_worker(rank: int, world: int) -> list[str]:
+    """Each form on a padded vocabulary (head rows past ``vocab_size`` on the last ranks) and with
+    DTensor inputs (the student's head and bias, each teacher's head ``Shard(0)``, a logits cache
+    ``Shard(1)``): one device's loss and gradients (fp64, 1e-10); padding rows get exactly 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    problems: list[str] = []
+    mesh = init_device_mesh("cpu", (world,))
+    names = ("tied", "separate20", "logits")
+    for combine, kind in (("divergences", "dense"), ("probabilities", "dense"), ("log_probabilities", "routed")):
+        problem = make_problem(9)
+        weights = _weights(kind, len(names))
+        kwargs = dict(kl_weight=1.0, kl_divergence="reverse", backend="torch", config=SMALL_CHUNKS)
+        args = problem.student_hidden, problem.weight, problem.labels
+        whole = orda_tp.TeacherMixture([problem.teachers[n] for n in names], weights, combine)
+        expected = orda_tp.distillation_loss(*args, whole, bias=problem.bias, **kwargs)
+        want = torch.autograd.grad(expected.loss, [problem.student_hidden, problem.weight, problem.bias])
+        generator = torch.Generator().manual_seed(3)
+        # Padded: the student's head and each teacher's past vocab_size, split evenly over the ranks.
+        start, stop = chunk_ranges(PADDED, world)[rank]
+        pad = torch.randn(PADDED - VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
+        weight = torch.cat([problem.weight.detach(), pad])[start:stop].clone().requires_grad_()
+        bias = torch.cat([problem.bias.detach(), torch.zeros(PADDED - VOCAB)])[start:stop].clone().requires_grad_()
+        padded = [_shard(_padded(problem.teachers[n], generator), start, stop) for n in names]
+        hidden = problem.student_hidden.detach().clone().requires_grad_()
+        out = orda_tp.distillation_loss(
+            hidden, weight, problem.labels, orda_tp.TeacherMixture(padded, weights, combine), bias=bias,
+            tp_group=dist.group.WORLD, vocab_size=VOCAB, **kwargs,
+        )  # fmt: skip
+        grads = torch.autograd.grad(out.loss, [hidden, weight, bias])
+        real, padding = slice(start, min(stop, VOCAB)), max(0, stop - max(start, VOCAB))
+        wanted = [want[0], torch.cat([want[1][real], want[1].new_zeros(padding, HIDDEN)])]
+        wanted.append(torch.cat([want[2][real], want[2].new_zeros(padding)]))
+        problems += _compare(f"{combine}/padded", [*out, *grads], [*expected, *wanted])
+        # DTensors: torch's even split of every head and cache over a 1-D mesh.
+        logits = distribute_tensor(problem.teachers["logits"].logits, mesh, [Shard(1)])
+        tied, separate = orda_tp.TiedTeacher(problem.teachers["tied"].hidden), problem.teachers["separate20"]
+        members = [tied, _distributed(separate, mesh), orda_tp.PrecomputedTeacher(logits=logits)]
+        dt = orda_tp.TeacherMixture(members, weights, combine)
+        weight = distribute_tensor(problem.weight.detach(), mesh, [Shard(0)]).requires_grad_()
+        bias = distribute_tensor(problem.bias.detach(), mesh, [Shard(0)]).requires_grad_()
+        hidden = problem.student_hidden.detach().clone().requires_grad_()
+        out = orda_tp.distillation_loss(hidden, weight, problem.labels, dt, bias=bias, **kwargs)
+        grads = torch.autograd.grad(out.loss, [hidden, weight, bias])
+        local = [grads[0], *(g.to_local() if hasattr(g, "to_local") else g for g in grads[1:])]
+        size = -(-VOCAB // world)  # torch's even split: ⌈V / world⌉ rows per rank
+        own = slice(rank * size, min((rank + 1) * size, VOCAB))
+        problems += _compare(f"{combine}/DTensor", [*out, *local], [*expected, want[0], want[1][own], want[2][own]])
+    return problems
+
+
+def _distributed(teacher: Any, mesh: Any) -> Any:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    bias = None if teacher.bias is None else distribute_tensor(teacher.bias, mesh, [Shard(0)])
+    return orda_tp.SeparateTeacher(teacher.hidden, distribute_tensor(teacher.weight, mesh, [Shard(0)]), bias)
+
+
+def _compare(label: str, actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[str]:
+    problems = []
+    for index, (value, want) in enumerate(zip(actual, expected)):
+        if (error := relative_error(value, want)) > 1e-10:
+            problems.append(f"{label}: output {index} relative error {error:.2e}")
+    return problems
