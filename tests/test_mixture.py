@@ -312,3 +312,25 @@ def test_forward_divergences_and_probabilities_share_their_gradient() -> None:
         grads.append(torch.autograd.grad(loss, [problem.student_hidden, problem.weight]))
     for grad, want in zip(*grads):
         assert relative_error(grad, want) <= 1e-12
+
+
+@pytest.mark.parametrize(("weights", "scalar"), [("routed", False), ("scalar", True)])
+def test_epilogue_accumulation(monkeypatch: pytest.MonkeyPatch, weights: str, scalar: bool) -> None:
+    """The linear form adds a head teacher's logits into the block in its GEMM's epilogue (bf16 on
+    CUDA: ``logits.addmm_fp32_into``); stood in for here by the same ``β·target + α·left·right`` on
+    the CPU, the rows and α it is handed (weight × scale / temperature) must give the oracle's loss."""
+    from orda_tp.engine import mixture_blocks
+
+    calls = []
+
+    def epilogue(target: torch.Tensor, left: torch.Tensor, right: torch.Tensor, beta: float, alpha: float) -> bool:
+        calls.append(left.shape[0])
+        target.mul_(beta).add_(left.to(target.dtype) @ right.to(target.dtype), alpha=alpha)
+        return True
+
+    monkeypatch.setattr(mixture_blocks, "addmm_fp32_into", epilogue)
+    problem = make_problem(21)
+    given = weights_of(weights, 2, 21)
+    kwargs = dict(kl_kwargs("reverse"), kl_temperature=1.7, logit_scale=1.3, teacher_logit_scale=1.3)
+    check(problem, ["tied", "hidden"], given, "log_probabilities", "torch", scalar=scalar, **kwargs)
+    assert calls, "no teacher was added in the epilogue"

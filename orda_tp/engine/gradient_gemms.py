@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .logits import HeadTensors, LogitGrads
+from .logits import HeadTensors, LogitGrads, addmm_fp32_into
 
 __all__ = [
     "GemmPolicy",
@@ -25,7 +25,6 @@ __all__ = [
 
 
 FP16_HEADROOM = 6.0e4  # below fp16's largest finite value, 65504
-_ADDMM_OUT_DTYPE = [True]  # cleared once if this torch has no addmm(..., out_dtype=...)
 
 
 class GradNeeds(NamedTuple):
@@ -111,13 +110,8 @@ class GemmPolicy:
                 # In place, added in the GEMM's epilogue; with β = 0 cuBLAS reads nothing of target.
                 target.addmm_(staged, operand, beta=beta, alpha=alpha)
                 return
-            if _ADDMM_OUT_DTYPE[0] and target.dtype == torch.float32 and target.is_contiguous():
-                try:
-                    # out=target: bf16 operands added into the fp32 target in the epilogue, no fp32 product tensor.
-                    torch.addmm(target, staged, operand, beta=beta, alpha=alpha, out_dtype=torch.float32, out=target)
-                    return
-                except TypeError:  # a torch without addmm(out_dtype=...)
-                    _ADDMM_OUT_DTYPE[0] = False  # remembered: the fallback below from now on
+            if addmm_fp32_into(target, staged, operand, beta, alpha):  # bf16 operands into fp32, in the epilogue
+                return
             product = torch.mm(staged, operand, torch.float32)
         elif operand.is_cuda and operand.dtype == torch.float16 and self.scale is not None:
             # Lowered on the device where scale·max|gradient| would leave fp16's range.

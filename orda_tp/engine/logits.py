@@ -54,6 +54,25 @@ def logits_mm(hidden: Tensor, weight_block: Tensor, dtype: torch.dtype) -> Tenso
     return hidden.to(dtype) @ weight_block.to(dtype).T
 
 
+_ADDMM_OUT_DTYPE = [True]  # cleared once if this torch has no addmm(..., out_dtype=...)
+
+
+def addmm_fp32_into(target: Tensor, left: Tensor, right: Tensor, beta: float, alpha: float) -> bool:
+    """``target = beta·target + alpha·left·right`` for bf16/fp16 CUDA operands of one dtype into a
+    contiguous fp32 ``target``, added in the GEMM's epilogue (β = 0: ``target`` is not read, NaN
+    included); False, with nothing written, where this torch or these tensors cannot."""
+    fits = left.is_cuda and left.dtype == right.dtype and left.dtype in LOW_PRECISION
+    if not (_ADDMM_OUT_DTYPE[0] and fits and target.dtype == torch.float32 and target.is_contiguous()):
+        return False
+    try:
+        # out=target: the fp32 accumulator scaled and added in the epilogue, no product tensor.
+        torch.addmm(target, left, right, beta=beta, alpha=alpha, out_dtype=torch.float32, out=target)
+    except TypeError:  # a torch without addmm(out_dtype=...)
+        _ADDMM_OUT_DTYPE[0] = False  # remembered: the caller's fallback from now on
+        return False
+    return True
+
+
 def softcapped(logits: Tensor, cap: float | None) -> Tensor:
     """``cap·tanh(logits/cap)`` in place (Gemma 2's soft-capping), for the torch block math (the
     Triton kernels cap a tile as they load it); ``logits`` when ``cap`` is None."""

@@ -21,7 +21,7 @@ from ..parallel.layout import VocabLayout
 from ..teachers import TeacherSource
 from ..teachers.mixture import MixtureRouting, TeacherMixture
 from ..teachers.source import TeacherBlocks
-from .logits import HeadLogits, HeadTensors, StoredLogits
+from .logits import HeadLogits, HeadTensors, StoredLogits, addmm_fp32_into
 
 __all__ = ["MixtureBlocks", "mixture_blocks"]
 
@@ -67,6 +67,16 @@ class _Member:
         block = block.to(device)
         return block if self.plan.temperature == 1.0 else block / self.plan.temperature
 
+    def added_into(self, out: Tensor, begin: int, rows: slice, start: int, stop: int, weight: float) -> bool:
+        """``out[rows] += weight·v`` by the GEMM's epilogue (a head without cap or bias, bf16/fp16 on
+        CUDA into fp32: no product tensor); False, nothing written, where it cannot."""
+        source = self.source
+        if not isinstance(source, HeadLogits) or source.cap is not None or source.bias is not None:
+            return False
+        hidden = source.hidden.detach()[begin + rows.start : begin + rows.stop]
+        alpha = weight * source.scale / self.plan.temperature
+        return addmm_fp32_into(out[rows], hidden, source.weight.detach()[start:stop].T, 1.0, alpha)
+
 
 def _head_rest(source: HeadLogits) -> tuple[Tensor, float | None, Tensor | None, float]:
     return source.weight, source.cap, source.bias, source.scale
@@ -110,6 +120,11 @@ class MixtureBlocks:
             scalar = None if self.routing.scalars is None else self.routing.scalars[index]
             if rows is None or scalar == 0.0:
                 continue
+            # One weight for the whole run (n numbers, or routed rows of weight 1): added by the GEMM itself.
+            uniform = scalar if scalar is not None else 1.0 if self.routing.unit_weights else None
+            if isinstance(rows, slice) and uniform is not None:
+                if member.added_into(out, begin, rows, start, stop, uniform):
+                    continue
             logits = member.logits(begin, rows, start, stop, dtype, self.device)
             if isinstance(rows, slice):
                 # Σ w·v over the rows with w > 0 only: a 0·(−inf) would be NaN.

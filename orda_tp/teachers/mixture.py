@@ -45,6 +45,7 @@ class MixtureRouting:
     scalars: tuple[float, ...] | None  # the weights when given as n numbers
     form: str  # one of FORMS
     has_teacher: Tensor | None  # (rows,) bool on the labels' device: some weight > 0 (None: every row)
+    unit_weights: bool = False  # every weight > 0 is 1 (rows routed to one teacher each, or n numbers 0/1)
 
 
 def _member_name(index: int) -> str:
@@ -143,9 +144,9 @@ class TeacherMixture(TeacherSource):
         if not isinstance(given, Tensor) or given.dim() == 1:  # n weights: a tensor of them is read once
             values = given.detach().double().tolist() if isinstance(given, Tensor) else [float(v) for v in given]
             scalars = _scalar_weights(values, self.combine)
-            routed = sum(value > 0 for value in scalars) == 1 and all(value in (0.0, 1.0) for value in scalars)
-            form = _form(self.combine, routed)
-            return replace(self, routing=MixtureRouting((None,) * len(scalars), None, scalars, form, None))
+            unit = all(value in (0.0, 1.0) for value in scalars)
+            form = _form(self.combine, unit and sum(value > 0 for value in scalars) == 1)
+            return replace(self, routing=MixtureRouting((None,) * len(scalars), None, scalars, form, None, unit))
         table = given.detach().double().cpu()
         _check_weight_values(table, self.combine)
         sums = table.sum(1, keepdim=True)
@@ -155,7 +156,9 @@ class TeacherMixture(TeacherSource):
         routed = bool(((positive.sum(1) <= 1) & ((table == 1) | ~positive).all(1)).all())
         rows = tuple(torch.nonzero(positive[:, i]).flatten() for i in range(table.shape[1]))
         weights = table.to(given.device)  # fp64: each chunk reads them in its statistics dtype
-        routing = MixtureRouting(rows, weights, None, _form(self.combine, routed), positive.any(1).to(given.device))
+        unit = bool((table[positive] == 1).all())
+        has_teacher = positive.any(1).to(given.device)
+        routing = MixtureRouting(rows, weights, None, _form(self.combine, routed), has_teacher, unit)
         return replace(self, routing=routing)
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
