@@ -103,7 +103,8 @@ def subnormal_exponentials(ptx: str) -> int:
 def calls() -> dict[str, Callable[[], object]]:
     """Representative calls: a tied KD with every student term and soft-caps, a separate teacher
     with a co-training variant, a top-k cache, the student's entropy (with a KL term and alone), the
-    logits-level KDLoss, a teacher's top-k extraction, and backward's in-place scaling."""
+    logits-level KDLoss, a teacher's top-k extraction, a teacher mixture, and backward's in-place
+    scaling."""
     generator = torch.Generator().manual_seed(0)
     rows, hidden, vocab = 48, 32, 3000
     student = (torch.randn(rows, hidden, generator=generator) / 2).requires_grad_()
@@ -146,13 +147,20 @@ def calls() -> dict[str, Callable[[], object]]:
         except ValueError:
             return None
 
+    def mixture() -> object:  # each teacher's tile partitioned alone; later views' gradients accumulated
+        teachers = [orda_tp.TiedTeacher(teacher_hidden), orda_tp.SeparateTeacher(teacher_hidden, teacher_weight)]
+        for combine in ("divergences", "probabilities"):
+            mixed = orda_tp.TeacherMixture(teachers, [0.25, 0.75], combine)
+            orda_tp.distillation_loss(student, weight, labels, mixed, kl_divergence="reverse", **common)
+        return None
+
     def scale() -> object:  # what backward runs on CUDA gradient buffers (torch's foreach on the CPU)
         triton_math.scale_in_place([torch.empty(1000, dtype=torch.bfloat16)], torch.tensor(0.5))
         return None
 
     return {"tied KD + terms + caps": tied_terms, "separate mutual": separate_mutual, "top-64 skew_js": topk_skew,
             "student entropy": student_entropy, "KDLoss": kd_loss, "teacher top-64": teacher_topk,
-            "backward's scale": scale}  # fmt: skip
+            "teacher mixture": mixture, "backward's scale": scale}  # fmt: skip
 
 
 def main() -> int:

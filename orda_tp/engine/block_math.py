@@ -96,6 +96,7 @@ class BlockMath(Protocol):
         col_start: int,
         out: LogitGrads,
         sums_out: Tensor | None = None,
+        accumulate: bool = False,
     ) -> None:
         """Write ``∂loss/∂s`` (and ``∂loss/∂t`` where ``out.teacher`` is not None) of the block
         into the views ``out``, in their dtype, from the chunk's gradient row constants
@@ -108,7 +109,9 @@ class BlockMath(Protocol):
         on rows whose ``scale`` is 0; a soft-capped side (``s = cap·tanh(z/cap)``) multiplies its
         gradient by ``∂s/∂z = 1 − (s/cap)²``. With
         ``sums_out`` (``plan.kl_sums_in_gradient_pass``) also add the block's round-2 sums into it,
-        as :meth:`kl_sums` gives them."""
+        as :meth:`kl_sums` gives them; with ``accumulate``, add ``∂loss/∂s`` to what ``out.student``
+        holds (a teacher mixture's later views; no teacher gradient then). ``keep`` is a weight: 1, or
+        a mixture's ``w_i`` (0: no KL gradient, whatever ∂D holds)."""
         ...
 
 

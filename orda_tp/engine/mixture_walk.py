@@ -24,11 +24,11 @@ from torch import Tensor
 from ..arguments.plan import LogitFamily, LossPlan
 from ..divergences.terms import STUDENT_TERMS
 from .call import Call
-from .logits import LogitGrads, LogitsBlock
+from .logits import LogitsBlock
 from .mixture_blocks import MixtureBlocks
 from .records import empty_record
 from .row_formulas import partition_step
-from .row_walk import ChunkTarget, GradTarget, RowRange, kl_round, stage_grads
+from .row_walk import ChunkTarget, RowRange, kl_round, stage_grads
 from .stats import RowStats
 
 __all__ = ["mixture_row_stats"]
@@ -232,16 +232,7 @@ def _stage(
     like: Tensor,
     sums_out: Tensor | None = None,
 ) -> None:
-    """The view's logit gradients: the first view's written into the target, each later one's into a
-    scratch block then added (the teachers are frozen: only the student's side)."""
-    view_call = replace(call, plan=view.plan)
-    if index == 0:
-        stage_grads(view_call, view.blocks, labels, statistics, target, like, sums_out)
-        return
-    grad_target, begin, end = target
-    first, student = begin - grad_target.first_row, grad_target.grads.student
-    assert grad_target.grads.teacher is None
-    own = student[first : first + end - begin]
-    scratch = GradTarget(LogitGrads(torch.empty_like(own), None), begin, grad_target.upstream)
-    stage_grads(view_call, view.blocks, labels, statistics, (scratch, begin, end), like, sums_out)
-    own += scratch.grads.student
+    """The view's logit gradients: the first view's written into the target, each later one's added
+    to it (the teachers are frozen: only the student's side)."""
+    assert target[0].grads.teacher is None
+    stage_grads(replace(call, plan=view.plan), view.blocks, labels, statistics, target, like, sums_out, index > 0)

@@ -229,11 +229,12 @@ def stage_grads(
     target: ChunkTarget,
     like: Tensor,
     sums_out: Tensor | None = None,
+    accumulate: bool = False,
 ) -> None:
     """The chunk's gradient row constants (``row_formulas.grad_step`` of its named row
-    ``statistics``) and each block's logit gradients written into the target's rows
-    ``[begin, end)``; with ``sums_out`` (``kl_sums_in_gradient_pass``) the blocks' round-2 sums
-    added into it, (rows, num_sums)."""
+    ``statistics``) and each block's logit gradients written (``accumulate``: added) into the
+    target's rows ``[begin, end)``; with ``sums_out`` (``kl_sums_in_gradient_pass``) the blocks'
+    round-2 sums added into it, (rows, num_sums)."""
     plan, math = call.plan, call.math
     assert math is not None
     grad_target, begin, end = target
@@ -256,4 +257,6 @@ def stage_grads(
         teacher = None if grads.teacher is None else grads.teacher[first:last, span]
         out = LogitGrads(grads.student[first:last, span], teacher)
         global_start = call.layout.vocab_start + block.start
-        math.stage_logit_grads(plan, rows, block.student, block.teacher, labels, global_start, out, sums_out)
+        math.stage_logit_grads(
+            plan, rows, block.student, block.teacher, labels, global_start, out, sums_out, accumulate
+        )

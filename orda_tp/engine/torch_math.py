@@ -202,9 +202,11 @@ class TorchBlockMath:
         col_start: int,
         out: LogitGrads,
         sums_out: Tensor | None = None,
+        accumulate: bool = False,
     ) -> None:
-        """The protocol's logit gradients of the block, written into ``out``; with ``sums_out``, the
-        block's round-2 sums from the same column values added into it."""
+        """The protocol's logit gradients of the block, written (with ``accumulate``, the student's
+        added) into ``out``; with ``sums_out``, the block's round-2 sums from the same column values
+        added into it."""
         assert not isinstance(teacher, SparseLogits)  # reads_stored_cache is False: blocks arrive dense
         # A label outside the block matches none of its columns.
         is_target = torch.arange(student.shape[1], device=student.device)[None, :] == (labels - col_start)[:, None]
@@ -248,7 +250,8 @@ class TorchBlockMath:
         # An ignored row (scale 0) gets exactly 0 whatever its terms hold; a NaN scale (unowned) stays NaN.
         active = row_scale[:, None] != 0
         # Written into the destination's view (the staging, or the logits' gradient), in its dtype.
-        out.student.copy_(torch.where(active, student_grad, 0.0))
+        student_grad = torch.where(active, student_grad, 0.0)
+        out.student.add_(student_grad) if accumulate else out.student.copy_(student_grad)
         if out.teacher is not None:
             assert teacher_grad is not None
             out.teacher.copy_(torch.where(active, teacher_grad, 0.0))

@@ -216,11 +216,11 @@ class TritonBlockMath:
 
     def stage_logit_grads(
         self, plan: LossPlan, rows: GradRows, student: Tensor, teacher: TeacherBlock | None, labels: Tensor,
-        col_start: int, out: LogitGrads, sums_out: Tensor | None = None,
+        col_start: int, out: LogitGrads, sums_out: Tensor | None = None, accumulate: bool = False,
     ) -> None:  # fmt: skip
-        """The protocol's logit gradients of a block, written into ``out`` (row-major views, any float
-        dtype) by one launch that reads ``rows.packed`` as it is; with ``sums_out``, also the block's
-        round-2 sums added into it."""
+        """The protocol's logit gradients of a block, written (or with ``accumulate`` added) into
+        ``out`` (row-major views, any float dtype) by one launch that reads ``rows.packed`` as it is;
+        with ``sums_out``, also the block's round-2 sums added into it."""
         n_rows, cols = student.shape
         student_kl, teacher_kl = plan.computes_kl, plan.kl_trains_teacher
         assert (out.teacher is not None) == (plan.teacher_ce_trains_teacher or teacher_kl)
@@ -255,6 +255,7 @@ class TritonBlockMath:
             HAS_T=teacher is not None,
             SPARSE=is_sparse,
             CAPPED=capped,
+            ACCUMULATE=accumulate,
             BLOCK_R=chosen.block_r,
             BLOCK_C=chosen.block_c,
             num_warps=chosen.num_warps,

@@ -122,12 +122,22 @@ def through_softcap(grad: tl.tensor, capped: tl.tensor, cap: tl.tensor) -> tl.te
 
 @triton.jit
 def store_tile(
-    ptr: tl.tensor, stride: tl.tensor, rows: tl.tensor, cols: tl.tensor, x: tl.tensor, ok: tl.tensor
+    ptr: tl.tensor,
+    stride: tl.tensor,
+    rows: tl.tensor,
+    cols: tl.tensor,
+    x: tl.tensor,
+    ok: tl.tensor,
+    ACCUMULATE: tl.constexpr,
 ) -> None:
-    """``x`` into the tile at ``rows × cols`` of a row-major tensor, in its dtype."""
+    """``x`` into the tile at ``rows × cols`` of a row-major tensor, in its dtype; with
+    ``ACCUMULATE`` added to what the tile holds (a teacher mixture's views, one after another)."""
+    pointers = ptr + rows[:, None] * stride + cols[None, :]
+    if ACCUMULATE:  # the sum formed in fp32, then rounded once into the tile's dtype
+        x += tl.load(pointers, mask=ok, other=0.0).to(tl.float32)
     # Rounded once, from fp32 into the staging dtype the gradient GEMMs read (bf16 where all their operands are).
     # Masked: a padded entry (s = −inf) is never written.
-    tl.store(ptr + rows[:, None] * stride + cols[None, :], x.to(ptr.dtype.element_ty), mask=ok)
+    tl.store(pointers, x.to(ptr.dtype.element_ty), mask=ok)
 
 
 # R and col_start change with every chunk and shard: not specialized on, so a new value compiles nothing.
@@ -164,6 +174,7 @@ def grads_kernel(
     HAS_T: tl.constexpr,
     SPARSE: tl.constexpr,
     CAPPED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ) -> None:
@@ -172,7 +183,7 @@ def grads_kernel(
     ``ROW_CONSTANTS`` (:class:`orda_tp.engine.stats.GradRows`), each read by its name; with
     ``NUM_SUMS > 0`` also the split's round-2 sums ``Σ_columns COLUMN_TERMS(log p, log q, p, q,
     is_target)[k]`` into split ``program_id(1)`` of ``sums`` (splits, R, NUM_SUMS), accumulated per
-    tile element and reduced once, at the end."""
+    tile element and reduced once, at the end; with ``ACCUMULATE``, ``ds`` added to what it holds."""
     rows, row_ok, c_begin, c_end = program_tile(R, C, cols_per_split, BLOCK_R)
     local_label = local_labels(labels_ptr, rows, row_ok, col_start)[:, None]
     # The row constants once per program: they do not change along the columns.
@@ -197,10 +208,10 @@ def grads_kernel(
         grad_u = STUDENT_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if STUDENT_KL else None
         grad_v = TEACHER_GRAD(logp, logq, p, q, is_target, rowc, ROW_CONSTANTS) if TEACHER_KL else None
         ds = student_grads(s, is_target, grad_u, rowc, w_kl, caps, ROW_CONSTANTS, STUDENT_TERMS, STUDENT_KL, CAPPED)
-        store_tile(ds_ptr, stride_ds, rows, cols, ds, ok)
+        store_tile(ds_ptr, stride_ds, rows, cols, ds, ok, ACCUMULATE)
         # Without a teacher gradient dt_ptr is a stand-in (the student's buffer): this branch is not compiled.
         if TEACHER_CE or TEACHER_KL:
             dt = teacher_grads(t, is_target, grad_v, rowc, w_kl, caps, ROW_CONSTANTS, TEACHER_CE, TEACHER_KL, CAPPED)
-            store_tile(dt_ptr, stride_dt, rows, cols, dt, ok)
+            store_tile(dt_ptr, stride_dt, rows, cols, dt, ok, False)
     # NUM_SUMS = 0 stores nothing: sums_ptr is then a stand-in (the row constants), never written.
     store_sums(sums_ptr, sums, rows, row_ok, R, NUM_SUMS)
