@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 try:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 except ImportError as error:  # not a dependency of orda_tp: say how to install it
     raise ImportError(
         "examples/offline_topk_distill.py needs transformers: pip install 'transformers==5.24.0'"
@@ -77,6 +77,8 @@ except ImportError as error:  # not a dependency of orda_tp: say how to install 
 
 # Run from a checkout without installing: the repository root holds `orda_tp` and the main job's `launch`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiny_llama import final_hidden, pretrain, tiny_llama  # noqa: E402  (examples/: the script's own directory)
 
 import orda_tp  # noqa: E402
 from launch.data import Batch, make_language, sample_batch  # noqa: E402
@@ -157,44 +159,12 @@ def corpus_batches(corpus: Batch, batch: int, device: torch.device) -> list[Corp
 # ---- models ------------------------------------------------------------------------------------
 
 
-def tiny_llama(vocab: int, hidden: int, layers: int, max_seq: int, seed: int, device: torch.device) -> LlamaForCausalLM:
-    """A ``LlamaForCausalLM`` from a config (nothing downloaded), randomly initialized from ``seed``, with its
-    own LM head (untied, so that the head can be split along the vocabulary alone)."""
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_seq,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(device)
-
-
-def final_hidden(model: LlamaForCausalLM, inputs: Tensor) -> Tensor:
-    """What the model's ``lm_head`` reads: the decoder output after its final norm, ``(batch, seq, hidden)``."""
-    return model.model(input_ids=inputs, use_cache=False).last_hidden_state
-
-
 def pretrain_teacher(teacher: LlamaForCausalLM, args: argparse.Namespace, runtime: Runtime) -> None:
     """A few steps of plain next-token CE on fresh text of the language (the same on every rank), then freeze."""
-    optimizer = torch.optim.AdamW(teacher.parameters(), lr=1e-2)
     language = make_language(args.vocab, seed=args.seed)
-    for step in range(args.teacher_steps):
-        batch = sample_batch(language, 16, args.seq, seed=(args.seed << 32) + 1000 + step)
-        logits = teacher(input_ids=batch.inputs.to(runtime.device), use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.to(runtime.device).flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step + 1 == args.teacher_steps:
-            runtime.log(
-                f"teacher: {args.teacher_steps} pre-training steps, CE {loss.item():.4f} (floor {batch.floor:.4f})"
-            )
-    teacher.requires_grad_(False).eval()
+    done = pretrain(teacher, language, args.teacher_steps, args.seq, (args.seed << 32) + 1000, runtime.device)
+    if done is not None:
+        runtime.log(f"teacher: {args.teacher_steps} pre-training steps, CE {done.ce:.4f} (floor {done.floor:.4f})")
 
 
 def build_student(args: argparse.Namespace, runtime: Runtime) -> LlamaForCausalLM:

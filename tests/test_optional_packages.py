@@ -68,6 +68,8 @@ def test_the_examples_name_their_packages_where_missing() -> None:
     for package, example, line in [
         ("transformers", "hf_trainer_distill.py", "pip install 'transformers==5.24.0' 'accelerate==1.15.0'"),
         ("megatron", "megatron_distill.py", "pip install 'orda_tp[megatron]'"),
+        ("transformers", "offline_topk_distill.py", "pip install 'transformers==5.24.0'"),
+        ("transformers", "mixture_distill.py", "pip install 'transformers==5.24.0'"),
     ]:
         run = _without(package, f"import runpy; runpy.run_path('examples/{example}', run_name='__main__')")
         assert run.returncode != 0
