@@ -64,7 +64,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
 from importlib import metadata
@@ -255,13 +255,13 @@ def make_bench_inputs(
     )
 
 
-def separate_teacher(inputs: BenchInputs, width: int | None = None) -> SeparateTeacher:
+def separate_teacher(inputs: BenchInputs, width: int | None = None, seed: int = 5) -> SeparateTeacher:
     """A frozen teacher with its own hidden states and head, of width ``width`` (the student's by
-    default); its logits of standard deviation ≈ 2."""
+    default), drawn from ``seed`` (another seed, another teacher); its logits of standard deviation ≈ 2."""
     rows, hidden = inputs.hidden.shape
     width = width or hidden
     device, dtype = inputs.hidden.device, inputs.hidden.dtype
-    generator = torch.Generator(device=device).manual_seed(5)
+    generator = torch.Generator(device=device).manual_seed(seed)
     teacher_hidden = torch.randn(rows, width, generator=generator, device=device).to(dtype)
     head = torch.randn(inputs.weight.shape[0], width, generator=generator, device=device) * (2.0 / width**0.5)
     return SeparateTeacher(teacher_hidden, head.to(dtype))
@@ -312,16 +312,20 @@ def gemm_step(inputs: BenchInputs) -> Step:
     return lambda: (torch.mm(inputs.hidden.detach(), inputs.weight.detach().T), ())
 
 
-def gemm_only_step(inputs: BenchInputs, task: str, teacher: SeparateTeacher | None = None) -> Step:
+def gemm_only_step(
+    inputs: BenchInputs, task: str, teacher: SeparateTeacher | Sequence[SeparateTeacher] | None = None
+) -> Step:
     """The loss's unavoidable full-size GEMMs back to back in cuBLAS: each side's logits GEMM with an
-    fp32 result (two for KD: the tied teacher's too, or ``teacher``'s through its own head at its own
-    width; one for CE), then ``dh = G·W`` and ``dW = Gᵀ·h`` for a logit gradient ``G`` in the inputs'
-    dtype (made once, outside the timing)."""
+    fp32 result (for KD: the tied teacher's too, or ``teacher``'s through its own head at its own
+    width, or each one's of several teachers, over the rows each one holds; one for CE), then
+    ``dh = G·W`` and ``dW = Gᵀ·h`` for a logit gradient ``G`` in the inputs' dtype (made once, outside
+    the timing)."""
     hidden, weight = inputs.hidden.detach(), inputs.weight.detach()
     grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device=hidden.device).to(hidden.dtype)
     sides = [(hidden, weight)]
     if task == "KD":
-        sides.append((inputs.teacher_hidden, weight) if teacher is None else (teacher.hidden, teacher.weight))
+        teachers = [teacher] if isinstance(teacher, SeparateTeacher) else list(teacher or ())
+        sides += [(given.hidden, given.weight) for given in teachers] or [(inputs.teacher_hidden, weight)]
 
     def step() -> tuple[Tensor, tuple[Tensor, ...]]:
         logits = [logits_mm(side, head, torch.float32) for side, head in sides]

@@ -1,6 +1,9 @@
 """GPU-only behaviour (skipped without CUDA): the default path never synchronizes with the host,
 is bitwise reproducible call to call, and can be captured in a CUDA graph and replayed.
 
+A ``TeacherMixture`` of two teachers runs the Triton kernels in every combine mode, exact against its
+fp64 oracle, and with scalar weights never synchronizes either.
+
 Run on a CUDA machine with ``python -m pytest tests/test_gpu.py``. Every call runs once to warm
 up (kernel compilation may synchronize), then again under
 ``torch.cuda.set_sync_debug_mode("error")``, which turns any synchronizing CUDA call into an error.
@@ -8,16 +11,19 @@ up (kernel compilation may synchronize), then again under
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 
 import orda_tp
-from orda_tp import ChunkSize, KernelConfig, PrecomputedTeacher, SeparateTeacher, TiedTeacher
+from orda_tp import ChunkSize, KernelConfig, PrecomputedTeacher, SeparateTeacher, TeacherHead, TiedTeacher
 from orda_tp.engine import gradient_gemms
+from orda_tp.teachers.mixture import COMBINE_MODES
 
 from .support.cases import NanFilledEmpty
+from .support.mixture_cases import MixtureProblem, oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -388,3 +394,80 @@ def test_gradient_gemms_write_buffers_that_come_filled_with_nan(
     assert torch.all(zeroed[1][VOCAB - 10 :] == 0)
     for got, expected in zip(unwritten, zeroed):
         assert torch.isfinite(got).all() and torch.equal(got, expected)
+
+
+MIXTURE_WIDTHS = (96, 48)  # two teachers, each of its own width
+
+
+def mixture_teachers(dtype: torch.dtype) -> list[SeparateTeacher]:
+    """Two frozen teachers of MIXTURE_WIDTHS with heads of their own, logits of standard deviation ≈ 2."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    teachers = []
+    for width in MIXTURE_WIDTHS:
+        hidden = torch.randn(ROWS, width, generator=generator, device="cuda").to(dtype)
+        head = (torch.randn(VOCAB, width, generator=generator, device="cuda") * (2 / width**0.5)).to(dtype)
+        teachers.append(SeparateTeacher(hidden, head))
+    return teachers
+
+
+def mixture_weights(kind: str) -> torch.Tensor:
+    """(ROWS, 2) fp32 weights: "dense" rows summing to 1; "routed" one-hot rows, a run of rows for each
+    teacher (each one's GEMM reads its run in place) and then rows drawn at random (gathered)."""
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    if kind == "routed":
+        chosen = torch.randint(0, 2, (ROWS,), generator=generator, device="cuda")
+        chosen[: ROWS // 3], chosen[ROWS // 3 : 2 * ROWS // 3] = 0, 1
+        return torch.nn.functional.one_hot(chosen, 2).float()
+    weights = torch.rand(ROWS, 2, generator=generator, device="cuda") + 0.1
+    return weights / weights.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("weights", ["dense", "routed"])
+@pytest.mark.parametrize("combine", COMBINE_MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_teacher_mixture_on_the_gpu_matches_fp64(dtype: torch.dtype, combine: str, weights: str) -> None:
+    """Two separate teachers mixed by ``combine`` through backend "auto" (the Triton kernels: no fallback
+    warning), student CE + forward KL at T = 2: the loss and the gradients of the student's states and
+    head against the fp64 oracle of the same rounded values (one-teacher reference calls composed from
+    the mode's definition, tests/support/mixture_cases.py)."""
+    t, teachers, table = make_inputs(dtype), mixture_teachers(dtype), mixture_weights(weights)
+    keywords: dict[str, object] = {"kl_weight": 1.0, "kl_temperature": 2.0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixture = orda_tp.TeacherMixture(teachers, table, combine)
+        out = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], mixture, **keywords)
+        grads = torch.autograd.grad(out.loss, [t["hidden"], t["weight"]])
+    assert not [w for w in caught if str(w.message).startswith("orda_tp: backend='auto'")]
+    exact = [t[name].detach().double().requires_grad_() for name in ("hidden", "weight")]
+    names = [f"teacher{index}" for index in range(len(teachers))]
+    exact_teachers = [SeparateTeacher(m.hidden.double(), m.weight.double()) for m in teachers]
+    members: dict[str, TiedTeacher | SeparateTeacher | PrecomputedTeacher] = dict(zip(names, exact_teachers))
+    raw = {name: m.hidden @ m.weight.T for name, m in zip(names, exact_teachers)}
+    bias = torch.zeros(VOCAB, dtype=torch.float64, device="cuda")
+    problem = MixtureProblem(exact[0], exact[1], bias, t["labels"], members, raw)
+    reference = oracle(problem, names, table.double(), combine, keywords)
+    expected = torch.autograd.grad(reference.loss, exact)
+    assert abs(out.loss.item() - reference.loss.item()) <= 1e-5 * abs(reference.loss.item())
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for grad, exact_grad in zip(grads, expected):
+        assert grad.dtype == dtype
+        assert (grad.double() - exact_grad).norm() <= tolerance * exact_grad.norm()
+
+
+@pytest.mark.parametrize("combine", COMBINE_MODES)
+def test_a_mixture_of_two_heads_with_scalar_weights_does_not_synchronize(combine: str) -> None:
+    """Scalar weights are never read from a device: a bf16 mixture of two ``TeacherHead`` members (frozen
+    ``nn.Linear`` heads of their own widths), forward and backward, makes no synchronizing CUDA call."""
+    t = make_inputs(torch.bfloat16)
+    members = []
+    for teacher in mixture_teachers(torch.bfloat16):
+        head = torch.nn.Linear(teacher.weight.shape[1], VOCAB, bias=False, device="cuda", dtype=torch.bfloat16)
+        head.weight = torch.nn.Parameter(teacher.weight, requires_grad=False)
+        members.append(TeacherHead(teacher.hidden, head))
+    mixture = orda_tp.TeacherMixture(members, [0.25, 0.75], combine)
+
+    def step() -> None:
+        out = orda_tp.distillation_loss(t["hidden"], t["weight"], t["labels"], mixture, kl_weight=1.0)
+        torch.autograd.grad(out.loss, [t["hidden"], t["weight"]])
+
+    run_without_sync(step)
