@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,20 +26,32 @@ from .logits import HeadLogits, HeadTensors, StoredLogits, addmm_fp32_into
 
 __all__ = ["MixtureBlocks", "mixture_blocks"]
 
-Rows = slice | Tensor  # a chunk's rows a teacher reads: a run, or chunk-local indices (on the device)
+
+class Scattered(NamedTuple):
+    """A teacher's rows of a chunk that are not one run: chunk-local indices ``local`` on the device,
+    the first and last of them as host numbers."""
+
+    local: Tensor
+    first: int
+    last: int
+
+
+Rows = slice | Scattered  # a chunk's rows a teacher reads
 
 
 @dataclass(frozen=True)
 class _Member:
-    """One teacher's logits source, its plan and the rows (CPU, sorted) where it has weight."""
+    """One teacher's logits source, its plan and the rows where it has weight (sorted, on the host
+    and, copied once per call, on the device)."""
 
     source: TeacherBlocks  # a head's product, stored logits, or a top-k cache's blocks
     plan: MemberPlan
     rows: Tensor | None  # None: every row
+    device_rows: Tensor | None
 
     def chunk_rows(self, begin: int, end: int) -> Rows | None:
         """Its rows within ``[begin, end)``, chunk-local: a slice where they are one run; None: none."""
-        if self.rows is None:
+        if self.rows is None or self.device_rows is None:
             return slice(0, end - begin)
         lo, hi = (int(i) for i in torch.searchsorted(self.rows, torch.tensor([begin, end])))
         if lo == hi:
@@ -46,36 +59,38 @@ class _Member:
         first, last = int(self.rows[lo]), int(self.rows[hi - 1])
         if last - first + 1 == hi - lo:  # one run: read in place, no gather
             return slice(first - begin, last + 1 - begin)
-        return self.rows[lo:hi] - begin
+        # A slice of the call's device copy: no host-to-device copy per chunk.
+        return Scattered(self.device_rows[lo:hi] - begin, first - begin, last - begin)
 
-    def logits(self, begin: int, rows: Rows, start: int, stop: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    def logits(self, begin: int, rows: Rows, start: int, stop: int, dtype: torch.dtype) -> Tensor:
         """``v`` on ``rows`` of the chunk starting at ``begin``, local columns ``[start, stop)``."""
         source = self.source
         if isinstance(rows, slice):
             block = source.block(begin + rows.start, begin + rows.stop, start, stop, dtype, False)
         elif isinstance(source, HeadLogits):  # a GEMM over the gathered rows only
-            gathered = HeadLogits(source.hidden.detach()[rows.to(source.hidden.device) + begin], *_head_rest(source))
-            block = gathered.block(0, rows.numel(), start, stop, dtype, False)
+            gathered = HeadLogits(source.hidden.detach()[rows.local + begin], *_head_rest(source))
+            block = gathered.block(0, rows.local.numel(), start, stop, dtype, False)
         elif isinstance(source, StoredLogits):  # only these rows' block is copied
-            logits = source.logits.detach()
-            block = logits[:, start:stop][rows.to(logits.device) + begin].to(dtype)
+            block = source.logits.detach()[:, start:stop][rows.local + begin].to(dtype)
         else:  # a top-k cache's dense block over the rows' span, then its rows
-            span = source.block(begin + int(rows[0]), begin + int(rows[-1]) + 1, start, stop, dtype, False)
+            span = source.block(begin + rows.first, begin + rows.last + 1, start, stop, dtype, False)
             assert isinstance(span, Tensor)  # formed dense (not as stored)
-            block = span[(rows - rows[0]).to(span.device)]
+            block = span[rows.local - rows.first]
         assert isinstance(block, Tensor)  # formed dense (not as stored)
-        block = block.to(device)
         return block if self.plan.temperature == 1.0 else block / self.plan.temperature
 
-    def added_into(self, out: Tensor, begin: int, rows: slice, start: int, stop: int, weight: float) -> bool:
-        """``out[rows] += weight·v`` by the GEMM's epilogue (a head without cap or bias, bf16/fp16 on
+    def added_into(
+        self, out: Tensor, begin: int, rows: slice, start: int, stop: int, weight: float, accumulate: bool
+    ) -> bool:
+        """``out[rows] (+)= weight·v`` by the GEMM's epilogue (a head without cap or bias, bf16/fp16 on
         CUDA into fp32: no product tensor); False, nothing written, where it cannot."""
         source = self.source
         if not isinstance(source, HeadLogits) or source.cap is not None or source.bias is not None:
             return False
         hidden = source.hidden.detach()[begin + rows.start : begin + rows.stop]
         alpha = weight * source.scale / self.plan.temperature
-        return addmm_fp32_into(out[rows], hidden, source.weight.detach()[start:stop].T, 1.0, alpha)
+        beta = 1.0 if accumulate else 0.0
+        return addmm_fp32_into(out[rows], hidden, source.weight.detach()[start:stop].T, beta, alpha)
 
 
 def _head_rest(source: HeadLogits) -> tuple[Tensor, float | None, Tensor | None, float]:
@@ -89,30 +104,40 @@ class MixtureBlocks:
         self, plan: MixturePlan, routing: MixtureRouting, members: list[_Member], device: torch.device, columns: int
     ):
         self.plan, self.routing, self.members, self.device, self.columns = plan, routing, members, device, columns
+        self._scalar_rows: dict[torch.dtype, Tensor] = {}  # n numbers as a device row, per dtype
 
     def weights(self, begin: int, end: int, dtype: torch.dtype) -> Tensor:
-        """(rows, n) weights of rows ``[begin, end)`` (scalar weights broadcast)."""
+        """(rows, n) weights of rows ``[begin, end)`` (n numbers broadcast)."""
         if self.routing.weights is not None:
             return self.routing.weights[begin:end].to(dtype)
-        assert self.routing.scalars is not None
-        return torch.tensor(self.routing.scalars, dtype=dtype, device=self.device).expand(end - begin, -1)
+        scalars = self.routing.scalars
+        assert scalars is not None
+        if dtype not in self._scalar_rows:
+            row = torch.empty(len(scalars), dtype=dtype, device=self.device)
+            for index, value in enumerate(scalars):
+                row[index].fill_(value)  # a fill, not a copy from the host: no synchronization
+            self._scalar_rows[dtype] = row
+        return self._scalar_rows[dtype].expand(end - begin, -1)
 
-    def member_logits(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype) -> list[Tensor]:
-        """Each teacher's ``v_i`` on rows ``[begin, end)``: −inf on the rows where it has no weight."""
-        out = []
-        for member in self.members:
-            logits = torch.full((end - begin, stop - start), -math.inf, dtype=dtype, device=self.device)
+    def member_tiles(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+        """(n, rows, columns): each teacher's ``v_i`` on rows ``[begin, end)``, −inf on its rows
+        without weight, each written once into its tile (by its GEMM where it can)."""
+        tiles = torch.empty(len(self.members), end - begin, stop - start, dtype=dtype, device=self.device)
+        for tile, member in zip(tiles, self.members):
             rows = member.chunk_rows(begin, end)
-            if rows is not None:
-                logits[rows if isinstance(rows, slice) else rows.to(self.device)] = member.logits(
-                    begin, rows, start, stop, dtype, self.device
-                )
-            out.append(logits)
-        return out
+            if rows != slice(0, end - begin):
+                tile.fill_(-math.inf)  # the rows where the teacher has no weight: no teacher there
+            if rows is None:
+                continue
+            if isinstance(rows, Scattered):
+                tile.index_copy_(0, rows.local, member.logits(begin, rows, start, stop, dtype))
+            elif not member.added_into(tile, begin, rows, start, stop, 1.0, accumulate=False):
+                tile[rows] = member.logits(begin, rows, start, stop, dtype)
+        return tiles
 
     def block(self, begin: int, end: int, start: int, stop: int, dtype: torch.dtype, as_stored: bool) -> Tensor:
         if self.plan.form != "linear":  # (n, rows, columns): each teacher's tile (engine.mixture_walk reads them)
-            return torch.stack(self.member_logits(begin, end, start, stop, dtype))
+            return self.member_tiles(begin, end, start, stop, dtype)
         out = torch.zeros(end - begin, stop - start, dtype=dtype, device=self.device)
         weights = self.weights(begin, end, dtype)
         for index, member in enumerate(self.members):
@@ -123,16 +148,15 @@ class MixtureBlocks:
             # One weight for the whole run (n numbers, or routed rows of weight 1): added by the GEMM itself.
             uniform = scalar if scalar is not None else 1.0 if self.routing.unit_weights else None
             if isinstance(rows, slice) and uniform is not None:
-                if member.added_into(out, begin, rows, start, stop, uniform):
+                if member.added_into(out, begin, rows, start, stop, uniform, accumulate=True):
                     continue
-            logits = member.logits(begin, rows, start, stop, dtype, self.device)
+            logits = member.logits(begin, rows, start, stop, dtype)
             if isinstance(rows, slice):
                 # Σ w·v over the rows with w > 0 only: a 0·(−inf) would be NaN.
                 weight = weights[rows, index, None]
                 out[rows].add_(logits * weight if scalar is None else logits.mul_(scalar))
             else:
-                local = rows.to(self.device)
-                out.index_add_(0, local, logits * weights[local, index, None])
+                out.index_add_(0, rows.local, logits * weights[rows.local, index, None])
         if self.routing.has_teacher is not None:  # a row without a teacher: absent (KL 0, no gradient)
             out.masked_fill_(~self.routing.has_teacher[begin:end, None], -math.inf)
         return out
@@ -141,7 +165,7 @@ class MixtureBlocks:
         """``log Σ_i w̃_i q_i`` over every column of rows ``[0, rows)`` (the reference's, on one device):
         the teachers present on a row (weight > 0, not all −inf) with their weights renormalized over
         them; −inf on a row with none."""
-        logits = torch.stack(self.member_logits(0, rows, 0, self.columns, dtype))
+        logits = self.member_tiles(0, rows, 0, self.columns, dtype)
         lse = torch.logsumexp(logits, -1)
         weights = self.weights(0, rows, dtype).T
         present = (weights > 0) & (lse > -math.inf)
@@ -179,5 +203,6 @@ def mixture_blocks(plan: MixturePlan, teacher: TeacherSource, head: HeadTensors,
                 head.bias if tied else bias,
                 member_plan.scale,
             )
-        members.append(_Member(side, member_plan, rows))
+        device_rows = None if rows is None else rows.to(head.student_hidden.device)  # once per call
+        members.append(_Member(side, member_plan, rows, device_rows))
     return MixtureBlocks(plan, teacher.routing, members, head.student_hidden.device, layout.real_local_columns)

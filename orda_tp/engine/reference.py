@@ -256,7 +256,7 @@ def _reference_views_kl(plan: LossPlan, student: Tensor, blocks: MixtureBlocks, 
     rows, columns = student.shape
     weights = blocks.weights(0, rows, student.dtype)
     kl = torch.zeros(rows, dtype=student.dtype, device=student.device)
-    for index, logits in enumerate(blocks.member_logits(0, rows, 0, columns, student.dtype)):
+    for index, logits in enumerate(blocks.member_tiles(0, rows, 0, columns, student.dtype)):
         absent = (logits == float("-inf")).all(-1)
         teacher = torch.where(absent[:, None], torch.zeros_like(logits), logits)
         term = _reference_kl(plan, student, teacher, labels, absent)
