@@ -25,7 +25,7 @@ GROUP_M row tiles walking the column tiles together so that a W tile is read fro
   overlapped with MMAs.
 - ``exp_gemm_pingpong_kernel``: ``gl.warp_specialize`` with a one-warp TMA producer and two
   consumer warpgroups (the default partition and a worker) that take alternate tiles from the
-  producer's ring: while one consumer's epilogue runs, the other issues its tile's wgmmas.
+  producer's ring: while one consumer's epilogue runs, the other runs its tile's wgmmas.
 """
 
 from __future__ import annotations
@@ -68,10 +68,12 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _issue_loads(it, k_tiles, hs_desc, ht_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, slot, pred, SIDES: gl.constexpr,
-                 GROUP_M: gl.constexpr):  # fmt: skip
+def _load_step(it, k_tiles, descs, bufs, ready, slot, pred, SIDES: gl.constexpr, GROUP_M: gl.constexpr):
     """TMA loads of this CTA's K step ``it`` (its tile ``it // k_tiles``) into ring slot ``slot``,
-    completing ``ready[slot]``; nothing where ``pred`` is false."""
+    completing ``ready[slot]``; nothing where ``pred`` is false. ``descs`` = (h_s, h_t, W)
+    descriptors, ``bufs`` = their rings (h_t's read only with two sides)."""
+    hs_desc, ht_desc, w_desc = descs
+    a_bufs, t_bufs, w_bufs = bufs
     BM: gl.constexpr = hs_desc.block_type.shape[0]
     BK: gl.constexpr = hs_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -93,7 +95,7 @@ def _scaled_exp(acc, col_ok):
     """(m, e^{s−m}, Σ e^{s−m}) of one accumulator tile, columns where ``col_ok`` is false at −∞."""
     z = gl.where(col_ok[None, :], acc, float("-inf"))
     m = gl.max(z, axis=1)
-    # e^{s−m} = 2^{s·log2e − m·log2e}: one FMA and one ex2; the maximum's own term is exactly 1
+    # e^{s−m} = 2^{s·log2e − m·log2e}: one FMA and one ex2 per element (the argument off by m·log2e's rounding)
     e = gl.exp2(z * LOG2E - (m * LOG2E)[:, None])
     return m, e, gl.sum(e, axis=1)
 
@@ -128,8 +130,18 @@ def _epilogue(acc_s, acc_t, pid_m, pid_n, R, C, e_desc, d_desc, stats_ptr, out_s
 
 
 @gluon.jit
-def exp_gemm_pipelined_kernel(hs_desc, ht_desc, w_desc, e_desc, d_desc, stats_ptr, SIDES: gl.constexpr,
-                              STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def exp_gemm_pipelined_kernel(
+    hs_desc,
+    ht_desc,
+    w_desc,
+    e_desc,
+    d_desc,
+    stats_ptr,
+    SIDES: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """One partition of ``num_warps`` warps (BM ≥ 16·num_warps); ``ht_desc``/``d_desc`` are read only
     with two sides."""
     BM: gl.constexpr = hs_desc.block_type.shape[0]
@@ -153,10 +165,11 @@ def exp_gemm_pipelined_kernel(hs_desc, ht_desc, w_desc, e_desc, d_desc, stats_pt
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
+    descs = (hs_desc, ht_desc, w_desc)
+    bufs = (a_bufs, t_bufs, w_bufs)
 
     for p in gl.static_range(STAGES - 1):
-        _issue_loads(p, k_tiles, hs_desc, ht_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, p, p < total, SIDES,
-                     GROUP_M)  # fmt: skip
+        _load_step(p, k_tiles, descs, bufs, ready, p, p < total, SIDES, GROUP_M)
 
     acc_s = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
     if SIDES == 2:
@@ -174,8 +187,7 @@ def exp_gemm_pipelined_kernel(hs_desc, ht_desc, w_desc, e_desc, d_desc, stats_pt
             acc_s = warpgroup_mma_wait(num_outstanding=1, deps=(acc_s,))
         # the previous step's wgmmas are done: its slot takes step it + STAGES - 1
         ahead = it + STAGES - 1
-        _issue_loads(ahead, k_tiles, hs_desc, ht_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, ahead % STAGES,
-                     ahead < total, SIDES, GROUP_M)  # fmt: skip
+        _load_step(ahead, k_tiles, descs, bufs, ready, ahead % STAGES, ahead < total, SIDES, GROUP_M)
         if ki == k_tiles - 1:
             tile = gl.program_id(0) + (it // k_tiles) * gl.num_programs(0)
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -194,11 +206,12 @@ def exp_gemm_pipelined_kernel(hs_desc, ht_desc, w_desc, e_desc, d_desc, stats_pt
 
 
 @gluon.jit
-def _producer(hs_desc, ht_desc, w_desc, ring, SIDES: gl.constexpr, GROUP_M: gl.constexpr):
+def _producer(descs, ring, SIDES: gl.constexpr, GROUP_M: gl.constexpr):
     """The TMA partition: every K step of this CTA's tiles, in order, into the ring, each slot once
     its consumer has released it."""
-    a_bufs, t_bufs, w_bufs, ready, empty = ring
-    STAGES: gl.constexpr = a_bufs.shape[0]
+    hs_desc, ht_desc, w_desc = descs
+    bufs, ready, empty = ring
+    STAGES: gl.constexpr = bufs[0].shape[0]
     BM: gl.constexpr = hs_desc.block_type.shape[0]
     BK: gl.constexpr = hs_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -209,15 +222,26 @@ def _producer(hs_desc, ht_desc, w_desc, ring, SIDES: gl.constexpr, GROUP_M: gl.c
         slot = it % STAGES
         # an mbarrier starts with its phase before phase 0 complete: the first pass over the ring waits on nothing
         mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-        _issue_loads(it, k_tiles, hs_desc, ht_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, slot, True, SIDES, GROUP_M)
+        _load_step(it, k_tiles, descs, bufs, ready, slot, True, SIDES, GROUP_M)
 
 
 @gluon.jit
-def _consumer(hs_desc, w_desc, e_desc, d_desc, stats_ptr, ring, out_smem, FIRST: gl.constexpr, SIDES: gl.constexpr,
-              GROUP_M: gl.constexpr):  # fmt: skip
+def _consumer(
+    hs_desc,
+    w_desc,
+    e_desc,
+    d_desc,
+    stats_ptr,
+    ring,
+    out_smem,
+    FIRST: gl.constexpr,
+    SIDES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
     """One consumer warpgroup: tiles FIRST, FIRST + 2, … of this CTA's sequence, each slot released
     as soon as the wgmmas reading it are done, then the tile's epilogue."""
-    a_bufs, t_bufs, w_bufs, ready, empty = ring
+    bufs, ready, empty = ring
+    a_bufs, t_bufs, w_bufs = bufs
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = hs_desc.block_type.shape[0]
     BK: gl.constexpr = hs_desc.block_type.shape[1]
@@ -264,14 +288,25 @@ def _consumer(hs_desc, w_desc, e_desc, d_desc, stats_ptr, ring, out_smem, FIRST:
 
 
 @gluon.jit
-def exp_gemm_pingpong_kernel(hs_desc, ht_desc, w_desc, e_desc, d_desc, stats_ptr, SIDES: gl.constexpr,
-                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def exp_gemm_pingpong_kernel(
+    hs_desc,
+    ht_desc,
+    w_desc,
+    e_desc,
+    d_desc,
+    stats_ptr,
+    SIDES: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Warp-specialized: the default partition (num_warps = 4, one warpgroup) and a 4-warp worker
-    are the two consumers, a 1-warp worker the TMA producer; BM ≤ 64·(BM/64) rows per consumer tile,
-    ``ht_desc``/``d_desc`` read only with two sides. Launch with ``maxnreg`` such that
-    (num_warps + 8)·32·maxnreg ≤ 65536; the workers then hold CONSUMER_REGS and PRODUCER_REGS
-    registers per thread and the default partition what is left."""
+    are the two consumers, each a BM × BN tile (BM a multiple of 64), a 1-warp worker the TMA
+    producer; ``ht_desc``/``d_desc`` are read only with two sides. Launch with ``maxnreg`` such that
+    the three warpgroups' 3·128·maxnreg registers fit the SM's 65,536: the workers then take
+    CONSUMER_REGS and PRODUCER_REGS per thread, the default partition what is left."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     BM: gl.constexpr = hs_desc.block_type.shape[0]
     BK: gl.constexpr = hs_desc.block_type.shape[1]
@@ -289,12 +324,12 @@ def exp_gemm_pingpong_kernel(hs_desc, ht_desc, w_desc, e_desc, d_desc, stats_ptr
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
-    ring = (a_bufs, t_bufs, w_bufs, ready, empty)
+    ring = ((a_bufs, t_bufs, w_bufs), ready, empty)
     gl.warp_specialize(
         [
             (_consumer, (hs_desc, w_desc, e_desc, d_desc, stats_ptr, ring, out_first, 0, SIDES, GROUP_M)),
             (_consumer, (hs_desc, w_desc, e_desc, d_desc, stats_ptr, ring, out_second, 1, SIDES, GROUP_M)),
-            (_producer, (hs_desc, ht_desc, w_desc, ring, SIDES, GROUP_M)),
+            (_producer, ((hs_desc, ht_desc, w_desc), ring, SIDES, GROUP_M)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

@@ -23,10 +23,13 @@ On a GPU (H100/H200), from the repository root:
 3. The gate table; every number into DIR/gluon_probe.json (written again after every step, so an
    interrupted run keeps what it had).
 
-Tolerances (norm-relative, ‖got − ref‖ / ‖ref‖ over the chunk): the statistics ≤ 1e-5; E and D
-≤ 2^-8, and element by element within bf16 rounding of the fp32 result, |Δ| ≤ 2^-8·|ref| + 2e-4·x
-with x = E (for E) or e^{t−m_t} + E (for D): 2e-4 relative is the fp32 accumulator's own error
-at |s| ≈ 10 over H = 4096, which cuBLAS's fp32 logits carry too (printed beside each shape).
+Tolerances (norm-relative, ‖got − ref‖ / ‖ref‖ over the chunk): each statistic ≤ 1e-5, or ≤ 2×
+the error of the same statistic formed exactly from cuBLAS's fp32 logits (printed beside it) where
+the fp32 accumulator alone exceeds 1e-5 (accumulating with truncation, as tensor cores measured on
+earlier generations do, a simulated fp32 accumulator over H = 4096 puts the sums at 1.0e-5); E and
+D ≤ 2^-8, and element by element |Δ| ≤ 2^-8·|ref| + 2e-4·x with x = E for E and e^{t−m_t} + E for
+D: bf16 rounding of the fp32 result, whose own error (≤ 9e-5 relative in that simulation) the
+2e-4 covers.
 Exit status: 1 if any variant failed a check or could not run, else 0 (a failed gate is a
 measurement, not a failure).
 
@@ -70,12 +73,13 @@ HEADS = ((4096, 128256), (2304, 256000))  # (H, C)
 CHUNK_ROWS = (512, 1024, 2048)
 SMOKE_SHAPES = ((200, 328, 1000), (520, 328, 19992))  # (R, H, C): partial row, K and column tiles
 FEW_CTAS = 3  # the smoke check's second grid: many tiles per CTA
-SMOKE_TIMEOUT = 120  # seconds for one variant's smoke subprocess (CUDA start, compile, checks)
+SMOKE_TIMEOUT = 60  # seconds for one variant's smoke subprocess (about 15 s: CUDA start, compile, checks)
 WARMUPS, REPEATS = 3, 15
 BLOCK_ROWS = 256  # rows per block of the fp64 reference
 STATS_TOLERANCE = 1e-5
 BF16_ROUNDING = 2.0**-8
 ACCUMULATION = 2e-4
+CUBLAS_FACTOR = 2.0
 DENSE_TFLOPS, BANDWIDTH_TBS = 790.0, 4.25  # one H200: measured dense bf16, and its memory bandwidth
 
 
@@ -225,45 +229,41 @@ class Error:
 def compare(
     variant: Variant, h_s: Tensor, h_t: Tensor | None, weight: Tensor, out: Outputs
 ) -> dict[str, dict[str, Any]]:
-    """Every output of a variant against the fp64 reference, by blocks of rows; per output its
-    norm-relative error, worst element/bound and whether it passes."""
+    """Every output of a variant against the fp64 reference, by blocks of rows: per output its
+    norm-relative error, worst element/bound and whether it passes; per statistic also the error of
+    the same statistic formed exactly from cuBLAS's fp32 logits (the engine's route), which passes
+    the statistic at up to CUBLAS_FACTOR times it where the fp32 accumulator alone exceeds 1e-5."""
     w64 = weight.double()
-    names = ["m_s", "l_s", "e"] + (["m_t", "l_t", "d"] if variant.sides == 2 else [])
-    errors = {name: Error() for name in names}
+    sides = [(h_s, "s")] + ([(h_t, "t")] if variant.sides == 2 and h_t is not None else [])
+    kernel = {f"{stat}_{side}": Error() for _, side in sides for stat in ("m", "l")}
+    cublas = {name: Error() for name in kernel}
+    kernel.update({name: Error() for name in ("e", "d")[: len(sides)]})
     for start in range(0, h_s.shape[0], BLOCK_ROWS):
         block = slice(start, start + BLOCK_ROWS)
-        m_s, l_s, e = tile_reference(h_s[block].double() @ w64.T, variant.bn)
-        errors["m_s"].add(out.stats[0, :, block], m_s)
-        errors["l_s"].add(out.stats[1, :, block], l_s)
-        errors["e"].add(out.e[block], e, (BF16_ROUNDING + ACCUMULATION) * e + 1e-30)
-        if variant.sides == 2 and h_t is not None and out.d is not None:
-            m_t, l_t, p_t = tile_reference(h_t[block].double() @ w64.T, variant.bn)
-            errors["m_t"].add(out.stats[2, :, block], m_t)
-            errors["l_t"].add(out.stats[3, :, block], l_t)
+        exponentials = []
+        for index, (h, side) in enumerate(sides):
+            m, sums, p = tile_reference(h[block].double() @ w64.T, variant.bn)
+            m32, sums32, _ = tile_reference(logits_mm(h[block], weight, torch.float32), variant.bn)
+            kernel[f"m_{side}"].add(out.stats[2 * index, :, block], m)
+            kernel[f"l_{side}"].add(out.stats[2 * index + 1, :, block], sums)
+            cublas[f"m_{side}"].add(m32, m)
+            cublas[f"l_{side}"].add(sums32, sums)
+            exponentials.append(p)
+        e = exponentials[0]
+        kernel["e"].add(out.e[block], e, (BF16_ROUNDING + ACCUMULATION) * e + 1e-30)
+        if len(exponentials) == 2 and out.d is not None:
+            p_t = exponentials[1]
             d = p_t - e
-            errors["d"].add(out.d[block], d, BF16_ROUNDING * d.abs() + ACCUMULATION * (p_t + e) + 1e-30)
-    report = {}
-    for name, error in errors.items():
-        exponentials = name in ("e", "d")
-        tolerance = BF16_ROUNDING if exponentials else STATS_TOLERANCE
-        report[name] = {"relative": error.relative, "worst": error.worst, "ok": error.passes(tolerance, exponentials)}
+            kernel["d"].add(out.d[block], d, BF16_ROUNDING * d.abs() + ACCUMULATION * (p_t + e) + 1e-30)
+    report: dict[str, dict[str, Any]] = {}
+    for name, error in kernel.items():
+        if name in cublas:
+            route = cublas[name].relative
+            ok = error.passes(STATS_TOLERANCE, False) or error.passes(CUBLAS_FACTOR * route, False)
+            report[name] = {"relative": error.relative, "cublas_relative": route, "ok": ok}
+        else:
+            report[name] = {"relative": error.relative, "worst": error.worst, "ok": error.passes(BF16_ROUNDING, True)}
     return report
-
-
-def cublas_route_error(h: Tensor, weight: Tensor, bn: int) -> dict[str, float]:
-    """What the engine's route carries against the same fp64 reference: statistics and exponentials
-    formed exactly (fp64) from cuBLAS's fp32 logits; norm-relative errors of m and the sums, and the
-    worst |ΔE| / E (the fp32 accumulator's error alone)."""
-    w64 = weight.double()
-    m_error, l_error, e_error = Error(), Error(), Error()
-    for start in range(0, h.shape[0], BLOCK_ROWS):
-        block = h[start : start + BLOCK_ROWS]
-        m, sums, e = tile_reference(block.double() @ w64.T, bn)
-        m32, sums32, e32 = tile_reference(logits_mm(block, weight, torch.float32), bn)
-        m_error.add(m32, m)
-        l_error.add(sums32, sums)
-        e_error.add(e32, e, e + 1e-30)
-    return {"m": m_error.relative, "l": l_error.relative, "e_worst": e_error.worst}
 
 
 def first_line(error: BaseException) -> str:
@@ -272,9 +272,13 @@ def first_line(error: BaseException) -> str:
 
 
 def check_line(found: dict[str, dict[str, Any]]) -> str:
-    return " ".join(
-        f"{k}:{'ok' if v['ok'] else 'FAIL'}({v['relative']:.1e}/{v['worst']:.2f})" for k, v in found.items()
-    )
+    """``name:ok(norm-relative error|cuBLAS route's)`` per statistic, ``name:ok(error/worst element's
+    share of its bound)`` per exponential tensor."""
+    cells = []
+    for name, v in found.items():
+        detail = f"cuBLAS {v['cublas_relative']:.1e}" if "cublas_relative" in v else f"{v['worst']:.2f}"
+        cells.append(f"{name}:{'ok' if v['ok'] else 'FAIL'}({v['relative']:.1e}|{detail})")
+    return " ".join(cells)
 
 
 def kernel_resources(compiled: Any) -> dict[str, int]:
@@ -320,7 +324,8 @@ def smoke_in_subprocess(variant: Variant) -> dict[str, Any]:
         print(output, end="")
         return {"variant": variant.name, "status": f"hung (killed after {SMOKE_TIMEOUT} s)", "seconds": SMOKE_TIMEOUT}
     lines = done.stdout.strip().splitlines()
-    print("\n".join(lines[:-1]))
+    if lines[:-1]:
+        print("\n".join(lines[:-1]))
     seconds = round(time.perf_counter() - started, 1)
     try:
         return {**json.loads(lines[-1]), "seconds": seconds}
@@ -341,7 +346,7 @@ def smoke_in_subprocess(variant: Variant) -> dict[str, Any]:
 
 
 def median_ms(step: Callable[[], object]) -> float:
-    """Median of REPEATS calls issued back to back after WARMUPS, each between its own CUDA events."""
+    """Median of REPEATS calls launched back to back after WARMUPS, each between its own CUDA events."""
     for _ in range(WARMUPS):
         step()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPEATS)]
@@ -359,7 +364,6 @@ class Report:
 
     meta: dict[str, Any]
     smoke: list[dict[str, Any]] = field(default_factory=list)
-    cublas_route: list[dict[str, Any]] = field(default_factory=list)
     checks: list[dict[str, Any]] = field(default_factory=list)
     baselines: list[dict[str, Any]] = field(default_factory=list)
     timings: list[dict[str, Any]] = field(default_factory=list)
@@ -411,11 +415,6 @@ def run_shape(
             report.baselines.append({**shape, "rows": sides * rows, "out": dtype, "ms": ms, "tflops": flop / ms / 1e9})
             print(f"{hidden:5d}x{columns:<6d} R={rows:<5d} cuBLAS {dtype}-out, {sides * rows} rows: {ms:8.3f} ms "
                   f"{flop / ms / 1e9:6.1f} TFLOP/s", flush=True)  # fmt: skip
-    for bn in sorted({v.bn for v in variants}):
-        route = cublas_route_error(h_s[: 2 * BLOCK_ROWS], weight, bn)
-        report.cublas_route.append({**shape, "bn": bn, **route})
-        print(f"  cuBLAS fp32 logits (first {2 * BLOCK_ROWS} rows, BN={bn}) vs fp64: m {route['m']:.1e}, "
-              f"sums {route['l']:.1e}, worst |dE|/E {route['e_worst']:.1e}", flush=True)  # fmt: skip
     report.save()
 
     all_ok = True
@@ -549,11 +548,14 @@ def main() -> int:
 
     print(f"== smoke check (each variant in a subprocess, {SMOKE_TIMEOUT} s at most)", flush=True)
     passing = []
+    hung: set[tuple[str, int]] = set()  # (kind, sides) of a variant that hung: its siblings share its code
     for variant in variants:
-        if deadline.expired(margin=SMOKE_TIMEOUT + 60):
-            report.skipped.append(f"{variant.name} (time limit before its smoke check)")
+        if deadline.expired(margin=SMOKE_TIMEOUT + 60) or (variant.kind, variant.sides) in hung:
+            report.skipped.append(f"{variant.name} (time limit, or a variant of its code hung)")
             continue
         result = smoke_in_subprocess(variant)
+        if result["status"].startswith("hung"):
+            hung.add((variant.kind, variant.sides))
         report.smoke.append(result)
         report.save()
         built = f"regs={result.get('regs')} spills={result.get('spills')} smem={result.get('smem')}"
