@@ -419,7 +419,7 @@ def launch_arguments(
     if variant.sides == 2 and (h_t is None or out.d is None):
         raise ValueError("a two-sided variant needs h_t and out.d")
     hs_desc = _descriptor(h_s, [variant.bm, variant.bk])
-    ht_desc = _descriptor(h_t, [variant.bm, variant.bk]) if variant.sides == 2 else hs_desc
+    ht_desc = _descriptor(h_t, [variant.bm, variant.bk]) if variant.sides == 2 and h_t is not None else hs_desc
     e_desc = _descriptor(out.e, [variant.bm, variant.bn])
     d_desc = _descriptor(out.d, [variant.bm, variant.bn]) if out.d is not None else e_desc
     args = (hs_desc, ht_desc, _descriptor(weight, [variant.bn, variant.bk]), e_desc, d_desc, out.stats)

@@ -57,6 +57,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -407,8 +408,8 @@ def run_shape(
     baseline: dict[tuple[int, str], float] = {}
     for sides in sides_needed:
         lhs = stacked if sides == 2 else h_s
-        baseline[sides, "bf16"] = median_ms(lambda lhs=lhs: torch.mm(lhs, weight.T))
-        baseline[sides, "fp32"] = median_ms(lambda lhs=lhs: logits_mm(lhs, weight, torch.float32))
+        baseline[sides, "bf16"] = median_ms(partial(torch.mm, lhs, weight.T))
+        baseline[sides, "fp32"] = median_ms(partial(logits_mm, lhs, weight, torch.float32))
         for dtype in ("bf16", "fp32"):
             flop = 2 * sides * rows * columns * hidden
             ms = baseline[sides, dtype]
