@@ -199,8 +199,10 @@ class LossPlan:
     kl_trains_teacher: bool = field(init=False)
     # The teacher CE's gradient reaches a trainable teacher; a cache's CE is reported, not differentiated.
     teacher_ce_trains_teacher: bool = field(init=False)
-    # Only the row terms and the KL differentiate the student's logits.
-    student_receives_grad: bool = field(init=False)
+    # The head inputs a gradient is routed to, in GradNeeds' order (student hidden, weight, teacher hidden,
+    # teacher weight, bias, teacher bias): only the row terms and the KL differentiate the student's logits,
+    # and a tied teacher's head gradient goes to the student's weight and bias.
+    gradient_routes: tuple[bool, bool, bool, bool, bool, bool] = field(init=False)
     # Each output component's weight, loss = Σ w·component: every backend sums the components so.
     component_weights: dict[str, float] = field(init=False)
     # (w_kl·T_s, w_kl·T_s²/T_t): the factors of ∂D/∂u in ∂loss/∂s and of ∂D/∂v in ∂loss/∂t (u = s/T_s,
@@ -223,8 +225,7 @@ class LossPlan:
     kl_sums_in_gradient_pass: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        # What the formulas read of the global real vocabulary: the terms' 1/V (inf for an empty
-        # vocabulary, which the call's checks refuse) and log V where the variant reads it.
+        # What the formulas read of the real vocabulary: 1/V (inf where empty: the checks refuse it), log V.
         inv_vocab = 1.0 / self.vocab_size if self.vocab_size else math.inf
         object.__setattr__(self, "term_scalars", {**self.term_scalars, "inv_vocab": inv_vocab})
         if self.divergence is not None and self.divergence.reads_log_vocab:
@@ -242,6 +243,7 @@ class LossPlan:
         wanted += [ce_families[1]] if self.teacher_ce_weight > 0 else []
         wanted += list(kl_families) if computes_kl else [kl_families[0]] if self.student_entropy else []
         families = tuple(dict.fromkeys(wanted))
+        student, tied = student_terms or computes_kl, self.teacher_kind == "tied" and teacher_trains
         formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
         in_gradient_pass = bool(formulas and not formulas.row_names) and (
             self.teacher_trainable or not (self.divergence and self.divergence.infinite_without_support(self.params))
@@ -270,7 +272,14 @@ class LossPlan:
             "checks_values": not self.teacher_trainable or self.config.check_finite_inputs,
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
             "teacher_ce_trains_teacher": teacher_ce_trains,
-            "student_receives_grad": student_terms or computes_kl,
+            "gradient_routes": (
+                student,
+                student or tied,
+                teacher_trains,
+                teacher_trains,
+                student or tied,
+                teacher_trains,
+            ),
             "component_weights": {
                 **{term.name: weight for term, weight in zip(self.student_terms, self.term_weights)},
                 **{"teacher_ce": self.teacher_ce_weight, "kl": self.kl_weight},
