@@ -225,7 +225,8 @@ class LossPlan:
     kl_sums_in_gradient_pass: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        # What the formulas read of the real vocabulary: 1/V (inf where empty: the checks refuse it), log V.
+        # What the formulas read of the global real vocabulary: the terms' 1/V (inf for an empty
+        # vocabulary, which the call's checks refuse) and log V where the variant reads it.
         inv_vocab = 1.0 / self.vocab_size if self.vocab_size else math.inf
         object.__setattr__(self, "term_scalars", {**self.term_scalars, "inv_vocab": inv_vocab})
         if self.divergence is not None and self.divergence.reads_log_vocab:
@@ -238,12 +239,11 @@ class LossPlan:
         kl_student = self.kl_weight * self.student_temperature
         ce_families = LogitFamily("student", 1.0), LogitFamily("teacher", 1.0)
         kl_families = LogitFamily("student", self.student_temperature), LogitFamily("teacher", self.teacher_temperature)
-        student_terms = bool(self.student_terms)
-        wanted = [ce_families[0]] if student_terms else []
+        wanted = [ce_families[0]] if self.student_terms else []
         wanted += [ce_families[1]] if self.teacher_ce_weight > 0 else []
         wanted += list(kl_families) if computes_kl else [kl_families[0]] if self.student_entropy else []
         families = tuple(dict.fromkeys(wanted))
-        student, tied = student_terms or computes_kl, self.teacher_kind == "tied" and teacher_trains
+        head = (student := bool(self.student_terms) or computes_kl) or (self.teacher_kind == "tied" and teacher_trains)
         formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
         in_gradient_pass = bool(formulas and not formulas.row_names) and (
             self.teacher_trainable or not (self.divergence and self.divergence.infinite_without_support(self.params))
@@ -255,7 +255,7 @@ class LossPlan:
             num_families=len(families),
             student_terms=self.student_terms,
             num_column_sums=len(column_sums),
-            terms_family=families.index(ce_families[0]) if student_terms else None,
+            terms_family=families.index(ce_families[0]) if self.student_terms else None,
             ce_teacher=families.index(ce_families[1]) if self.teacher_ce_weight > 0 else None,
             kl_student=families.index(kl_families[0]) if computes_kl or self.student_entropy else None,
             kl_teacher=families.index(kl_families[1]) if computes_kl else None,
@@ -272,14 +272,7 @@ class LossPlan:
             "checks_values": not self.teacher_trainable or self.config.check_finite_inputs,
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
             "teacher_ce_trains_teacher": teacher_ce_trains,
-            "gradient_routes": (
-                student,
-                student or tied,
-                teacher_trains,
-                teacher_trains,
-                student or tied,
-                teacher_trains,
-            ),
+            "gradient_routes": (student, head, teacher_trains, teacher_trains, head, teacher_trains),
             "component_weights": {
                 **{term.name: weight for term, weight in zip(self.student_terms, self.term_weights)},
                 **{"teacher_ce": self.teacher_ce_weight, "kl": self.kl_weight},
