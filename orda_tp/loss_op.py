@@ -63,6 +63,8 @@ class Recipe(NamedTuple):
         return self.teacher(**dict(self.settings), **dict(zip(self.names, slots)))
 
 
+#: The eager path reads its inputs with any strides, so the compiler need not keep those it traced.
+_ANY_STRIDES = (torch.Tag.flexible_layout,)
 _RECIPES: list[Recipe] = []
 _INDEX: dict[Recipe, int] = {}
 
@@ -109,12 +111,17 @@ def _routing(
     vocab = weight.shape[0] if recipe.options.vocab_size is None else recipe.options.vocab_size
     plan = LossPlan.build(recipe.options, teacher, vocab)
     hidden, teacher_weight, _, _, teacher_bias = teacher.logits_inputs(0, vocab)
-    flags = {id(t): flag for t, flag in zip(differentiable, requires) if t is not None}
-    roles = (student_hidden, weight, hidden, teacher_weight, bias, teacher_bias)
-    receiving = {
-        id(t) for t, route in zip(roles, plan.gradient_routes) if t is not None and route and flags.get(id(t), False)
-    }
-    return plan, [t is not None and id(t) in receiving for t in differentiable]
+    # Each role's place in ``differentiable``: the student's by position, the teacher's by the slot that holds
+    # it (by identity among the slots alone: a student tensor may also be the teacher's, in another slot).
+    places = [
+        next((3 + i for i, slot in enumerate(slots) if t is not None and slot is t), None)
+        for t in (hidden, teacher_weight, teacher_bias)
+    ]
+    needs = [False] * len(differentiable)
+    for place, route in zip((0, 1, places[0], places[1], 2, places[2]), plan.gradient_routes):
+        if place is not None and differentiable[place] is not None and requires[place] and route:
+            needs[place] = True
+    return plan, needs
 
 
 def _differentiated(
@@ -158,7 +165,7 @@ def _fake_gradients(needs: Sequence[bool], differentiable: Sequence[Tensor | Non
     ]
 
 
-@torch.library.custom_op("orda_tp::distillation_loss", mutates_args=())
+@torch.library.custom_op("orda_tp::distillation_loss", mutates_args=(), tags=_ANY_STRIDES)
 def _loss_op(
     index: int,
     requires: list[bool],
@@ -208,7 +215,7 @@ def _loss_fake(
     return [*outputs, *_fake_gradients([need and plan.reduction != "none" for need in needs], differentiable)]
 
 
-@torch.library.custom_op("orda_tp::distillation_loss_backward", mutates_args=())
+@torch.library.custom_op("orda_tp::distillation_loss_backward", mutates_args=(), tags=_ANY_STRIDES)
 def _loss_backward_op(
     index: int,
     needs: list[bool],

@@ -127,6 +127,24 @@ def test_module_under_inductor_equals_eager() -> None:
         _assert_same(got, want)
 
 
+def test_head_of_a_compiled_model_under_inductor_equals_eager() -> None:
+    """A CE-only DistillationHead on a view of the model's rows, compiled by Inductor: its stand-in
+    teacher's hidden states are the student's own tensor, one tensor in two of the operator's inputs."""
+    t = _tensors()
+    linear = torch.nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.float64)
+    head = orda_tp.DistillationHead.from_linear(linear, student_ce_weight=1.0, kl_weight=0.0)
+    labels = t["labels"].reshape(2, ROWS // 2)
+
+    def loss(hidden: Tensor, weight: Tensor, bias: Tensor) -> orda_tp.DistillationLossOutput:
+        rows = hidden.reshape(2, ROWS // 2, HIDDEN)[:, :-1]
+        return head(rows, labels[:, 1:])
+
+    eager = _run(loss, t)
+    compiled = _run(torch.compile(loss, fullgraph=True), t)
+    for got, want in zip(compiled, eager):
+        _assert_same(got, want)
+
+
 def test_teacher_head_is_read_as_its_weight_and_bias() -> None:
     t = _tensors()
     head = torch.nn.Linear(HIDDEN, VOCAB, dtype=torch.float64)
