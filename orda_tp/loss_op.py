@@ -108,6 +108,7 @@ def _routing(
     student_hidden, weight, bias, *slots = differentiable
     assert student_hidden is not None and weight is not None
     teacher = recipe.teacher_of(slots)
+    # The real vocabulary as engine.call.agree reads it on one device: the head's rows unless vocab_size says less.
     vocab = weight.shape[0] if recipe.options.vocab_size is None else recipe.options.vocab_size
     plan = LossPlan.build(recipe.options, teacher, vocab)
     hidden, teacher_weight, _, _, teacher_bias = teacher.logits_inputs(0, vocab)
