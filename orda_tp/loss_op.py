@@ -317,7 +317,11 @@ def traced_loss(
     the door's eager path; ``options``, or None with the function door's ``keywords``."""
     if isinstance(teacher, TeacherHead):  # its module's weight and bias; FSDP2 holds sharded ones as DTensors
         teacher = SeparateTeacher(teacher.hidden, *head_parameters(teacher.head))
-    if not isinstance(teacher, COVERED_TEACHERS) or any(isinstance(v, Tensor) for v in keywords.values()):
+    # A group is read before the recipe: dynamo would not hand a process group to recipe_index as a constant.
+    group = keywords.get("tp_group") if options is None else options.tp_group
+    if group is not None or not isinstance(teacher, COVERED_TEACHERS):
+        return None
+    if any(isinstance(value, Tensor) for value in keywords.values()):
         return None
     specs = [spec for spec in fields(teacher) if spec.init]
     names = tuple(spec.name for spec in specs if isinstance(getattr(teacher, spec.name), Tensor))

@@ -3,9 +3,9 @@ precomputed-logits teacher (or a ``TeacherHead`` module) is one operator, ``orda
 ``fullgraph=True`` compiles; its loss, components and gradients equal the eager call's in fp64
 (bitwise here; at most 1e-12 is the bound), for every reduction and a second backward
 (``retain_graph``). A step whose head and loss are compiled has no graph break; a call the operator
-does not cover (a top-k cache) still runs, eagerly, behind one graph break, and a bad keyword raises
-as it does eagerly. Small shapes and the ``aot_eager`` backend keep compilation short on the CPU;
-one case runs Inductor."""
+does not cover (a top-k cache, a tensor-parallel call) still runs, eagerly, behind a graph break,
+and a bad keyword raises as it does eagerly. Small shapes and the ``aot_eager`` backend keep
+compilation short on the CPU; two cases run Inductor."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch._dynamo.utils import counters
 
@@ -220,3 +221,22 @@ def test_bad_keyword_raises_under_compile() -> None:
 
     with pytest.raises(ValueError, match="reduction must be one of"):
         torch.compile(loss, backend="aot_eager")(t["hidden"])
+
+
+def test_tensor_parallel_call_runs_eagerly_under_compile() -> None:
+    """A call with a ``tp_group`` (one gloo rank here) is not one operator: it runs eagerly behind a
+    graph break, with the eager call's loss and gradients."""
+    if dist.is_initialized():
+        pytest.skip("a process group of another test is initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = _tensors()
+        loss = _loss("tied", "mean", t, tp_group=dist.group.WORLD)
+        eager = _run(loss, t)
+        counters.clear()
+        compiled = _run(torch.compile(loss, backend="aot_eager"), t)
+        assert sum(counters["graph_break"].values()) >= 1
+        for got, want in zip(compiled, eager):
+            _assert_same(got, want)
+    finally:
+        dist.destroy_process_group()
