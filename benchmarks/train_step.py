@@ -53,8 +53,8 @@ hidden states, detached leaves, median over as many repeats; ``loss_share = loss
 catching ``torch.cuda.OutOfMemoryError``, up to ``--max-batch``) and the tokens/s at it. With
 ``--compile`` every method runs again compiled the way PyTorch recommends for repeated blocks:
 each decoder layer (student and teacher) ``layer.compile()`` (one compiled graph shared by the
-layers) and the head and loss ``torch.compile``d; the record adds the graph breaks (reasons and
-counts) and the graphs compiled by the first step and by the end of the timed steps (a growth is a
+layers) and the head and loss ``torch.compile``d; the record adds the graph breaks (reasons, counts
+and their total) and the graphs compiled by the first step and by the end of the timed steps (a growth is a
 recompilation). ``--repeats R`` times each method's step R − 1 more times, in reversed order, in
 lines with ``"pass"`` ≥ 1.
 
@@ -581,11 +581,14 @@ def relative_error(value: Tensor, reference: Tensor) -> float:
 
 
 def compiled_graphs() -> dict[str, Any]:
-    """Dynamo's counters so far: graphs compiled, graph breaks by reason (its first line)."""
+    """Dynamo's counters so far: graphs compiled, graph breaks by reason (its first line) and their total."""
     from torch._dynamo.utils import counters
 
-    breaks = {reason.splitlines()[0]: count for reason, count in counters["graph_break"].items()}
-    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": breaks}
+    breaks: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        breaks[reason.splitlines()[0]] = breaks.get(reason.splitlines()[0], 0) + count
+    total = sum(breaks.values())
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": breaks, "graph_break_count": total}
 
 
 # ------------------------------------------------------------------------------------------------ running

@@ -26,6 +26,7 @@ from .engine.logits import HeadTensors, statistics_dtype
 from .engine.mixture_blocks import mixture_blocks
 from .engine.reference import reference_loss
 from .kernels import is_available
+from .loss_op import traced_loss
 from .parallel.fsdp import head_parameters, unsharded_head
 from .parallel.layout import HeadShard, LocalShard
 from .parallel.local_shards import LocalInputs, call_group, shard_inputs
@@ -118,8 +119,9 @@ def _one_device_inputs(
     return local, LocalShard(head=HeadShard("weight", weight, 0), labels=labels, vocab_size=options.vocab_size)
 
 
-# Inside torch.compile'd code the loss runs eagerly (one graph break): its chunk loop, record
-# exchanges and hand-written backward are not traceable, and gain nothing from tracing.
+# Never traced: under torch.compile a call is one operator (loss_op), whose implementation runs this
+# path, or runs it eagerly behind a graph break; its host reads, chunk loop, record exchanges and
+# hand-written backward are not traceable, and gain nothing from tracing.
 @torch.compiler.disable
 def _run(
     options: LossOptions,
@@ -193,9 +195,6 @@ def _run(
     return DistillationLossOutput(*outputs)
 
 
-# Inside torch.compile'd code the call runs eagerly behind one graph break (validating the options
-# warns and raises, which a traced frame would not keep as written).
-@torch.compiler.disable
 def distillation_loss(
     student_hidden: Tensor,
     weight: Tensor,
@@ -274,37 +273,63 @@ def distillation_loss(
     ``token_weights`` (BT,): per-row weights ``w_i`` of each row's loss and components; "mean"
     still divides by the valid rows or ``num_valid_tokens``: ``loss = Σ_valid w_i·loss_i / N``.
     """
-    with raised_on_every_rank(lambda: call_group(weight, tp_group)):  # a bad keyword raises on every rank
-        options = LossOptions(
-            tp_group=tp_group,
-            student_ce_weight=student_ce_weight,
-            teacher_ce_weight=teacher_ce_weight,
-            kl_weight=kl_weight,
-            kl_temperature=kl_temperature,
-            kl_teacher_temperature=kl_teacher_temperature,
-            kl_divergence=kl_divergence,
-            kl_alpha=kl_alpha,
-            kl_beta=kl_beta,
-            entropy_gate=entropy_gate,
-            label_smoothing=label_smoothing,
-            z_loss_weight=z_loss_weight,
-            logit_softcap=logit_softcap,
-            teacher_logit_softcap=teacher_logit_softcap,
-            logit_scale=logit_scale,
-            teacher_logit_scale=teacher_logit_scale,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            profile=profile,
-            backend=backend,
-            config=config,
-            gradient_materialization_scale=gradient_materialization_scale,
-            grad_scaler=grad_scaler,
-            vocab_range=vocab_range,
-            vocab_size=vocab_size,
-            sequence_parallel=sequence_parallel,
-            student_entropy=student_entropy,
+    keywords: dict[str, Any] = dict(
+        tp_group=tp_group,
+        student_ce_weight=student_ce_weight,
+        teacher_ce_weight=teacher_ce_weight,
+        kl_weight=kl_weight,
+        kl_temperature=kl_temperature,
+        kl_teacher_temperature=kl_teacher_temperature,
+        kl_divergence=kl_divergence,
+        kl_alpha=kl_alpha,
+        kl_beta=kl_beta,
+        entropy_gate=entropy_gate,
+        label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight,
+        logit_softcap=logit_softcap,
+        teacher_logit_softcap=teacher_logit_softcap,
+        logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        profile=profile,
+        backend=backend,
+        config=config,
+        gradient_materialization_scale=gradient_materialization_scale,
+        grad_scaler=grad_scaler,
+        vocab_range=vocab_range,
+        vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel,
+        student_entropy=student_entropy,
+    )
+    if torch.compiler.is_compiling():
+        traced = traced_loss(
+            _run, None, keywords, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias
         )
+        if traced is not None:
+            return DistillationLossOutput(*traced)
+        # Not one operator (tensor parallelism, a mixture, a top-k cache...): eagerly, behind a graph break.
+        return _eager_door(
+            student_hidden,
+            weight,
+            labels,
+            teacher,
+            bias=bias,
+            num_valid_tokens=num_valid_tokens,
+            token_weights=token_weights,
+            **keywords,
+        )
+    with raised_on_every_rank(lambda: call_group(weight, tp_group)):  # a bad keyword raises on every rank
+        options = LossOptions(**keywords)
     return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias)
+
+
+# Under torch.compile, a call that is not one operator: validating the keywords warns and raises,
+# which a traced frame would not keep as written.
+@torch.compiler.disable
+def _eager_door(*args: Any, **keywords: Any) -> DistillationLossOutput:
+    """:func:`distillation_loss` run eagerly (a graph break where it is called in traced code)."""
+    return distillation_loss(*args, **keywords)
 
 
 class DistillationLoss(nn.Module):
@@ -334,6 +359,11 @@ class DistillationLoss(nn.Module):
         """The loss of the constructor's keywords; ``gradient_materialization_scale`` and
         ``grad_scaler`` given here (orda-kernel's) replace the constructor's for this call;
         ``bias``: the student head's, as :func:`distillation_loss` takes it."""
+        if torch.compiler.is_compiling() and gradient_materialization_scale is None and grad_scaler is None:
+            args = (student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias)
+            traced = traced_loss(_run, self.options, {}, *args)
+            if traced is not None:
+                return DistillationLossOutput(*traced)
         with raised_on_every_rank(lambda: call_group(weight, self.options.tp_group)):
             options = self.options.with_precision(gradient_materialization_scale, grad_scaler)
         return _run(options, student_hidden, weight, labels, teacher, num_valid_tokens, token_weights, bias)

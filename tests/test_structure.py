@@ -55,6 +55,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "kd_loss",
         "lm_head",
         "loss",
+        "loss_op",
         "topk_cache",
         "vocab_parallel",
     ),  # the public doors

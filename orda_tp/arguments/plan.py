@@ -199,8 +199,10 @@ class LossPlan:
     kl_trains_teacher: bool = field(init=False)
     # The teacher CE's gradient reaches a trainable teacher; a cache's CE is reported, not differentiated.
     teacher_ce_trains_teacher: bool = field(init=False)
-    # Only the row terms and the KL differentiate the student's logits.
-    student_receives_grad: bool = field(init=False)
+    # The head inputs a gradient is routed to, in GradNeeds' order (student hidden, weight, teacher hidden,
+    # teacher weight, bias, teacher bias): only the row terms and the KL differentiate the student's logits,
+    # and a tied teacher's head gradient goes to the student's weight and bias.
+    gradient_routes: tuple[bool, bool, bool, bool, bool, bool] = field(init=False)
     # Each output component's weight, loss = Σ w·component: every backend sums the components so.
     component_weights: dict[str, float] = field(init=False)
     # (w_kl·T_s, w_kl·T_s²/T_t): the factors of ∂D/∂u in ∂loss/∂s and of ∂D/∂v in ∂loss/∂t (u = s/T_s,
@@ -237,11 +239,11 @@ class LossPlan:
         kl_student = self.kl_weight * self.student_temperature
         ce_families = LogitFamily("student", 1.0), LogitFamily("teacher", 1.0)
         kl_families = LogitFamily("student", self.student_temperature), LogitFamily("teacher", self.teacher_temperature)
-        student_terms = bool(self.student_terms)
-        wanted = [ce_families[0]] if student_terms else []
+        wanted = [ce_families[0]] if self.student_terms else []
         wanted += [ce_families[1]] if self.teacher_ce_weight > 0 else []
         wanted += list(kl_families) if computes_kl else [kl_families[0]] if self.student_entropy else []
         families = tuple(dict.fromkeys(wanted))
+        head = (student := bool(self.student_terms) or computes_kl) or (self.teacher_kind == "tied" and teacher_trains)
         formulas = formulas_of(self.divergence, self.params) if computes_kl and self.divergence else None
         in_gradient_pass = bool(formulas and not formulas.row_names) and (
             self.teacher_trainable or not (self.divergence and self.divergence.infinite_without_support(self.params))
@@ -253,7 +255,7 @@ class LossPlan:
             num_families=len(families),
             student_terms=self.student_terms,
             num_column_sums=len(column_sums),
-            terms_family=families.index(ce_families[0]) if student_terms else None,
+            terms_family=families.index(ce_families[0]) if self.student_terms else None,
             ce_teacher=families.index(ce_families[1]) if self.teacher_ce_weight > 0 else None,
             kl_student=families.index(kl_families[0]) if computes_kl or self.student_entropy else None,
             kl_teacher=families.index(kl_families[1]) if computes_kl else None,
@@ -270,7 +272,7 @@ class LossPlan:
             "checks_values": not self.teacher_trainable or self.config.check_finite_inputs,
             "kl_trains_teacher": self.teacher_role == "cotrained" and teacher_trains,
             "teacher_ce_trains_teacher": teacher_ce_trains,
-            "student_receives_grad": student_terms or computes_kl,
+            "gradient_routes": (student, head, teacher_trains, teacher_trains, head, teacher_trains),
             "component_weights": {
                 **{term.name: weight for term, weight in zip(self.student_terms, self.term_weights)},
                 **{"teacher_ce": self.teacher_ce_weight, "kl": self.kl_weight},

@@ -283,20 +283,10 @@ def chunked_loss(
 ) -> tuple[Tensor, ...]:
     """``(loss, *COMPONENTS)`` reduced as the plan says; only ``loss`` is differentiable. An input
     receives a gradient when grad mode is on, it requires grad and the plan routes a gradient to it
-    (a tied teacher's head gradient goes to the student's weight and bias)."""
-    plan, grad_on = call.plan, torch.is_grad_enabled()
-    to_student, to_teacher = plan.student_receives_grad, plan.teacher_receives_grad
+    (``LossPlan.gradient_routes``)."""
+    grad_on, routes = torch.is_grad_enabled(), call.plan.gradient_routes
     heads = (student_hidden, weight, teacher_hidden, teacher_weight, bias, teacher_bias)
-    requires = [grad_on and t is not None and t.requires_grad for t in heads]
-    to_head = to_student or (plan.tied_head and to_teacher)
-    needs = GradNeeds(
-        student_hidden=requires[0] and to_student,
-        weight=requires[1] and to_head,
-        teacher_hidden=requires[2] and to_teacher,
-        teacher_weight=requires[3] and to_teacher,
-        bias=requires[4] and to_head,
-        teacher_bias=requires[5] and to_teacher,
-    )
+    needs = GradNeeds(*(grad_on and t is not None and t.requires_grad and route for t, route in zip(heads, routes)))
     return _ChunkedDistillation.apply(
         call, needs, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits, bias, teacher_bias
     )

@@ -1,0 +1,344 @@
+"""The fused loss as one operator under ``torch.compile`` (docs/architecture.md, "One graph under
+torch.compile"): a one-device :func:`orda_tp.distillation_loss` or :class:`orda_tp.DistillationLoss`
+call that dynamo traces becomes ``orda_tp::distillation_loss``, a ``torch.library.custom_op`` with a
+fake implementation (its outputs' shapes and dtypes) and its autograd. What the call holds beside its
+tensors (its options, its teacher's kind and settings, the door's eager path) is a :class:`Recipe`,
+registered at trace time under the index the operator takes.
+
+The operator runs the door's eager path on its tensors: the checks, the plan and the fused engine,
+host reads included (it runs outside the graph). For "mean" and "sum" it also returns the inputs'
+gradients for a unit upstream gradient, formed in the forward as the engine forms them, and its
+backward scales them; for "none" its backward is a second operator, which recomputes the forward's
+statistics and forms the gradients for the upstream gradient.
+"""
+
+# Without ``from __future__ import annotations``: torch.library reads the operator's schema from its
+# annotations, which must be types, not strings.
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+from torch.distributed.tensor import DTensor
+
+from .arguments.options import LossOptions
+from .arguments.plan import LossPlan
+from .divergences.terms import COMPONENTS
+from .engine.logits import statistics_dtype
+from .parallel.fsdp import head_parameters
+from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TeacherSource, TiedTeacher
+
+__all__ = ["COVERED_TEACHERS", "Recipe", "traced_loss"]
+
+#: The teachers the operator takes: heads (a TeacherHead's module read as its weight and bias) and caches
+#: of logits or hidden states. A top-k cache and a TeacherMixture run eagerly, behind a graph break.
+COVERED_TEACHERS = (TiedTeacher, SeparateTeacher, PrecomputedTeacher)
+#: The teacher's tensors the operator takes: a separate head's hidden states, weight and bias at most.
+TEACHER_SLOTS = 3
+#: ``loss`` and the components: the first outputs of the operator.
+LOSS_OUTPUTS = 1 + len(COMPONENTS)
+
+#: The door's eager path: ``run(options, student_hidden, weight, labels, teacher, num_valid_tokens,
+#: token_weights, bias)`` → ``(loss, *COMPONENTS)``.
+Runner = Callable[..., Sequence[Tensor]]
+
+
+class Recipe(NamedTuple):
+    """What a compiled call holds beside its tensors: the door's eager path ``run`` and its
+    ``options``, the ``teacher``'s class, its ``settings`` (its fields that hold no tensor) and the
+    ``names`` of the fields whose tensors fill the operator's teacher slots, and ``num_valid_tokens``
+    when it is a number (a tensor is an input of the operator)."""
+
+    run: Runner
+    options: LossOptions
+    teacher: type[TeacherSource]
+    settings: tuple[tuple[str, object], ...]
+    names: tuple[str, ...]
+    num_valid_tokens: object
+
+    def teacher_of(self, slots: Sequence[Tensor | None]) -> TeacherSource:
+        """The teacher descriptor over the tensors of ``slots`` (in :attr:`names`' order)."""
+        return self.teacher(**dict(self.settings), **dict(zip(self.names, slots)))
+
+
+#: The eager path reads its inputs with any strides, so the compiler need not keep those it traced.
+_ANY_STRIDES = (torch.Tag.flexible_layout,)
+_RECIPES: list[Recipe] = []
+_INDEX: dict[Recipe, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def recipe_index(
+    run: Runner,
+    options: LossOptions | None,
+    teacher: type,
+    settings: tuple[tuple[str, object], ...],
+    names: tuple[str, ...],
+    num_valid_tokens: object,
+    /,
+    **keywords: Any,
+) -> int:
+    """The index of the call's :class:`Recipe` (registered at its first trace), or −1 where the
+    operator does not cover the call. ``options``, or None with the function door's ``keywords``.
+    Dynamo runs it eagerly, once per trace, and keeps its result as a constant of the graph."""
+    if options is None:
+        try:
+            options = LossOptions(**keywords)
+        except (ValueError, TypeError):  # raised again by the door run eagerly, as it is raised without compile
+            return -1
+    # A tensor-parallel call exchanges records and errors between ranks; the reference builds the logits.
+    sharded = options.tp_group is not None or options.vocab_range is not None or bool(options.sequence_parallel)
+    if sharded or options.backend == "reference" or teacher not in COVERED_TEACHERS or "topk_ids" in names:
+        return -1
+    recipe = Recipe(run, options, teacher, settings, names, num_valid_tokens)
+    if recipe not in _INDEX:
+        _INDEX[recipe] = len(_RECIPES)
+        _RECIPES.append(recipe)
+    return _INDEX[recipe]
+
+
+def _routing(
+    recipe: Recipe, requires: Sequence[bool], differentiable: Sequence[Tensor | None]
+) -> tuple[LossPlan, list[bool]]:
+    """The call's plan and which of its ``differentiable`` inputs (``student_hidden``, ``weight``,
+    ``bias``, the teacher's slots) receive a gradient: those that ``requires`` one and to which the
+    plan routes one (``LossPlan.gradient_routes``, as the engine reads it)."""
+    student_hidden, weight, bias, *slots = differentiable
+    assert student_hidden is not None and weight is not None
+    teacher = recipe.teacher_of(slots)
+    # The real vocabulary as engine.call.agree reads it on one device: the head's rows unless vocab_size says less.
+    vocab = weight.shape[0] if recipe.options.vocab_size is None else recipe.options.vocab_size
+    plan = LossPlan.build(recipe.options, teacher, vocab)
+    hidden, teacher_weight, _, _, teacher_bias = teacher.logits_inputs(0, vocab)
+    # Each role's place in ``differentiable``: the student's by position, the teacher's by the slot that holds
+    # it (by identity among the slots alone: a student tensor may also be the teacher's, in another slot).
+    places = [
+        next((3 + i for i, slot in enumerate(slots) if t is not None and slot is t), None)
+        for t in (hidden, teacher_weight, teacher_bias)
+    ]
+    needs = [False] * len(differentiable)
+    for place, route in zip((0, 1, places[0], places[1], 2, places[2]), plan.gradient_routes):
+        if place is not None and differentiable[place] is not None and requires[place] and route:
+            needs[place] = True
+    return plan, needs
+
+
+def _differentiated(
+    recipe: Recipe,
+    needs: Sequence[bool],
+    differentiable: Sequence[Tensor | None],
+    labels: Tensor,
+    token_weights: Tensor | None,
+    num_valid_tokens: Tensor | None,
+    upstream: Tensor | None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The door's eager path on the call's tensors: ``(loss, *COMPONENTS)`` and, for each of the
+    ``differentiable`` inputs that ``needs`` a gradient, its gradient for the ``upstream`` gradient
+    (None: 1), an empty tensor for the others."""
+    student_hidden, weight, bias, *slots = differentiable
+    assert student_hidden is not None and weight is not None
+    # The operator runs below autograd; the engine's autograd Function still records its node there.
+    with torch.enable_grad():
+        leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(differentiable, needs)]
+        teacher = recipe.teacher_of(leaves[3:])
+        denominator = recipe.num_valid_tokens if num_valid_tokens is None else num_valid_tokens
+        outputs = recipe.run(
+            recipe.options, leaves[0], leaves[1], labels, teacher, denominator, token_weights, leaves[2]
+        )
+        wanted = [leaf for leaf, need in zip(leaves, needs) if need and leaf is not None]
+        found = torch.autograd.grad(outputs[0], wanted, upstream, materialize_grads=True) if wanted else ()
+    grads = iter(found)
+    # Contiguous, as the fake implementation declares them; an operator's outputs alias nothing: no shared empty.
+    gradients = [
+        next(grads).contiguous() if need and t is not None else student_hidden.new_empty(0)
+        for t, need in zip(differentiable, needs)
+    ]
+    return [output.detach() for output in outputs], gradients
+
+
+def _fake_gradients(needs: Sequence[bool], differentiable: Sequence[Tensor | None]) -> list[Tensor]:
+    """The gradients' shapes and dtypes: an input's where ``needs`` says it receives one, else empty."""
+    like = next(t for t in differentiable if t is not None)
+    return [
+        t.new_empty(t.shape) if need and t is not None else like.new_empty(0) for t, need in zip(differentiable, needs)
+    ]
+
+
+@torch.library.custom_op("orda_tp::distillation_loss", mutates_args=(), tags=_ANY_STRIDES)
+def _loss_op(
+    index: int,
+    requires: list[bool],
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    token_weights: Tensor | None,
+    num_valid_tokens: Tensor | None,
+    teacher_0: Tensor | None,
+    teacher_1: Tensor | None,
+    teacher_2: Tensor | None,
+) -> list[Tensor]:
+    """``(loss, *COMPONENTS, *gradients)`` of the call registered under ``index``: the gradients of
+    ``(student_hidden, weight, bias, teacher_0, teacher_1, teacher_2)`` for a unit upstream gradient
+    where ``requires`` asks one and the plan routes one ("mean" and "sum"), else empty tensors."""
+    recipe = _RECIPES[index]
+    differentiable = [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2]
+    plan, needs = _routing(recipe, requires, differentiable)
+    # "none" defers its gradients to the backward operator: the forward forms none.
+    eager = [need and plan.reduction != "none" for need in needs]
+    outputs, gradients = _differentiated(recipe, eager, differentiable, labels, token_weights, num_valid_tokens, None)
+    return [*outputs, *gradients]
+
+
+@_loss_op.register_fake
+def _loss_fake(
+    index: int,
+    requires: list[bool],
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    token_weights: Tensor | None,
+    num_valid_tokens: Tensor | None,
+    teacher_0: Tensor | None,
+    teacher_1: Tensor | None,
+    teacher_2: Tensor | None,
+) -> list[Tensor]:
+    differentiable = [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2]
+    plan, needs = _routing(_RECIPES[index], requires, differentiable)
+    dtype = statistics_dtype(*differentiable)
+    if plan.reduction == "mean" and num_valid_tokens is not None:
+        dtype = torch.promote_types(dtype, num_valid_tokens.dtype)  # the 0-d sum ÷ the given 0-d N, as torch promotes
+    shape = (labels.shape[0],) if plan.reduction == "none" else ()
+    outputs = [student_hidden.new_empty(shape, dtype=dtype) for _ in range(LOSS_OUTPUTS)]
+    return [*outputs, *_fake_gradients([need and plan.reduction != "none" for need in needs], differentiable)]
+
+
+@torch.library.custom_op("orda_tp::distillation_loss_backward", mutates_args=(), tags=_ANY_STRIDES)
+def _loss_backward_op(
+    index: int,
+    needs: list[bool],
+    grad_loss: Tensor,
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    token_weights: Tensor | None,
+    num_valid_tokens: Tensor | None,
+    teacher_0: Tensor | None,
+    teacher_1: Tensor | None,
+    teacher_2: Tensor | None,
+) -> list[Tensor]:
+    """The gradients of a "none" call for its (rows,) upstream ``grad_loss``, in the forward
+    operator's order, empty where ``needs`` says none: the call run again, its statistics
+    recomputed, and its deferred backward."""
+    differentiable = [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2]
+    recipe = _RECIPES[index]
+    return _differentiated(recipe, needs, differentiable, labels, token_weights, num_valid_tokens, grad_loss)[1]
+
+
+@_loss_backward_op.register_fake
+def _loss_backward_fake(
+    index: int,
+    needs: list[bool],
+    grad_loss: Tensor,
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    token_weights: Tensor | None,
+    num_valid_tokens: Tensor | None,
+    teacher_0: Tensor | None,
+    teacher_1: Tensor | None,
+    teacher_2: Tensor | None,
+) -> list[Tensor]:
+    return _fake_gradients(needs, [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2])
+
+
+class _LossContext(FunctionCtx):
+    """What the operator's autograd keeps (annotations only)."""
+
+    index: int
+    needs: list[bool]
+    eager: bool
+    # Annotated here: torch declares saved_tensors on its C base class alone.
+    saved_tensors: tuple[Tensor | None, ...]
+
+
+def _setup_context(ctx: _LossContext, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
+    index, requires, student_hidden, weight, labels, bias, token_weights, num_valid_tokens, *slots = inputs
+    differentiable = [student_hidden, weight, bias, *slots]
+    plan, ctx.needs = _routing(_RECIPES[index], requires, differentiable)
+    ctx.index, ctx.eager = index, plan.reduction != "none"
+    # An eager call keeps its gradients (a repeated backward scales them again); "none" keeps its inputs.
+    saved = output[LOSS_OUTPUTS:] if ctx.eager else [*differentiable, labels, token_weights, num_valid_tokens]
+    ctx.save_for_backward(*saved)
+    ctx.mark_non_differentiable(*output[1:])  # the components are reports; only the loss has a gradient
+
+
+def _backward(ctx: _LossContext, grads: list[Tensor]) -> tuple[Tensor | None, ...]:
+    """The gradients of ``(student_hidden, weight, labels, bias, token_weights, num_valid_tokens,
+    *slots)`` from the loss's upstream gradient (the components have none)."""
+    grad_loss, saved = grads[0], ctx.saved_tensors
+    if ctx.eager:
+        # As the eager engine scales the gradients it formed for a unit upstream gradient (scale_by_upstream).
+        gradients = [None if not need or g is None else g * grad_loss for g, need in zip(saved, ctx.needs)]
+    else:
+        student_hidden, weight, bias, slot_0, slot_1, slot_2, labels, token_weights, num_valid_tokens = saved
+        assert student_hidden is not None and weight is not None and labels is not None
+        recomputed = torch.ops.orda_tp.distillation_loss_backward(
+            ctx.index, ctx.needs, grad_loss, student_hidden, weight, labels, bias, token_weights, num_valid_tokens,
+            slot_0, slot_1, slot_2,
+        )  # fmt: skip
+        gradients = [g if need else None for g, need in zip(recomputed, ctx.needs)]
+    grad_hidden, grad_weight, grad_bias, *grad_slots = gradients
+    return (None, None, grad_hidden, grad_weight, None, grad_bias, None, None, *grad_slots)
+
+
+_loss_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def traced_loss(
+    run: Runner,
+    options: LossOptions | None,
+    keywords: dict[str, Any],
+    student_hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: object,
+    num_valid_tokens: object,
+    token_weights: Tensor | None,
+    bias: Tensor | None,
+) -> list[Tensor] | None:
+    """Under dynamo: ``(loss, *COMPONENTS)`` of the call as the operator, or None where the
+    operator does not cover it (the caller then runs it eagerly, behind a graph break). ``run``:
+    the door's eager path; ``options``, or None with the function door's ``keywords``."""
+    if isinstance(teacher, TeacherHead):  # its module's weight and bias; FSDP2 holds sharded ones as DTensors
+        teacher = SeparateTeacher(teacher.hidden, *head_parameters(teacher.head))
+    # A group is read before the recipe: dynamo would not hand a process group to recipe_index as a constant.
+    group = keywords.get("tp_group") if options is None else options.tp_group
+    if group is not None or not isinstance(teacher, COVERED_TEACHERS):
+        return None
+    if any(isinstance(value, Tensor) for value in keywords.values()):
+        return None
+    specs = [spec for spec in fields(teacher) if spec.init]
+    names = tuple(spec.name for spec in specs if isinstance(getattr(teacher, spec.name), Tensor))
+    settings = tuple((spec.name, getattr(teacher, spec.name)) for spec in specs if spec.name not in names)
+    held: list[Tensor | None] = [getattr(teacher, name) for name in names]
+    given = [student_hidden, weight, labels, bias, token_weights, num_valid_tokens, *held]
+    if len(held) > TEACHER_SLOTS or any(isinstance(t, DTensor) for t in given):
+        return None
+    denominator = num_valid_tokens if isinstance(num_valid_tokens, Tensor) else None
+    number = None if denominator is not None else num_valid_tokens
+    index = recipe_index(run, options, type(teacher), settings, names, number, **keywords)
+    if index < 0:
+        return None
+    slots = held + [None] * (TEACHER_SLOTS - len(held))
+    grad_on = torch.is_grad_enabled()
+    requires = [grad_on and t is not None and t.requires_grad for t in (student_hidden, weight, bias, *slots)]
+    outputs = torch.ops.orda_tp.distillation_loss(
+        index, requires, student_hidden, weight, labels, bias, token_weights, denominator, *slots
+    )
+    return outputs[:LOSS_OUTPUTS]
