@@ -6,10 +6,11 @@ tensors (its options, its teacher's kind and settings, the door's eager path) is
 registered at trace time under the index the operator takes.
 
 The operator runs the door's eager path on its tensors: the checks, the plan and the fused engine,
-host reads included (it runs outside the graph). For "mean" and "sum" it also returns the inputs'
-gradients for a unit upstream gradient, formed in the forward as the engine forms them, and its
-backward scales them; for "none" its backward is a second operator, which recomputes the forward's
-statistics and forms the gradients for the upstream gradient.
+host reads included (it runs outside the graph). For "mean" and "sum" it also returns the engine's
+gradients for a unit upstream gradient, in the dtypes of its buffers, and its backward scales them in
+those dtypes and casts them to the inputs', as the eager backward does; for "none" its backward is a
+second operator, which recomputes the forward's statistics and forms the gradients for the upstream
+gradient.
 """
 
 # Without ``from __future__ import annotations``: torch.library reads the operator's schema from its
@@ -26,7 +27,9 @@ from torch.distributed.tensor import DTensor
 from .arguments.options import LossOptions
 from .arguments.plan import LossPlan
 from .divergences.terms import COMPONENTS
-from .engine.logits import statistics_dtype
+from .engine.fused import unit_gradients
+from .engine.gradient_gemms import GradNeeds, allocate_buffers, scale_by_upstream
+from .engine.logits import HeadTensors, statistics_dtype
 from .parallel.fsdp import head_parameters
 from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TeacherSource, TiedTeacher
 
@@ -99,46 +102,67 @@ def recipe_index(
     return _INDEX[recipe]
 
 
-def _routing(
-    recipe: Recipe, requires: Sequence[bool], differentiable: Sequence[Tensor | None]
-) -> tuple[LossPlan, list[bool]]:
-    """The call's plan and which of its ``differentiable`` inputs (``student_hidden``, ``weight``,
-    ``bias``, the teacher's slots) receive a gradient: those that ``requires`` one and to which the
-    plan routes one (``LossPlan.gradient_routes``, as the engine reads it)."""
+class _Routing(NamedTuple):
+    """How a call's gradients meet the operator's ``differentiable`` inputs (``student_hidden``,
+    ``weight``, ``bias``, the teacher's slots)."""
+
+    plan: LossPlan
+    #: Which of ``differentiable`` receive a gradient: those that require one and to which the plan routes one.
+    needs: list[bool]
+    #: The engine's inputs, as the door hands them to it on one device.
+    head: HeadTensors
+    #: Each engine gradient's place in ``differentiable``, in ``GradientBuffers``' order (None: no input there).
+    places: tuple[int | None, ...]
+
+
+def _routing(recipe: Recipe, requires: Sequence[bool], differentiable: Sequence[Tensor | None]) -> _Routing:
+    """The call's plan, engine inputs and gradient places, and which of its ``differentiable``
+    inputs receive a gradient: those that ``requires`` one and to which the plan routes one
+    (``LossPlan.gradient_routes``, as the engine reads it)."""
     student_hidden, weight, bias, *slots = differentiable
     assert student_hidden is not None and weight is not None
     teacher = recipe.teacher_of(slots)
     # The real vocabulary as engine.call.agree reads it on one device: the head's rows unless vocab_size says less.
     vocab = weight.shape[0] if recipe.options.vocab_size is None else recipe.options.vocab_size
     plan = LossPlan.build(recipe.options, teacher, vocab)
-    hidden, teacher_weight, _, _, teacher_bias = teacher.logits_inputs(0, vocab)
+    hidden, teacher_weight, logits, _, teacher_bias = teacher.logits_inputs(0, vocab)
+    head = HeadTensors(student_hidden, weight, hidden, teacher_weight, logits, bias, teacher_bias)
     # Each role's place in ``differentiable``: the student's by position, the teacher's by the slot that holds
     # it (by identity among the slots alone: a student tensor may also be the teacher's, in another slot).
-    places = [
+    teacher_places = [
         next((3 + i for i, slot in enumerate(slots) if t is not None and slot is t), None)
         for t in (hidden, teacher_weight, teacher_bias)
     ]
+    places = (0, 1, teacher_places[0], teacher_places[1], 2, teacher_places[2])
     needs = [False] * len(differentiable)
-    for place, route in zip((0, 1, places[0], places[1], 2, places[2]), plan.gradient_routes):
+    for place, route in zip(places, plan.gradient_routes):
         if place is not None and differentiable[place] is not None and requires[place] and route:
             needs[place] = True
-    return plan, needs
+    return _Routing(plan, needs, head, places)
 
 
-def _differentiated(
+def _by_place(buffers: Sequence[Tensor | None], places: Sequence[int | None], like: Tensor) -> list[Tensor]:
+    """The engine's gradients (``buffers``, in ``GradientBuffers``' order) at their inputs'
+    ``places`` among the operator's differentiable inputs, an empty tensor at the others'."""
+    # An operator's outputs alias nothing: no shared empty.
+    gradients = [like.new_empty(0) for _ in range(3 + TEACHER_SLOTS)]
+    for place, buffer in zip(places, buffers):
+        if place is not None and buffer is not None:
+            gradients[place] = buffer
+    return gradients
+
+
+def _on_leaves(
     recipe: Recipe,
     needs: Sequence[bool],
     differentiable: Sequence[Tensor | None],
     labels: Tensor,
     token_weights: Tensor | None,
     num_valid_tokens: Tensor | None,
-    upstream: Tensor | None,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """The door's eager path on the call's tensors: ``(loss, *COMPONENTS)`` and, for each of the
-    ``differentiable`` inputs that ``needs`` a gradient, its gradient for the ``upstream`` gradient
-    (None: 1), an empty tensor for the others."""
-    student_hidden, weight, bias, *slots = differentiable
-    assert student_hidden is not None and weight is not None
+) -> tuple[list[Tensor | None], Sequence[Tensor]]:
+    """The door's eager path on detached leaves of the call's ``differentiable`` tensors, those
+    that ``needs`` a gradient requiring one: the leaves and ``(loss, *COMPONENTS)``, whose loss
+    holds the engine's autograd node where a leaf requires a gradient."""
     # The operator runs below autograd; the engine's autograd Function still records its node there.
     with torch.enable_grad():
         leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(differentiable, needs)]
@@ -147,15 +171,7 @@ def _differentiated(
         outputs = recipe.run(
             recipe.options, leaves[0], leaves[1], labels, teacher, denominator, token_weights, leaves[2]
         )
-        wanted = [leaf for leaf, need in zip(leaves, needs) if need and leaf is not None]
-        found = torch.autograd.grad(outputs[0], wanted, upstream, materialize_grads=True) if wanted else ()
-    grads = iter(found)
-    # Contiguous, as the fake implementation declares them; an operator's outputs alias nothing: no shared empty.
-    gradients = [
-        next(grads).contiguous() if need and t is not None else student_hidden.new_empty(0)
-        for t, need in zip(differentiable, needs)
-    ]
-    return [output.detach() for output in outputs], gradients
+    return leaves, outputs
 
 
 def _fake_gradients(needs: Sequence[bool], differentiable: Sequence[Tensor | None]) -> list[Tensor]:
@@ -182,14 +198,17 @@ def _loss_op(
 ) -> list[Tensor]:
     """``(loss, *COMPONENTS, *gradients)`` of the call registered under ``index``: the gradients of
     ``(student_hidden, weight, bias, teacher_0, teacher_1, teacher_2)`` for a unit upstream gradient
-    where ``requires`` asks one and the plan routes one ("mean" and "sum"), else empty tensors."""
+    where ``requires`` asks one and the plan routes one ("mean" and "sum"), else empty tensors. Each
+    gradient is the engine's buffer, unscaled and in the dtype the eager backward scales it in
+    (:func:`orda_tp.engine.fused.unit_gradients`), not yet cast to its input's dtype."""
     recipe = _RECIPES[index]
     differentiable = [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2]
-    plan, needs = _routing(recipe, requires, differentiable)
+    routing = _routing(recipe, requires, differentiable)
     # "none" defers its gradients to the backward operator: the forward forms none.
-    eager = [need and plan.reduction != "none" for need in needs]
-    outputs, gradients = _differentiated(recipe, eager, differentiable, labels, token_weights, num_valid_tokens, None)
-    return [*outputs, *gradients]
+    needs = [need and routing.plan.reduction != "none" for need in routing.needs]
+    _, outputs = _on_leaves(recipe, needs, differentiable, labels, token_weights, num_valid_tokens)
+    buffers = unit_gradients(outputs[0]) if any(needs) else ()
+    return [*(output.detach() for output in outputs), *_by_place(buffers, routing.places, student_hidden)]
 
 
 @_loss_op.register_fake
@@ -207,13 +226,21 @@ def _loss_fake(
     teacher_2: Tensor | None,
 ) -> list[Tensor]:
     differentiable = [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2]
-    plan, needs = _routing(_RECIPES[index], requires, differentiable)
+    routing = _routing(_RECIPES[index], requires, differentiable)
+    plan, head = routing.plan, routing.head
     dtype = statistics_dtype(*differentiable)
     if plan.reduction == "mean" and num_valid_tokens is not None:
         dtype = torch.promote_types(dtype, num_valid_tokens.dtype)  # the 0-d sum ÷ the given 0-d N, as torch promotes
     shape = (labels.shape[0],) if plan.reduction == "none" else ()
     outputs = [student_hidden.new_empty(shape, dtype=dtype) for _ in range(LOSS_OUTPUTS)]
-    return [*outputs, *_fake_gradients([need and plan.reduction != "none" for need in needs], differentiable)]
+    buffers: Sequence[Tensor | None] = ()
+    if plan.reduction != "none" and any(routing.needs):
+        # The buffers the engine allocates (its own rule, on fake tensors), whose shapes and dtypes the
+        # gradients have; one device: unsharded; the zeroed rows (last argument) do not matter here.
+        needs = GradNeeds(*(place is not None and routing.needs[place] for place in routing.places))
+        accumulation = plan.config.grad_weight_accumulation
+        buffers = allocate_buffers(head, needs, False, statistics_dtype(*head), accumulation, head.weight.shape[0])
+    return [*outputs, *_by_place(buffers, routing.places, student_hidden)]
 
 
 @torch.library.custom_op("orda_tp::distillation_loss_backward", mutates_args=(), tags=_ANY_STRIDES)
@@ -235,8 +262,14 @@ def _loss_backward_op(
     operator's order, empty where ``needs`` says none: the call run again, its statistics
     recomputed, and its deferred backward."""
     differentiable = [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2]
-    recipe = _RECIPES[index]
-    return _differentiated(recipe, needs, differentiable, labels, token_weights, num_valid_tokens, grad_loss)[1]
+    leaves, outputs = _on_leaves(_RECIPES[index], needs, differentiable, labels, token_weights, num_valid_tokens)
+    wanted = [leaf for leaf, need in zip(leaves, needs) if need and leaf is not None]
+    found = iter(torch.autograd.grad(outputs[0], wanted, grad_loss, materialize_grads=True) if wanted else ())
+    # Contiguous, as the fake implementation declares them.
+    return [
+        next(found).contiguous() if need and t is not None else student_hidden.new_empty(0)
+        for t, need in zip(differentiable, needs)
+    ]
 
 
 @_loss_backward_op.register_fake
@@ -257,12 +290,28 @@ def _loss_backward_fake(
     return _fake_gradients(needs, [student_hidden, weight, bias, teacher_0, teacher_1, teacher_2])
 
 
+@torch.library.custom_op("orda_tp::scale_by_upstream", mutates_args=())
+def _scale_op(gradients: list[Tensor], grad_loss: Tensor) -> list[Tensor]:
+    """Contiguous copies of ``gradients`` scaled by the 0-d upstream ``grad_loss`` in their own
+    dtypes, by the eager backward's own arithmetic (``scale_by_upstream``, a Triton kernel on CUDA)."""
+    # Copies: the saved gradients stay those of a unit upstream gradient, for a repeated backward.
+    scaled = [gradient.clone(memory_format=torch.contiguous_format) for gradient in gradients]
+    scale_by_upstream(scaled, grad_loss)
+    return scaled
+
+
+@_scale_op.register_fake
+def _scale_fake(gradients: list[Tensor], grad_loss: Tensor) -> list[Tensor]:
+    return [gradient.new_empty(gradient.shape) for gradient in gradients]
+
+
 class _LossContext(FunctionCtx):
     """What the operator's autograd keeps (annotations only)."""
 
     index: int
     needs: list[bool]
     eager: bool
+    dtypes: list[torch.dtype | None]
     # Annotated here: torch declares saved_tensors on its C base class alone.
     saved_tensors: tuple[Tensor | None, ...]
 
@@ -270,9 +319,11 @@ class _LossContext(FunctionCtx):
 def _setup_context(ctx: _LossContext, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
     index, requires, student_hidden, weight, labels, bias, token_weights, num_valid_tokens, *slots = inputs
     differentiable = [student_hidden, weight, bias, *slots]
-    plan, ctx.needs = _routing(_RECIPES[index], requires, differentiable)
-    ctx.index, ctx.eager = index, plan.reduction != "none"
-    # An eager call keeps its gradients (a repeated backward scales them again); "none" keeps its inputs.
+    routing = _routing(_RECIPES[index], requires, differentiable)
+    ctx.index, ctx.needs, ctx.eager = index, routing.needs, routing.plan.reduction != "none"
+    ctx.dtypes = [None if t is None else t.dtype for t in differentiable]
+    # An eager call keeps its gradients (a repeated backward scales them again) in their buffers' dtypes (fp32: a
+    # bias's, an fp16 head's), as the eager engine holds its buffers on its context until backward; "none" its inputs.
     saved = output[LOSS_OUTPUTS:] if ctx.eager else [*differentiable, labels, token_weights, num_valid_tokens]
     ctx.save_for_backward(*saved)
     ctx.mark_non_differentiable(*output[1:])  # the components are reports; only the loss has a gradient
@@ -283,8 +334,13 @@ def _backward(ctx: _LossContext, grads: list[Tensor]) -> tuple[Tensor | None, ..
     *slots)`` from the loss's upstream gradient (the components have none)."""
     grad_loss, saved = grads[0], ctx.saved_tensors
     if ctx.eager:
-        # As the eager engine scales the gradients it formed for a unit upstream gradient (scale_by_upstream).
-        gradients = [None if not need or g is None else g * grad_loss for g, need in zip(saved, ctx.needs)]
+        wanted = [g for g, need in zip(saved, ctx.needs) if need and g is not None]
+        scaled = iter(torch.ops.orda_tp.scale_by_upstream(wanted, grad_loss))
+        # As the eager backward: scaled in the buffer's dtype, then cast once to the input's.
+        gradients = [
+            next(scaled).to(dtype) if need and g is not None and dtype is not None else None
+            for g, need, dtype in zip(saved, ctx.needs, ctx.dtypes)
+        ]
     else:
         student_hidden, weight, bias, slot_0, slot_1, slot_2, labels, token_weights, num_valid_tokens = saved
         assert student_hidden is not None and weight is not None and labels is not None

@@ -2,10 +2,11 @@
 precomputed-logits teacher (or a ``TeacherHead`` module) is one operator, ``orda_tp::distillation_loss``, so that
 ``fullgraph=True`` compiles; its loss, components and gradients equal the eager call's in fp64
 (bitwise here; at most 1e-12 is the bound), for every reduction and a second backward
-(``retain_graph``). A step whose head and loss are compiled has no graph break; a call the operator
-does not cover (a top-k cache, a tensor-parallel call) still runs, eagerly, behind a graph break,
-and a bad keyword raises as it does eagerly. Small shapes and the ``aot_eager`` backend keep
-compilation short on the CPU; two cases run Inductor."""
+(``retain_graph``), and its gradients equal them bitwise in bf16 and fp16 for an upstream gradient
+that is not a power of two. A step whose head and loss are compiled has no graph break; a call the
+operator does not cover (a top-k cache, a tensor-parallel call) still runs, eagerly, behind a graph
+break, and a bad keyword raises as it does eagerly. Small shapes and the ``aot_eager`` backend keep
+compilation short on the CPU; three cases run Inductor."""
 
 from __future__ import annotations
 
@@ -113,6 +114,45 @@ def test_compiled_call_is_one_graph_and_equals_eager(kind: str, reduction: str, 
     out = torch.compile(loss, fullgraph=True, backend="aot_eager")(*leaves)
     # The components are reports, never differentiated, as eagerly.
     assert out.loss.requires_grad and not any(component.requires_grad for component in out[1:])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "reduction", "backend"),
+    [
+        (torch.bfloat16, "mean", "aot_eager"),
+        (torch.bfloat16, "sum", "aot_eager"),
+        (torch.float16, "mean", "aot_eager"),
+        (torch.bfloat16, "sum", "inductor"),
+    ],
+)
+def test_low_precision_gradients_equal_eager_for_a_non_power_of_two_upstream(
+    dtype: torch.dtype, reduction: str, backend: str
+) -> None:
+    """bf16/fp16 inputs, a student and a trained separate teacher with biases, and an upstream gradient
+    of 1/3 (a loss divided by 3 accumulation steps): every gradient is the eager call's, bit for bit.
+    Eagerly the engine scales each gradient in its buffer's dtype (fp32 for a bias, and for an fp16
+    head weight) and then casts it once to its input's dtype; so does the compiled backward."""
+    t = _tensors()
+    names = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
+
+    def loss(*tensors: Tensor) -> Tensor:
+        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = tensors
+        teacher = orda_tp.SeparateTeacher(teacher_hidden, teacher_weight, teacher_bias)
+        return orda_tp.distillation_loss(
+            hidden, weight, t["labels"], teacher, bias=bias, kl_weight=0.5, teacher_ce_weight=0.3, reduction=reduction
+        ).loss
+
+    def gradients(function: Callable[..., Tensor]) -> list[Tensor]:
+        leaves = [t[name].to(dtype).requires_grad_() for name in names]
+        return list(torch.autograd.grad(function(*leaves), leaves, grad_outputs=torch.tensor(1 / 3)))
+
+    eager = gradients(loss)
+    # Compiled afresh: a cached graph keeps the operator's autograd of the orda_tp that cached it (its Python
+    # is not in the cache key), whatever orda_tp runs now.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = gradients(torch.compile(loss, fullgraph=True, backend=backend))
+    for got, want in zip(compiled, eager, strict=True):
+        assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_module_under_inductor_equals_eager() -> None:

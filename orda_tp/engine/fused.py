@@ -5,7 +5,7 @@ weights, walked in row chunks and row groups, never a (BT, V) tensor; eager grad
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from .row_walk import GradTarget, row_ranges, walk_rows
 from .stats import RowStats
 from .workspace import RowLayout, row_layout
 
-__all__ = ["chunked_loss"]
+__all__ = ["chunked_loss", "unit_gradients"]
 
 
 class GatheredHidden(NamedTuple):
@@ -290,3 +290,21 @@ def chunked_loss(
     return _ChunkedDistillation.apply(
         call, needs, student_hidden, weight, teacher_hidden, teacher_weight, teacher_logits, bias, teacher_bias
     )
+
+
+def unit_gradients(loss: Tensor) -> GradientBuffers:
+    """The gradients that a one-device "mean" or "sum" call whose inputs receive one formed in its
+    forward for a unit upstream gradient, ``loss`` its loss: its buffers, unscaled and in their own
+    dtypes (:func:`.gradient_gemms.allocate_buffers`), which its backward would scale by the upstream
+    gradient (``scale_by_upstream``) and then cast to the inputs' dtypes. The node keeps them: a
+    backward of its own would scale these same tensors in place."""
+    node = loss.grad_fn
+    if not isinstance(node, _ChunkedDistillation._backward_cls):
+        raise ValueError("unit_gradients takes the loss of a call of the fused engine")
+    context = cast(_ChunkedContext, node)  # a Function's backward node is the context its forward filled
+    if context.call.exchange is not None:  # a shard's hidden gradients are partial sums still
+        raise ValueError("unit_gradients takes the loss of a one-device call")
+    buffers: GradientBuffers | None = context.eager_buffers
+    if buffers is None:
+        raise ValueError("unit_gradients takes the loss of a 'mean' or 'sum' call that forms gradients")
+    return buffers
