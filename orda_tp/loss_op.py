@@ -31,13 +31,13 @@ from .engine.fused import unit_gradients
 from .engine.gradient_gemms import GradNeeds, allocate_buffers, scale_by_upstream
 from .engine.logits import HeadTensors, statistics_dtype
 from .parallel.fsdp import head_parameters
-from .teachers import PrecomputedTeacher, SeparateTeacher, TeacherHead, TeacherSource, TiedTeacher
+from .teachers import SeparateTeacher, TeacherHead, TeacherSource, TiedTeacher
 
 __all__ = ["COVERED_TEACHERS", "Recipe", "traced_loss"]
 
-#: The teachers the operator takes: heads (a TeacherHead's module read as its weight and bias) and caches
-#: of logits or hidden states. A top-k cache and a TeacherMixture run eagerly, behind a graph break.
-COVERED_TEACHERS = (TiedTeacher, SeparateTeacher, PrecomputedTeacher)
+#: The teachers the operator takes: heads (a TeacherHead's module read as its weight and bias). A cache runs
+#: eagerly, behind a graph break: its in-place change check reads version counters the operator never sees.
+COVERED_TEACHERS = (TiedTeacher, SeparateTeacher)
 #: The teacher's tensors the operator takes: a separate head's hidden states, weight and bias at most.
 TEACHER_SLOTS = 3
 #: ``loss`` and the components: the first outputs of the operator.
@@ -93,7 +93,7 @@ def recipe_index(
             return -1
     # A tensor-parallel call exchanges records and errors between ranks; the reference builds the logits.
     sharded = options.tp_group is not None or options.vocab_range is not None or bool(options.sequence_parallel)
-    if sharded or options.backend == "reference" or teacher not in COVERED_TEACHERS or "topk_ids" in names:
+    if sharded or options.backend == "reference" or teacher not in COVERED_TEACHERS:
         return -1
     recipe = Recipe(run, options, teacher, settings, names, num_valid_tokens)
     if recipe not in _INDEX:

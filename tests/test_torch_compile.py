@@ -1,11 +1,11 @@
-"""The loss under ``torch.compile`` (orda_tp/loss_op.py): a one-device call with a tied, separate or
-precomputed-logits teacher (or a ``TeacherHead`` module) is one operator, ``orda_tp::distillation_loss``, so that
+"""The loss under ``torch.compile`` (orda_tp/loss_op.py): a one-device call with a tied or separate
+teacher (or a ``TeacherHead`` module) is one operator, ``orda_tp::distillation_loss``, so that
 ``fullgraph=True`` compiles; its loss, components and gradients equal the eager call's in fp64
 (bitwise here; at most 1e-12 is the bound), for every reduction and a second backward
 (``retain_graph``), and its gradients equal them bitwise in bf16 and fp16 for an upstream gradient
 that is not a power of two. A step whose head and loss are compiled has no graph break; a call the
-operator does not cover (a top-k cache, a tensor-parallel call) still runs, eagerly, behind a graph
-break, and a bad keyword raises as it does eagerly. Small shapes and the ``aot_eager`` backend keep
+operator does not cover (a cache, a tensor-parallel call) still runs, eagerly, behind a graph break,
+its checks included, and a bad keyword raises as it does eagerly. Small shapes and the ``aot_eager`` backend keep
 compilation short on the CPU; three cases run Inductor."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _assert_same(compiled: list[Tensor], eager: list[Tensor]) -> None:
     [
         ("tied", "mean", {}),
         ("separate", "sum", {"token_weights": True}),
-        ("precomputed", "mean", {"num_valid_tokens": True}),
+        ("tied", "mean", {"num_valid_tokens": True}),
         ("tied", "none", {}),
         ("separate", "none", {}),
     ],
@@ -250,6 +250,25 @@ def test_compiled_step_has_no_graph_break_where_a_top_k_cache_has_one() -> None:
     eager = with_teacher(cache)(torch.tanh(_LAYER(t["hidden"])), t["weight"], t["labels"])
     assert breaks >= 1
     torch.testing.assert_close(value, eager, rtol=0, atol=1e-12)
+
+
+def test_a_cache_runs_eagerly_and_its_in_place_change_raises_under_compile() -> None:
+    """A ``PrecomputedTeacher`` is not one operator: it runs eagerly behind a graph break, with the
+    eager value, so that its check of an in-place change after it was built still runs."""
+    t = _tensors()
+    logits = (t["teacher_hidden"] @ t["teacher_weight"].T).clone()
+    cache = orda_tp.PrecomputedTeacher(logits=logits)
+
+    def loss_call(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+        return orda_tp.distillation_loss(hidden, weight, labels, cache, kl_weight=1.0).loss
+
+    breaks, value = _step_breaks(loss_call, t)
+    eager = loss_call(torch.tanh(_LAYER(t["hidden"])), t["weight"], t["labels"])
+    assert breaks >= 1
+    torch.testing.assert_close(value, eager, rtol=0, atol=1e-12)
+    logits.mul_(2.0)  # the cache's tensor changed after the teacher was built
+    with pytest.raises(ValueError, match="modified in place"):
+        torch.compile(loss_call, backend="aot_eager")(t["hidden"], t["weight"], t["labels"])
 
 
 def test_bad_keyword_raises_under_compile() -> None:
