@@ -18,26 +18,10 @@ import orda_tp
 from orda_tp import KL_VARIANTS
 
 from .support.cases import COTRAINED, SMALL_CHUNKS, VARIANT_KWARGS, relative_error, stable_seed
-from .support.mixture_cases import HIDDEN, ROWS, MixtureProblem, in_float32, make_problem, oracle
+from .support.mixture_cases import HIDDEN, ROWS, MixtureProblem, in_float32, make_problem, oracle, weights_of
 
 FROZEN_VARIANTS = [variant for variant in KL_VARIANTS if variant not in COTRAINED]
 COMBINES = ("divergences", "probabilities", "log_probabilities")
-
-
-def weights_of(kind: str, n: int, seed: int) -> torch.Tensor:
-    """(rows, n) fp64 weights: "dense" (rows summing to 1, a zero row, a zero entry), "routed"
-    (one-hot rows, some rows without a teacher), "scalar" (the same row everywhere)."""
-    generator = torch.Generator().manual_seed(seed)
-    if kind == "routed":
-        weights = torch.nn.functional.one_hot(torch.randint(0, n, (ROWS,), generator=generator), n).double()
-        weights[3::5] = 0.0
-        return weights
-    weights = torch.rand(ROWS, n, generator=generator, dtype=torch.float64) + 0.1
-    if kind == "scalar":
-        weights = weights[:1].expand(ROWS, n).clone()
-    else:
-        weights[2, 0], weights[5] = 0.0, 0.0
-    return weights / weights.sum(1, keepdim=True).clamp_min(1e-300)
 
 
 def check(

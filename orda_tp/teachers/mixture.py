@@ -264,7 +264,7 @@ def _scalar_weights(weights: list[float], combine: str) -> tuple[float, ...]:
     their sum for "probabilities"."""
     for index, value in enumerate(weights):
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"TeacherMixture.weights[{index}] is {value!r}: weights must be finite and >= 0")
+            raise ValueError(f"TeacherMixture.weights[{index}] is {value!r}: {_VALUE_RULE}")
     total = sum(weights)
     if total == 0:
         raise ValueError("TeacherMixture.weights are all 0: no teacher has weight")
@@ -275,6 +275,7 @@ def _scalar_weights(weights: list[float], combine: str) -> tuple[float, ...]:
     return tuple(value / total for value in weights)
 
 
+_VALUE_RULE = "weights must be finite and >= 0"
 _SUM_RULE = (
     f"with combine='probabilities' each row's weights must sum to 1 (within {WEIGHT_SUM_TOLERANCE}), or all be 0 "
     "(a row without a teacher)"
@@ -286,9 +287,7 @@ def _check_weight_values(table: Tensor, combine: str) -> None:
     bad = torch.nonzero(~torch.isfinite(table) | (table < 0))
     if bad.numel():
         row, col = (int(i) for i in bad[0])
-        raise ValueError(
-            f"TeacherMixture.weights[{row}, {col}] is {float(table[row, col])!r}: weights must be finite and >= 0"
-        )
+        raise ValueError(f"TeacherMixture.weights[{row}, {col}] is {float(table[row, col])!r}: {_VALUE_RULE}")
     if combine != "probabilities":
         return
     sums = table.sum(1)

@@ -39,6 +39,22 @@ class MixtureProblem:
     raw: dict[str, Tensor]  # each teacher's logits before its cap, scale and temperature (top-k: dense log-probs)
 
 
+def weights_of(kind: str, n: int, seed: int) -> torch.Tensor:
+    """(rows, n) fp64 weights: "dense" (rows summing to 1, a zero row, a zero entry), "routed"
+    (one-hot rows, some rows without a teacher), "scalar" (the same row everywhere)."""
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "routed":
+        weights = torch.nn.functional.one_hot(torch.randint(0, n, (ROWS,), generator=generator), n).double()
+        weights[3::5] = 0.0
+        return weights
+    weights = torch.rand(ROWS, n, generator=generator, dtype=torch.float64) + 0.1
+    if kind == "scalar":
+        weights = weights[:1].expand(ROWS, n).clone()
+    else:
+        weights[2, 0], weights[5] = 0.0, 0.0
+    return weights / weights.sum(1, keepdim=True).clamp_min(1e-300)
+
+
 def make_problem(seed: int) -> MixtureProblem:
     """fp64 leaves; labels with one row in 7 ignored."""
     generator = torch.Generator().manual_seed(seed)

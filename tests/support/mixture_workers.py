@@ -13,7 +13,7 @@ import torch.distributed as dist
 import orda_tp
 
 from .cases import SMALL_CHUNKS, relative_error
-from .mixture_cases import HIDDEN, ROWS, VOCAB, make_problem
+from .mixture_cases import HIDDEN, ROWS, VOCAB, make_problem, weights_of
 from .tp_workers import TP_CHUNKS, CollectiveCounter, chunk_ranges, counted_host_reads
 
 CASES = [  # (combine, weights, teachers, variant, sequence parallel)
@@ -27,16 +27,6 @@ CASES = [  # (combine, weights, teachers, variant, sequence parallel)
     ("probabilities", "dense", ("separate12", "logits", "hidden"), "entropy_adaptive", True),
     ("probabilities", "dense", ("separate20", "logits"), "dkd", False),
 ]
-
-
-def _weights(kind: str, n: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(n)
-    if kind == "routed":
-        weights = torch.nn.functional.one_hot(torch.randint(0, n, (ROWS,), generator=generator), n).double()
-        weights[3::5] = 0.0
-        return weights
-    weights = torch.rand(ROWS, n, generator=generator, dtype=torch.float64) + 0.1
-    return weights / weights.sum(1, keepdim=True)
 
 
 def _shard(teacher: Any, start: int, stop: int, rows: slice = slice(None)) -> Any:
@@ -62,7 +52,7 @@ def mixture_worker(rank: int, world: int) -> list[str]:
         label = f"{combine}/{kind}/{variant}" + ("/sequence parallel" if sequence_parallel else "")
         rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world) if sequence_parallel else slice(None)
         problem = make_problem(5)
-        weights = _weights(kind, len(names))
+        weights = weights_of(kind, len(names), len(names))
         kwargs = dict(kl_weight=1.2, kl_divergence=variant, kl_temperature=1.5, backend="torch", config=SMALL_CHUNKS)
         whole = orda_tp.TeacherMixture([problem.teachers[name] for name in names], weights, combine)
         args = problem.student_hidden, problem.weight, problem.labels
@@ -79,9 +69,7 @@ def mixture_worker(rank: int, world: int) -> list[str]:
         )  # fmt: skip
         grads = torch.autograd.grad(out.loss, [hidden, weight, bias])
         wanted = [expected_grads[0][rows], expected_grads[1][start:stop], expected_grads[2][start:stop]]
-        for index, (actual, want) in enumerate([*zip(out, expected), *zip(grads, wanted)]):
-            if (error := relative_error(actual, want)) > 1e-10:
-                problems.append(f"{label}: output {index} relative error {error:.2e}")
+        problems += _compare(label, [*out, *grads], [*expected, *wanted])
     return problems
 
 
@@ -100,7 +88,7 @@ def counting_worker(rank: int, world: int) -> dict[str, list[int]]:
         cases = {
             "one teacher": teachers[0],
             **{
-                f"{combine} {kind}": orda_tp.TeacherMixture(teachers, _weights(kind, len(names)), combine)
+                f"{combine} {kind}": orda_tp.TeacherMixture(teachers, weights_of(kind, len(names), len(names)), combine)
                 for combine in ("divergences", "probabilities", "log_probabilities")
                 for kind in ("dense", "routed")
             },
@@ -176,7 +164,7 @@ def padded_and_dtensor_worker(rank: int, world: int) -> list[str]:
     names = ("tied", "separate20", "logits")
     for combine, kind in (("divergences", "dense"), ("probabilities", "dense"), ("log_probabilities", "routed")):
         problem = make_problem(9)
-        weights = _weights(kind, len(names))
+        weights = weights_of(kind, len(names), len(names))
         kwargs = dict(kl_weight=1.0, kl_divergence="reverse", backend="torch", config=SMALL_CHUNKS)
         args = problem.student_hidden, problem.weight, problem.labels
         whole = orda_tp.TeacherMixture([problem.teachers[n] for n in names], weights, combine)
